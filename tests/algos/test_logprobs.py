@@ -1,0 +1,101 @@
+import math
+
+import pytest
+import torch
+
+from verl_ds.algos import entropy_from_logits, logprobs_from_logits, mismatch_metrics, tis_weights
+
+
+def test_logprobs_and_entropy_hand():
+    logits = torch.log(torch.tensor([[1.0, 2.0, 3.0]]))  # probs 1/6, 1/3, 1/2
+    lp = logprobs_from_logits(logits, torch.tensor([2]))
+    assert lp.item() == pytest.approx(math.log(0.5))
+    h = -(1 / 6 * math.log(1 / 6) + 1 / 3 * math.log(1 / 3) + 1 / 2 * math.log(1 / 2))
+    assert entropy_from_logits(logits).item() == pytest.approx(h)
+    assert entropy_from_logits(logits, chunk_size=1).item() == pytest.approx(h)
+    assert entropy_from_logits(torch.zeros(4, 8)).allclose(torch.full((4,), math.log(8)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_low_precision_logits_match_fp32_log_softmax(dtype, chunk_size):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 4, 50, generator=g) * 4).to(dtype)
+    labels = torch.randint(0, 50, (3, 4), generator=g)
+    ref_lp = torch.log_softmax(logits.float(), -1)
+    lp = logprobs_from_logits(logits, labels, chunk_size=chunk_size)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ref_lp.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+    ent = entropy_from_logits(logits, chunk_size=chunk_size)
+    assert ent.dtype == torch.float32
+    torch.testing.assert_close(ent, -(ref_lp.exp() * ref_lp).sum(-1))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 100])
+def test_chunked_matches_unchunked_values_and_grads(chunk_size):
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(2, 6, 11, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    upstream = torch.randn(2, 5, generator=g)
+    results = []
+    for cs in (None, chunk_size):
+        x = full.clone().requires_grad_(True)
+        logits = x[:, :-1]  # non-contiguous slice, as in a causal LM
+        lp = logprobs_from_logits(logits, labels, chunk_size=cs)
+        ent = entropy_from_logits(logits, chunk_size=cs)
+        ((lp * upstream).sum() + (ent * upstream.flip(0)).sum()).backward()
+        assert x.grad.dtype == torch.bfloat16
+        results.append((lp.detach(), ent.detach(), x.grad.float()))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    torch.testing.assert_close(lp1, lp0)
+    torch.testing.assert_close(ent1, ent0)
+    torch.testing.assert_close(g1, g0, atol=1e-2, rtol=1.6e-2)  # bf16 gradients
+
+
+def test_chunked_gradcheck_fp64():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 4, 5, dtype=torch.float64, generator=g).requires_grad_(True)
+    labels = torch.randint(0, 5, (2, 3), generator=g)
+    assert torch.autograd.gradcheck(lambda z: logprobs_from_logits(z[:, 1:], labels, chunk_size=2), (x,))
+    assert torch.autograd.gradcheck(lambda z: entropy_from_logits(z[:, 1:], chunk_size=2), (x,))
+
+
+def test_entropy_with_neg_inf_logits():
+    logits = torch.tensor([[0.0, 0.0, float("-inf")]], requires_grad=True)
+    for cs in (None, 1):
+        ent = entropy_from_logits(logits, chunk_size=cs)
+        assert ent.item() == pytest.approx(math.log(2))
+        (grad,) = torch.autograd.grad(ent.sum(), logits)
+        assert torch.isfinite(grad).all()
+
+
+def test_tis_weights_hand():
+    train = torch.zeros(2, 3)
+    roll = torch.tensor([[-1.0, 0.0, 1.0], [0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    tok = tis_weights(train, roll, mask, cap=2.0)
+    torch.testing.assert_close(tok, torch.tensor([[2.0, 1.0, 0.0], [math.exp(-0.5), 0.0, 0.0]]))
+    seq = tis_weights(train, roll, mask, cap=2.0, level="sequence")
+    # seq 0: sum log-ratio = 1 + 0 -> e capped at 2; seq 1: -0.5
+    torch.testing.assert_close(seq, torch.tensor([[2.0, 2.0, 0.0], [math.exp(-0.5), 0.0, 0.0]]))
+    t = train.clone().requires_grad_(True)
+    assert not tis_weights(t, roll, mask).requires_grad
+    with pytest.raises(ValueError):
+        tis_weights(train, roll, mask, level="geo")
+
+
+def test_mismatch_metrics_hand():
+    train = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+    roll = torch.log(torch.tensor([[0.25, 0.5, 0.1]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    m = mismatch_metrics(train, roll, mask)
+    assert set(m) == {"logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl", "prob_pearson"}
+    assert m["logprob_abs_diff_mean"].item() == pytest.approx(math.log(2))
+    assert m["logprob_abs_diff_max"].item() == pytest.approx(math.log(2))
+    # k3 with r = p_train / p_roll: (2 - ln 2 - 1 + 0.5 + ln 2 - 1) / 2 = 0.25
+    assert m["k3_kl"].item() == pytest.approx(0.25)
+    assert m["prob_pearson"].item() == pytest.approx(-1.0)
+    same = mismatch_metrics(train, train, torch.ones(1, 3))
+    assert same["logprob_abs_diff_max"].item() == 0.0 and same["k3_kl"].item() == 0.0
+    assert same["prob_pearson"].item() == pytest.approx(1.0)
+    assert all(v.dim() == 0 for v in m.values())

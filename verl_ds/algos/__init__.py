@@ -1,0 +1,50 @@
+"""Core RL math for verl_ds: pure torch functions, no I/O, no config objects.
+
+Modelled on verl's ``verl/trainer/ppo/core_algos.py``. Token tensors are ``[batch, response_len]``,
+masks float 0/1 of that shape, sequence scores and group ids ``[batch]``.
+"""
+
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    ESTIMATORS_NEEDING_CRITIC,
+    compute_gae,
+    get_advantage_estimator,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
+from .logprobs import entropy_from_logits, logprobs_from_logits, mismatch_metrics, tis_weights
+from .losses import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty, policy_loss, value_loss
+from .rewards import REWARD_NORM_MODES, RunningMeanStd, normalize_rewards
+from .stats import AGG_LOSS_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_LOSS_MODES",
+    "ESTIMATORS_NEEDING_CRITIC",
+    "KL_KINDS",
+    "REWARD_NORM_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "RunningMeanStd",
+    "agg_loss",
+    "compute_gae",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "grpo_advantages",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "mismatch_metrics",
+    "normalize_rewards",
+    "policy_loss",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+    "tis_weights",
+    "value_loss",
+]

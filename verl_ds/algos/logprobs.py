@@ -1,0 +1,200 @@
+"""Token log-probabilities and entropy from logits, truncated importance sampling, mismatch metrics.
+
+Convention: logits are ``[..., V]`` (typically ``[batch, T, V]``), labels ``[...]`` are token ids.
+Logits are upcast to fp32 before any softmax whatever their dtype (fp16/bf16 log-softmax is too
+coarse for PPO ratios); results are fp32 (fp64 logits stay fp64). Token tensors elsewhere are
+``[batch, T]`` with float 0/1 masks.
+
+``chunk_size`` (rows of the flattened ``[N, V]``) bounds memory: only one ``[chunk_size, V]`` fp32
+block exists at a time, in forward and in backward (a custom autograd function recomputes the
+softmax per chunk instead of saving fp32 activations; the only full-size buffer is the gradient,
+in the logits dtype). The chunked path supports first-order gradients only.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+
+from .losses import kl_penalty
+from .stats import masked_mean
+
+_LOG_RATIO_CLAMP = 20.0
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
+    """log softmax(logits)[label]: ``logits`` ``[..., V]``, ``labels`` ``[...]`` (long) -> ``[...]`` fp32.
+
+    Differentiable w.r.t. ``logits``. With ``chunk_size`` the rows are processed in chunks (see the
+    module docstring); results agree with the unchunked path.
+    """
+    if chunk_size is None:
+        x = logits.to(_compute_dtype(logits.dtype))
+        picked = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(x, dim=-1)
+    return _ChunkedLogprob.apply(logits, labels, int(chunk_size))
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Entropy of softmax(logits): ``logits`` ``[..., V]`` -> ``[...]`` fp32, H = -sum p log p.
+
+    Differentiable w.r.t. ``logits`` (for an entropy bonus); -inf logits (masked vocabulary) are
+    handled (0 * log 0 = 0). With ``chunk_size`` the rows are processed in chunks.
+    """
+    if chunk_size is None:
+        return _entropy(logits.to(_compute_dtype(logits.dtype)))
+    return _ChunkedEntropy.apply(logits, int(chunk_size))
+
+
+def _entropy(x: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(x, dim=-1)
+    # Clamp -inf so that p * log p is 0 (not nan) for zero-probability tokens, in value and gradient.
+    logp = logp.clamp_min(torch.finfo(logp.dtype).min)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _row_blocks(x: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
+    """Yield (first flattened row, [rows, V] view) covering ``x`` ``[..., V]`` in row-major order.
+
+    Avoids the full copy ``reshape`` would make for non-viewable inputs such as ``logits[:, :-1]``.
+    """
+    if x.dim() <= 2:
+        yield 0, x.reshape(-1, x.shape[-1])
+        return
+    try:
+        yield 0, x.view(-1, x.shape[-1])
+        return
+    except RuntimeError:
+        pass
+    rows_per = x[0].numel() // x.shape[-1]
+    for i in range(x.shape[0]):
+        for start, block in _row_blocks(x[i]):
+            yield i * rows_per + start, block
+
+
+def _chunks(x: torch.Tensor, chunk_size: int) -> Iterator[Tuple[int, torch.Tensor]]:
+    """Yield (first flattened row, [<=chunk_size, V] fp32 chunk) covering ``x`` ``[..., V]``."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    dtype = _compute_dtype(x.dtype)
+    for offset, block in _row_blocks(x):
+        for s in range(0, block.shape[0], chunk_size):
+            yield offset + s, block[s : s + chunk_size].to(dtype)
+
+
+class _ChunkedLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_size):
+        flat_labels = labels.reshape(-1)
+        out = torch.empty(flat_labels.shape, dtype=_compute_dtype(logits.dtype), device=logits.device)
+        for r, x in _chunks(logits, chunk_size):
+            lab = flat_labels[r : r + x.shape[0]].unsqueeze(-1)
+            out[r : r + x.shape[0]] = x.gather(-1, lab).squeeze(-1) - torch.logsumexp(x, dim=-1)
+        ctx.save_for_backward(logits, labels)
+        ctx.chunk_size = chunk_size
+        return out.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, labels = ctx.saved_tensors
+        flat_labels, flat_grad = labels.reshape(-1), grad_out.reshape(-1)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_rows = grad.view(-1, logits.shape[-1])
+        for r, x in _chunks(logits, ctx.chunk_size):
+            n = x.shape[0]
+            g = flat_grad[r : r + n].to(x.dtype).unsqueeze(-1)
+            # d logp[label] / d x = onehot(label) - softmax(x)
+            gx = -g * torch.softmax(x, dim=-1)
+            gx.scatter_add_(-1, flat_labels[r : r + n].unsqueeze(-1), g)
+            grad_rows[r : r + n] = gx.to(grad.dtype)
+        return grad, None, None
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, chunk_size):
+        n_rows = logits.numel() // logits.shape[-1]
+        out = torch.empty(n_rows, dtype=_compute_dtype(logits.dtype), device=logits.device)
+        for r, x in _chunks(logits, chunk_size):
+            out[r : r + x.shape[0]] = _entropy(x)
+        ctx.save_for_backward(logits)
+        ctx.chunk_size = chunk_size
+        return out.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (logits,) = ctx.saved_tensors
+        flat_grad = grad_out.reshape(-1)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_rows = grad.view(-1, logits.shape[-1])
+        for r, x in _chunks(logits, ctx.chunk_size):
+            n = x.shape[0]
+            logp = torch.log_softmax(x, dim=-1)
+            logp = logp.clamp_min(torch.finfo(logp.dtype).min)
+            p = logp.exp()
+            ent = -(p * logp).sum(-1, keepdim=True)
+            # dH/dx_j = -p_j * (log p_j + H)
+            gx = -flat_grad[r : r + n].to(x.dtype).unsqueeze(-1) * p * (logp + ent)
+            grad_rows[r : r + n] = gx.to(grad.dtype)
+        return grad, None
+
+
+def tis_weights(
+    train_logprob: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    cap: float = 2.0,
+    level: str = "token",
+) -> torch.Tensor:
+    """Truncated importance-sampling weights correcting rollout-engine vs trainer mismatch (detached).
+
+    Shapes: all ``[batch, T]`` -> ``[batch, T]``. log-ratio = train_logprob - rollout_logprob.
+      * ``level="token"``: w_t = min(exp(log-ratio_t), cap).
+      * ``level="sequence"``: w = min(exp(sum_t mask_t * log-ratio_t), cap), broadcast over tokens.
+    Log-ratios are clamped to [-20, 20] before exp. Masked positions get weight 0 (so a weighted
+    masked sum is unaffected by them). Detached: weights are constants in the loss.
+    """
+    log_ratio = torch.where(response_mask != 0, (train_logprob - rollout_logprob).detach(), 0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True)
+    elif level != "token":
+        raise ValueError(f"unknown tis level {level!r}; known: ('token', 'sequence')")
+    weights = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp().clamp(max=cap)
+    return (weights * response_mask).detach()
+
+
+def mismatch_metrics(
+    train_logprob: torch.Tensor, rollout_logprob: torch.Tensor, response_mask: torch.Tensor
+) -> Dict[str, torch.Tensor]:
+    """Trainer-vs-rollout log-prob mismatch over masked tokens; values are 0-dim detached tensors.
+
+    Shapes: all ``[batch, T]``. Keys:
+      * ``logprob_abs_diff_mean`` / ``logprob_abs_diff_max``: mean / max of |train - rollout|.
+      * ``k3_kl``: masked mean of the k3 estimate of KL(pi_rollout || pi_train) (tokens are sampled
+        from the rollout policy), i.e. ``kl_penalty(rollout, train, "k3")`` (clamped as there).
+      * ``prob_pearson``: Pearson correlation of exp(train) and exp(rollout); 0 when either has zero
+        variance (e.g. a single token).
+    An empty mask gives 0 for every key.
+    """
+    with torch.no_grad():
+        mask = response_mask
+        diff = (train_logprob - rollout_logprob).abs()
+        valid = mask != 0
+        max_diff = torch.where(valid, diff, 0.0).max() if diff.numel() else diff.new_zeros(())
+        p_train, p_roll = train_logprob.exp(), rollout_logprob.exp()
+        c_train = p_train - masked_mean(p_train, mask)
+        c_roll = p_roll - masked_mean(p_roll, mask)
+        cov = masked_mean(c_train * c_roll, mask)
+        denom = (masked_mean(c_train.square(), mask) * masked_mean(c_roll.square(), mask)).sqrt()
+        pearson = torch.where(denom > 1e-12, cov / denom.clamp_min(1e-12), 0.0)
+        return {
+            "logprob_abs_diff_mean": masked_mean(diff, mask),
+            "logprob_abs_diff_max": max_diff,
+            "k3_kl": masked_mean(kl_penalty(rollout_logprob, train_logprob, "k3"), mask),
+            "prob_pearson": pearson,
+        }

@@ -1,0 +1,107 @@
+"""Masked statistics and loss aggregation.
+
+Convention (as in verl ``core_algos``): token tensors are ``[batch, response_len]`` and masks are
+float 0/1 tensors of the same shape; 1 marks a response token that carries loss/statistics.
+Masked positions never contribute, even if they hold inf/nan.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+AGG_LOSS_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+Count = Union[int, float, torch.Tensor]
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Sum of ``x * mask`` over ``dim`` (all elements when None); masked inf/nan are ignored.
+
+    Shapes: ``x`` and ``mask`` broadcastable, e.g. both ``[batch, T]``.
+    """
+    # where() rather than x * mask alone so that garbage (inf/nan) at masked positions vanishes.
+    prod = torch.where(mask != 0, x * mask, 0.0)
+    return prod.sum() if dim is None else prod.sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1, over ``dim`` (all elements when None).
+
+    Shapes: ``x``, ``mask`` ``[batch, T]`` -> 0-dim (dim=None) or the reduced shape.
+    An empty mask gives 0 rather than nan.
+    """
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp_min(1e-8)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over all masked positions (a 0-dim tensor).
+
+    Shapes: ``x``, ``mask`` ``[batch, T]``. ``unbiased`` applies Bessel's correction n/(n-1) with
+    n = mask.sum(); with n <= 1 the variance is 0 (no correction, no sync, no error).
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        var = var * n / (n - 1).clamp_min(1.0)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Whiten ``x`` with the masked mean and unbiased masked variance: (x - mean) / sqrt(var + 1e-8).
+
+    Shapes: ``x``, ``mask`` ``[batch, T]`` -> ``[batch, T]``. With ``shift_mean=False`` the mean is
+    added back (scale only), as in verl. Masked positions of the result are 0.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask != 0, whitened, 0.0)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    global_tokens: Optional[Count] = None,
+    global_seqs: Optional[Count] = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss ``[batch, T]`` into a scalar (0-dim tensor).
+
+    Modes (verl ``agg_loss``):
+      * ``token-mean``: sum over all masked tokens / number of masked tokens.
+      * ``seq-mean-token-sum``: per-sequence token sum, mean over sequences.
+      * ``seq-mean-token-mean``: per-sequence token mean, mean over sequences.
+      * ``seq-mean-token-sum-norm`` (Dr.GRPO): per-sequence token sum / T with T = ``loss_mat.shape[-1]``
+        (a constant: the max response length), mean over sequences.
+
+    Exact gradient accumulation: pass ``global_tokens`` (masked tokens) and ``global_seqs``
+    (sequences) counted over the whole mini-batch across all micro-batches and data-parallel ranks;
+    the denominators become those counts so that summing the micro-batch losses over micro-batches
+    and ranks gives the full-batch value (for ``seq-mean-token-sum-norm`` all micro-batches must be
+    padded to the same T). Without them the local counts are used (a local mean).
+    Divide by the data-parallel world size yourself if the gradient all-reduce averages.
+    """
+    if mode == "token-mean":
+        denom = mask.sum() if global_tokens is None else global_tokens
+        return masked_sum(loss_mat, mask) / _as_denom(denom, loss_mat)
+    if mode == "seq-mean-token-sum":
+        seq = masked_sum(loss_mat, mask, dim=-1)
+    elif mode == "seq-mean-token-mean":
+        seq = masked_mean(loss_mat, mask, dim=-1)
+    elif mode == "seq-mean-token-sum-norm":
+        seq = masked_sum(loss_mat, mask, dim=-1) / loss_mat.shape[-1]
+    else:
+        raise ValueError(f"unknown agg_loss mode {mode!r}; known: {AGG_LOSS_MODES}")
+    denom = seq.shape[0] if global_seqs is None else global_seqs
+    return seq.sum() / _as_denom(denom, loss_mat)
+
+
+def _as_denom(count: Count, like: torch.Tensor) -> torch.Tensor:
+    # A python number or tensor count; clamped so an empty micro-batch yields 0, not nan.
+    return torch.as_tensor(count, dtype=torch.float32, device=like.device).clamp_min(1e-8)

@@ -1,0 +1,353 @@
+"""The YAML run config as typed dataclasses, with dotted overrides and validation.
+
+`load_config(path, overrides)` is the one entry point. Every user mistake raises `ConfigError`
+naming the key or file; the CLI turns it into one line and exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from verl_ds.errors import ConfigError
+from verl_ds.precision import PrecisionConfig, read_ds_json, render_role
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class TinyModelConfig:
+    """Used when `model.path: tiny`: a random-init char-level Llama is built in the run dir."""
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    ffn: int = 256
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"                     # HF directory, or "tiny"
+    tokenizer_path: Optional[str] = None   # defaults to `path`
+    trust_remote_code: bool = False        # only when asked for
+    critic_path: Optional[str] = None      # None: the critic starts from the actor's backbone
+    reward_path: Optional[str] = None      # an HF sequence classifier; None: the task's rule reward
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class ArithmeticConfig:
+    min_value: int = 0
+    max_value: int = 4
+    num_operands: int = 2
+    ops: str = "+"
+    size: int = 10000
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"               # arithmetic | files
+    train_files: list = field(default_factory=list)   # jsonl or parquet, for task: files
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward_fn: str = "arithmetic"          # a registry name or a dotted path module:function
+    apply_chat_template: bool = False
+    max_prompt_length: int = 64
+    shuffle: bool = True
+    seed: int = 0
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    estimator: str = "grpo"                # gae | grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
+    gamma: float = 1.0
+    lam: float = 1.0
+    ppo_epochs: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip_c: Optional[float] = None
+    loss_agg_mode: str = "token-mean"
+    entropy_coef: float = 0.0
+    vf_clip: float = 0.5
+    vf_coef: float = 1.0
+    kl_estimator: str = "k3"
+    use_kl_loss: bool = True               # KL as a loss term (GRPO style) ...
+    kl_coef: float = 0.04                  # ... or, when use_kl_loss is false, in the reward
+    kl_target: Optional[float] = None      # set for the adaptive KL controller (in-reward KL)
+    kl_horizon: int = 10000
+    reward_normalization: str = "none"     # none | batch | running
+    reward_clip: Optional[float] = None
+    tis_cap: Optional[float] = None        # truncated IS against the rollout policy when set
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "vllm"                   # vllm | hf
+    n: int = 8                             # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    per_rank: bool = False                 # each rank runs its own engine
+    multiprocess: bool = True              # vLLM's default multiprocess mode
+    enforce_eager: bool = True
+    max_model_len: int = 256
+    kv_cache_gb: float = 0.25
+    bucket_mb: int = 256                   # weight-sync bucket size (bounds peak extra memory)
+    gpu_memory_utilization: float = 0.5
+
+
+@dataclass
+class RoleConfig:
+    ds_config: str = ""                    # a DeepSpeed JSON file (relative: to ds_configs/)
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    micro_batch_size: int = 8              # per rank
+    enabled: bool = True
+
+
+def _role(ds: str, lr: float = 1e-6) -> RoleConfig:
+    return RoleConfig(ds_config=ds, lr=lr)
+
+
+@dataclass
+class RolesConfig:
+    actor: RoleConfig = field(default_factory=lambda: _role("actor_zero3_fp32.json", 5e-4))
+    critic: RoleConfig = field(default_factory=lambda: _role("critic_zero2_fp32.json", 1e-3))
+    reference: RoleConfig = field(default_factory=lambda: _role("ref_zero0.json"))
+    reward: RoleConfig = field(default_factory=lambda: _role("reward_zero0.json"))
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"                  # online | offline | disabled
+    project: str = "verl-ds"
+    run_name: Optional[str] = None
+    entity: Optional[str] = None
+
+
+@dataclass
+class LoggingConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    sample_every: int = 10                 # a table of generations every K steps
+    level: str = "INFO"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0                         # 0: only at the end
+    keep_last: int = 2
+    export_dtype: str = "fp32"             # the final HF export of the actor
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    prompts_per_step: int = 16             # rollout batch, in prompts (x rollout.n samples)
+    mini_batch_size: int = 0               # samples per optimizer step; 0: the whole rollout batch
+    max_grad_norm: float = 1.0
+    seed: int = 1
+    run_dir: str = "runs/default"
+    resume: str = "none"                   # none | auto | <checkpoint dir>
+    device: str = "auto"                   # auto | cpu | cuda
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    roles: RolesConfig = field(default_factory=RolesConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ---------------------------------------------------------------- building from dicts
+
+def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Check (and lightly coerce: int -> float) a YAML value against a dataclass field type."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return True, None
+        return _type_ok(value, args[0])
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True, float(value)
+    if tp is int and isinstance(value, bool):
+        return False, value
+    if tp in (int, str, bool):
+        return isinstance(value, tp), value
+    if tp is list or origin is list:
+        return isinstance(value, list), value
+    return True, value
+
+
+def from_dict(cls, data: Any, prefix: str = ""):
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
+    where = prefix.rstrip(".") or "<root>"
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(where, f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+            raise ConfigError(f"{prefix}{key}", f"unknown key{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value, f"{prefix}{key}.")
+            continue
+        ok, coerced = _type_ok(value, tp)
+        if not ok:
+            raise ConfigError(f"{prefix}{key}", f"expected {_type_name(tp)}, got {value!r}")
+        kwargs[key] = coerced
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate(prefix)
+    return obj
+
+
+def _type_name(tp) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    tp = args[0] if args else tp
+    return getattr(tp, "__name__", str(tp))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a','b','c'], value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for text in overrides or []:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(".".join(path), f"'{part}' is not a section")
+        node[path[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(str(p), "config file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        loc = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError(f"{p}{loc}", f"YAML syntax error: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(p), "the top level must be a mapping of sections")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data = read_yaml(path) if path else {}
+    data = apply_overrides(data, overrides or [])
+    cfg = from_dict(RunConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks that a single field's type can't express."""
+    choices = {
+        "algorithm.estimator": (cfg.algorithm.estimator, ESTIMATORS),
+        "algorithm.kl_estimator": (cfg.algorithm.kl_estimator, ("k1", "k2", "k3", "low_var_kl", "abs")),
+        "algorithm.loss_agg_mode": (cfg.algorithm.loss_agg_mode, (
+            "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")),
+        "algorithm.reward_normalization": (cfg.algorithm.reward_normalization, ("none", "batch", "running")),
+        "rollout.engine": (cfg.rollout.engine, ("vllm", "hf")),
+        "logging.wandb.mode": (cfg.logging.wandb.mode, ("online", "offline", "disabled")),
+        "data.task": (cfg.data.task, ("arithmetic", "files")),
+        "trainer.device": (cfg.trainer.device, ("auto", "cpu", "cuda")),
+        "checkpoint.export_dtype": (cfg.checkpoint.export_dtype, ("fp32", "fp16", "bf16")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(key, f"'{value}' is not one of {', '.join(allowed)}")
+    positive = {
+        "trainer.steps": cfg.trainer.steps, "trainer.prompts_per_step": cfg.trainer.prompts_per_step,
+        "rollout.n": cfg.rollout.n, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
+        "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(key, f"must be > 0, got {value}")
+    if cfg.algorithm.dual_clip_c is not None and cfg.algorithm.dual_clip_c <= 1:
+        raise ConfigError("algorithm.dual_clip_c", f"must be > 1, got {cfg.algorithm.dual_clip_c}")
+    if cfg.data.task == "files" and not cfg.data.train_files:
+        raise ConfigError("data.train_files", "task 'files' needs at least one jsonl or parquet file")
+
+
+NEEDS_CRITIC = ("gae",)
+
+
+def active_roles(cfg: RunConfig) -> list[str]:
+    """The roles this run builds: no critic unless the estimator needs one, no reference without KL,
+    no reward engine when a rule function scores."""
+    roles = ["actor"]
+    if cfg.algorithm.estimator in NEEDS_CRITIC:
+        roles.append("critic")
+    if cfg.algorithm.kl_coef > 0:
+        roles.append("reference")
+    if cfg.model.reward_path:
+        roles.append("reward")
+    return roles
+
+
+def render_ds_configs(cfg: RunConfig, world_size: int | None = None) -> dict[str, dict]:
+    """Every active role's final DeepSpeed config, as DeepSpeed will receive it."""
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    batch = cfg.trainer.prompts_per_step * cfg.rollout.n
+    mini = cfg.trainer.mini_batch_size or batch
+    if batch % mini:
+        raise ConfigError("trainer.mini_batch_size", f"{mini} does not divide the rollout batch "
+                          f"{batch} (trainer.prompts_per_step x rollout.n)")
+    if batch % world:
+        raise ConfigError("trainer.prompts_per_step", f"rollout batch {batch} does not split over {world} ranks")
+    out = {}
+    for role in active_roles(cfg):
+        rc: RoleConfig = getattr(cfg.roles, role)
+        key = f"roles.{role}.ds_config"
+        out[role] = render_role(
+            role, read_ds_json(rc.ds_config, key), rc.ds_config, cfg.precision,
+            device=cfg.trainer.device, micro_batch_size=rc.micro_batch_size, train_batch_size=mini,
+            world_size=world, max_grad_norm=cfg.trainer.max_grad_norm,
+            optimizer_params={"lr": rc.lr, "weight_decay": rc.weight_decay, "betas": list(rc.betas)})
+    return out

@@ -1,0 +1,61 @@
+"""Tokenized prompts and a resumable sampler over them."""
+from __future__ import annotations
+
+import random
+
+from verl_ds.data.tasks import arithmetic_examples, file_examples
+
+
+def load_examples(data_cfg) -> list[dict]:
+    if data_cfg.task == "arithmetic":
+        a = data_cfg.arithmetic
+        return arithmetic_examples(a.size, data_cfg.seed, a.min_value, a.max_value, a.num_operands, a.ops)
+    return file_examples(data_cfg.train_files, data_cfg.prompt_key, data_cfg.answer_key)
+
+
+def tokenize_prompts(examples: list[dict], tokenizer, max_prompt_length: int,
+                     apply_chat_template: bool) -> list[dict]:
+    """Add `prompt_ids` to each example (chat template optional); over-long prompts keep their tail."""
+    out = []
+    for ex in examples:
+        text = ex["prompt"]
+        if apply_chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                 add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(text)["input_ids"]
+        out.append({**ex, "prompt_ids": ids[-max_prompt_length:]})
+    return out
+
+
+class PromptSampler:
+    """Epoch-wise shuffled indices with an explicit position, so a resumed run continues exactly."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(self.n))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos >= self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self._order[self.pos])
+            self.pos += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._order = self._make_order()

@@ -1,0 +1,69 @@
+"""Rule rewards and their registry, shared by the data tasks and the reward role.
+
+A reward function takes `(response_text, answer)` and returns a float. Users add their own by
+dotted path (`my_pkg.rewards:score` or `my_pkg.rewards.score`) in `data.reward_fn`.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Callable
+
+from verl_ds.errors import ConfigError
+
+RewardFn = Callable[[str, str], float]
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """The answer a response commits to: what follows `####` if present, else the whole text."""
+    if "####" in text:
+        text = text.split("####")[-1]
+    text = text.strip()
+    return text or None
+
+
+def _as_number(text: str | None) -> float | None:
+    if text is None:
+        return None
+    m = _NUMBER.fullmatch(text.replace(" ", ""))
+    return float(m.group(0).replace(",", "")) if m else None
+
+
+def arithmetic_reward(response: str, answer: str) -> float:
+    """1.0 when the response is exactly the answer's integer (optionally after `####`), else 0."""
+    got = extract_answer(response)
+    return 1.0 if got is not None and got == str(answer).strip() else 0.0
+
+
+def gsm8k_reward(response: str, answer: str) -> float:
+    """GSM8K format: the number after the last `#### ` must equal the reference's final number."""
+    if "####" not in response:
+        return 0.0
+    want = _as_number(extract_answer(str(answer)))
+    got = _as_number(extract_answer(response))
+    return 1.0 if want is not None and got is not None and abs(got - want) < 1e-6 else 0.0
+
+
+REWARD_FNS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
+
+
+def register_reward_fn(name: str, fn: RewardFn) -> None:
+    REWARD_FNS[name] = fn
+
+
+def get_reward_fn(name: str, key: str = "data.reward_fn") -> RewardFn:
+    """A registered name, or a dotted path `module:function` / `module.function`."""
+    if name in REWARD_FNS:
+        return REWARD_FNS[name]
+    mod, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
+    if not sep or not mod:
+        raise ConfigError(key, f"unknown reward function '{name}' (registered: {', '.join(REWARD_FNS)}; "
+                               "or give a dotted path module:function)")
+    try:
+        fn = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(key, f"cannot import reward function '{name}': {e}") from None
+    if not callable(fn):
+        raise ConfigError(key, f"'{name}' is not callable")
+    return fn

@@ -1,0 +1,66 @@
+"""A character-level tokenizer and tiny Llama models built offline, for tests and the quickstart.
+
+No hub access at run time: everything here is constructed in-process and saved as a normal HF
+directory (config.json, model.safetensors, tokenizer.json), which DeepSpeed roles, HF and vLLM load.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARS = list("0123456789+-*=# ")
+
+
+def build_char_tokenizer():
+    """One token per character: specials, digits, a few operators. Left padding (for generation)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+        unk_token="<unk>", padding_side="left",
+    )
+
+
+def build_tiny_llama(out_dir: str | Path, tokenizer=None, hidden: int = 128, layers: int = 2,
+                     heads: int = 4, ffn: int = 256, seed: int = 0, max_len: int = 256) -> Path:
+    """Random-init LlamaForCausalLM with tied embeddings, saved with its tokenizer to `out_dir`."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tokenizer or build_char_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=max_len, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                     pad_token_id=cfg.pad_token_id).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """Load a saved tokenizer, keeping a char tokenizer's pre-tokenizer intact (see PLATFORM.md)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    p = Path(path)
+    if (p / "tokenizer.json").exists() and not (p / "tokenizer.model").exists():
+        tok = PreTrainedTokenizerFast.from_pretrained(str(p))
+    else:
+        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok

@@ -1,0 +1,173 @@
+"""The interface every role implements: one DeepSpeed engine built from the role's rendered config.
+
+Roles know nothing of rollout or the training loop. Backward and step always go through the
+engine; the only reach into DeepSpeed internals is `_grad_partitions` (overflow alignment and the
+fp16 underflow statistic), kept in one place.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from verl_ds.precision import ds_dtype
+from verl_ds.roles.dist import enable_cpu_fp16, init_distributed
+
+log = logging.getLogger(__name__)
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def model_inputs(batch: dict) -> dict:
+    """input_ids/attention_mask/position_ids for a left-padded prompt + right-padded response.
+
+    Position ids count real tokens only, so a left-padded sequence sees the same positions vLLM
+    gives the unpadded prompt."""
+    mask = batch["attention_mask"]
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": pos}
+
+
+def micro_batches(batch: dict, size: int):
+    """Split a dict of `[B, ...]` tensors along dim 0 (non-tensors are passed whole)."""
+    n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+    for i in range(0, n, size):
+        yield {k: (v[i:i + size] if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def summarize(sums: dict, n_micro: int, world: int, global_keys: tuple) -> dict:
+    """Per-rank metrics of one mini-batch. Losses normalised by global counts sum to this rank's
+    share of the mini-batch value, so x world makes the cross-rank mean the global value; the
+    other metrics are per-micro-batch means."""
+    return {k: v * world if k in global_keys else v / n_micro for k, v in sums.items()}
+
+
+class Role:
+    """A model role backed by a DeepSpeed engine. `trainable` roles get the config's optimizer."""
+
+    def __init__(self, name: str, model: torch.nn.Module, ds_config: dict, trainable: bool):
+        init_distributed()
+        import deepspeed
+
+        self.name, self.ds_config, self.trainable = name, ds_config, trainable
+        self.dtype = ds_dtype(ds_config)
+        if self.dtype == "fp16":
+            enable_cpu_fp16()
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        params = [p for p in model.parameters() if p.requires_grad] if trainable else None
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+        self.micro_batch_size = int(ds_config["train_micro_batch_size_per_gpu"])
+        self.aligned_skips = 0          # steps skipped because the partner role overflowed
+        self._last_underflow = float("nan")
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+    # ------------------------------------------------------------ training (trainable roles)
+    def backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        """Backward through the engine; `engine.step()` for all but the boundary micro-batch, whose
+        step is left to `step()` so that overflow can be aligned with another role first."""
+        self.engine.backward(loss)
+        if not boundary:
+            self.engine.step()
+
+    def step(self) -> None:
+        if self.dtype == "fp16":
+            self._last_underflow = self._underflow_fraction()
+        self.engine.step()
+
+    def has_overflow(self) -> bool:
+        """Whether the reduced gradients of the pending (boundary) step hold inf/NaN."""
+        if self.dtype != "fp16":
+            return False
+        import torch.distributed as dist
+
+        bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in self._grad_partitions()))])
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank must decide alike
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bool(bad.item())
+
+    def force_skip(self) -> None:
+        """Make DeepSpeed skip the pending step through its own overflow path (aligned overflow)."""
+        for g in self._grad_partitions():
+            g.view(-1)[:1].fill_(float("inf"))
+            break
+        self.aligned_skips += 1
+
+    def _grad_partitions(self) -> list[torch.Tensor]:
+        opt = self.engine.optimizer
+        if hasattr(opt, "grad_partitions_flat_buffer"):                       # ZeRO-3
+            return [opt.grad_partitions_flat_buffer]
+        if hasattr(opt, "averaged_gradients"):                                # ZeRO-1/2
+            return [g for gs in opt.averaged_gradients.values() if gs for g in gs if g is not None]
+        return [p.grad for p in self.module.parameters() if p.grad is not None]  # stage 0
+
+    def _underflow_fraction(self, sample: int = 1 << 20) -> float:
+        """fp16: fraction of (sampled) gradient elements that are exactly zero, i.e. underflowed."""
+        zeros = total = 0
+        for g in self._grad_partitions():
+            flat = g.reshape(-1)[:sample - total]
+            zeros += int((flat == 0).sum())
+            total += flat.numel()
+            if total >= sample:
+                break
+        return zeros / total if total else float("nan")
+
+    # ------------------------------------------------------------ diagnostics
+    def precision_stats(self) -> dict:
+        """Dtypes (strings) and loss-scale/overflow/skip/grad-norm numbers for this role."""
+        param = next(self.module.parameters())
+        stats = {"param_dtype": str(param.dtype).replace("torch.", "")}
+        if not self.trainable:
+            return stats
+        opt = self.engine.optimizer
+        inner = getattr(opt, "optimizer", opt)
+        master = inner.param_groups[0]["params"][0]
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        stats.update({
+            "master_dtype": str(master.dtype).replace("torch.", ""),
+            "grad_dtype": str(self.engine.get_data_types()[1]).replace("torch.", ""),
+            "loss_scale": float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 1.0)) or 1.0)
+            if self.dtype == "fp16" else 1.0,
+            "overflow": float(bool(getattr(opt, "overflow", False))),
+            "skipped_steps": float(self.engine.skipped_steps),
+            "aligned_skips": float(self.aligned_skips),
+            "grad_norm": norm if math.isfinite(norm) else float("nan"),
+        })
+        if self.dtype == "fp16":
+            stats["grad_underflow_frac"] = self._last_underflow
+        return stats
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, ckpt_dir: str, tag: str) -> None:
+        self.engine.save_checkpoint(ckpt_dir, tag=tag)
+
+    def load(self, ckpt_dir: str, tag: str) -> None:
+        load_opt = self.trainable
+        path, _ = self.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=load_opt,
+                                              load_lr_scheduler_states=load_opt)
+        if path is None:
+            raise FileNotFoundError(f"no {self.name} checkpoint '{tag}' in {ckpt_dir}")
+
+
+def align_overflow(*roles: Role) -> bool:
+    """Before the boundary step: if any fp16 role overflowed, every role skips this step
+    (DeepSpeed-Chat's align_overflow). Returns whether the step is skipped."""
+    flags = [r.has_overflow() for r in roles]
+    if any(flags):
+        for r, f in zip(roles, flags):
+            if not f:
+                r.force_skip()
+        return True
+    return False

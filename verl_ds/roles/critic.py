@@ -1,0 +1,76 @@
+"""Critic: a causal-LM backbone plus a scalar value head, trained with the clipped value loss."""
+from __future__ import annotations
+
+import torch
+
+from verl_ds import algos
+from verl_ds.roles.base import Role, micro_batches, model_inputs, summarize
+
+
+class ValueModel(torch.nn.Module):
+    """`backbone` (an HF base model) -> hidden states -> Linear(hidden, 1). The head starts at zero,
+    so initial values are 0 and early advantages are the plain returns."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.v_head = torch.nn.Linear(hidden_size, 1, bias=True)
+        torch.nn.init.zeros_(self.v_head.weight)
+        torch.nn.init.zeros_(self.v_head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        return self.v_head(h).squeeze(-1)
+
+
+def load_value_model(path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False) -> ValueModel:
+    """The backbone of the causal LM at `path` (the actor's, unless a critic path is given)."""
+    from transformers import AutoModel
+
+    backbone = AutoModel.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if grad_checkpointing:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return ValueModel(backbone, backbone.config.hidden_size)
+
+
+class Critic(Role):
+    """`loss_cfg` carries vf_clip, vf_coef, loss_agg_mode."""
+
+    def __init__(self, model: ValueModel, ds_config: dict, loss_cfg):
+        super().__init__("critic", model, ds_config, trainable=True)
+        self.cfg = loss_cfg
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        resp_len = batch["response_mask"].shape[1]
+        values = self.engine(**model_inputs(batch))
+        return values[:, -resp_len - 1:-1].float()            # V(state before each response token)
+
+    @torch.no_grad()
+    def values(self, batch: dict) -> torch.Tensor:
+        return torch.cat([self.forward(mb) for mb in micro_batches(self.to_device(batch), self.micro_batch_size)])
+
+    force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow
+
+    def accumulate(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
+        c = self.cfg
+        scale = self.engine.gradient_accumulation_steps() * self.engine.world_size
+        mbs = list(micro_batches(self.to_device(batch), self.micro_batch_size))
+        sums: dict[str, float] = {}
+        for i, mb in enumerate(mbs):
+            values = self.forward(mb)
+            vf_loss, m = algos.value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"],
+                                          clip=c.vf_clip, agg_mode=c.loss_agg_mode,
+                                          global_tokens=global_tokens, global_seqs=global_seqs)
+            loss = c.vf_coef * vf_loss
+            if self.force_overflow:
+                loss = loss * float("inf")
+            self.backward(loss * scale, boundary=i == len(mbs) - 1)
+            for k, v in {"vf_loss": vf_loss, **m}.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return summarize(sums, len(mbs), self.engine.world_size, ("vf_loss",))
+
+    def update(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
+        metrics = self.accumulate(batch, global_tokens, global_seqs)
+        self.step()
+        return metrics

@@ -1,0 +1,101 @@
+"""Actor (trained) and reference (frozen): causal LMs that score response tokens."""
+from __future__ import annotations
+
+import torch
+
+from verl_ds import algos
+from verl_ds.roles.base import Role, micro_batches, model_inputs, summarize
+
+
+def load_causal_lm(path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if grad_checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+class PolicyRole(Role):
+    """Log-probabilities of the response tokens: batch tensors are `[B, P + R]` with the response
+    in the last R positions; outputs are fp32 `[B, R]`."""
+
+    def forward(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
+        resp_len = batch["response_mask"].shape[1]
+        logits = self.engine(**model_inputs(batch), use_cache=False).logits
+        logits = logits[:, -resp_len - 1:-1]                  # position t predicts token t + 1
+        if temperature != 1.0:
+            logits = logits / temperature                     # match the rollout's processed logprobs
+        labels = batch["input_ids"][:, -resp_len:]
+        logprob = algos.logprobs_from_logits(logits, labels, chunk_size=1024)
+        entropy = algos.entropy_from_logits(logits, chunk_size=1024) if with_entropy else None
+        return logprob, entropy
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
+        """Micro-batched, no grad. Returns logprob `[B, R]` (and entropy `[B, R]` if asked)."""
+        outs, ents = [], []
+        for mb in micro_batches(self.to_device(batch), self.micro_batch_size):
+            lp, ent = self.forward(mb, temperature, with_entropy)
+            outs.append(lp)
+            ents.append(ent)
+        logprob = torch.cat(outs)
+        return (logprob, torch.cat(ents)) if with_entropy else logprob
+
+
+class Reference(PolicyRole):
+    def __init__(self, model, ds_config: dict):
+        super().__init__("reference", model, ds_config, trainable=False)
+
+
+class Actor(PolicyRole):
+    """Trains with the clipped PPO surrogate from `verl_ds.algos`, plus optional KL and entropy terms.
+
+    `loss_cfg` carries: clip_low, clip_high, dual_clip_c, loss_agg_mode, entropy_coef,
+    use_kl_loss, kl_coef, kl_estimator, tis_cap.
+    """
+
+    def __init__(self, model, ds_config: dict, loss_cfg, temperature: float = 1.0):
+        super().__init__("actor", model, ds_config, trainable=True)
+        self.cfg, self.temperature = loss_cfg, temperature
+
+    def accumulate(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
+        """Forward/backward over one mini-batch (this rank's share), leaving the optimizer step to
+        `step()`. Global counts make the accumulated gradient equal the full mini-batch's."""
+        c = self.cfg
+        scale = self.engine.gradient_accumulation_steps() * self.engine.world_size  # undo DS averaging
+        mbs = list(micro_batches(self.to_device(batch), self.micro_batch_size))
+        sums: dict[str, float] = {}
+        for i, mb in enumerate(mbs):
+            mask = mb["response_mask"]
+            logprob, entropy = self.forward(mb, self.temperature, with_entropy=True)
+            is_w = None
+            if c.tis_cap and "rollout_logprobs" in mb:
+                is_w = algos.tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=c.tis_cap)
+            agg = dict(agg_mode=c.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+            pg_loss, m = algos.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask,
+                                           clip_low=c.clip_low, clip_high=c.clip_high,
+                                           dual_clip_c=c.dual_clip_c, is_weights=is_w, **agg)
+            loss = pg_loss
+            ent = algos.agg_loss(entropy, mask, **{**agg, "mode": c.loss_agg_mode})
+            if c.entropy_coef:
+                loss = loss - c.entropy_coef * ent
+            if c.use_kl_loss and "ref_logprobs" in mb:
+                kl = algos.agg_loss(algos.kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask,
+                                    c.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+                loss = loss + c.kl_coef * kl
+                m["kl_loss"] = kl
+            if self.force_overflow:
+                loss = loss * float("inf")
+            self.backward(loss * scale, boundary=i == len(mbs) - 1)
+            for k, v in {"pg_loss": pg_loss, "entropy": ent, **m}.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return summarize(sums, len(mbs), self.engine.world_size, ("pg_loss", "entropy", "kl_loss"))
+
+    force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow
+
+    def update(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
+        metrics = self.accumulate(batch, global_tokens, global_seqs)
+        self.step()
+        return metrics

@@ -1,0 +1,78 @@
+"""Reward model role: an HF sequence classifier (num_labels=1), optionally with int8 weights."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from verl_ds.errors import ConfigError
+from verl_ds.roles.base import TORCH_DTYPES, Role, micro_batches, model_inputs
+
+log = logging.getLogger(__name__)
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameters and buffers, including packed quantized weights."""
+    total = sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+    for m in module.modules():
+        packed = getattr(m, "_packed_params", None)
+        if packed is not None and hasattr(packed, "_weight_bias"):
+            w, b = packed._weight_bias()
+            total += w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
+    return total
+
+
+def quantize_int8(model: torch.nn.Module, activation_dtype: str) -> torch.nn.Module:
+    """Linear weights -> int8. CPU: torch.ao dynamic quantization (int8 weights, activations quantized
+    per batch; the rest of the model stays fp32). CUDA: torchao int8 weight-only, activations in
+    `activation_dtype`."""
+    if torch.cuda.is_available():
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        except ImportError:
+            raise ConfigError("precision.reward_dtype", "int8 on GPU needs torchao (pip install torchao)") from None
+        model = model.to(device="cuda", dtype=TORCH_DTYPES.get(activation_dtype, torch.bfloat16))
+        quantize_(model, Int8WeightOnlyConfig())
+        return model
+    if activation_dtype not in ("fp32", "auto"):
+        log.warning("int8 reward on CPU: dynamic quantization runs fp32 activations, not %s", activation_dtype)
+    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def load_reward_model(path: str, dtype: str, activation_dtype: str, trust_remote_code: bool = False):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    if dtype == "int8":
+        before = tensor_bytes(model)
+        model = quantize_int8(model.eval(), activation_dtype)
+        after = tensor_bytes(model)
+        log.info("int8 reward model: %.2f MB -> %.2f MB (%.1f%% saved)", before / 2**20, after / 2**20,
+                 100 * (1 - after / before))
+    return model
+
+
+class RewardModel(Role):
+    def __init__(self, model, ds_config: dict, int8: bool = False):
+        if int8 and ds_config.get("zero_optimization", {}).get("stage", 0) != 0:
+            raise ConfigError("roles.reward.ds_config", "an int8 reward model needs a ZeRO stage-0 config")
+        super().__init__("reward", model, ds_config, trainable=False)
+        self.int8 = int8
+
+    def precision_stats(self) -> dict:
+        stats = super().precision_stats()
+        if self.int8:
+            stats["param_dtype"] = "int8"
+        stats["weight_bytes"] = float(tensor_bytes(self.module))
+        return stats
+
+    @torch.no_grad()
+    def score(self, batch: dict) -> torch.Tensor:
+        """One fp32 score per sequence `[B]`, read at the last non-pad token (HF's pooling)."""
+        out = []
+        for mb in micro_batches(self.to_device(batch), self.micro_batch_size):
+            out.append(self.engine(**model_inputs(mb)).logits.squeeze(-1).float())
+        return torch.cat(out)
