@@ -77,7 +77,7 @@ def cmd_bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[verl-ds] %(message)s")
+    logging.basicConfig(level=logging.INFO, format="[verl-ds] %(message)s", stream=sys.stdout)
     handlers = {"train": cmd_train, "config": cmd_render, "bench": cmd_bench}
     if args.command is None:
         build_parser().print_help()

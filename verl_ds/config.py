@@ -202,6 +202,7 @@ def from_dict(cls, data: Any, prefix: str = ""):
         raise ConfigError(where, f"expected a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    defaults = cls()  # nested sections start from their parent's defaults, then take the user's keys
     kwargs = {}
     for key, value in data.items():
         if key not in names:
@@ -209,7 +210,9 @@ def from_dict(cls, data: Any, prefix: str = ""):
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise ConfigError(f"{prefix}{key}", f"unknown key{hint}")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(tp) and not isinstance(value, tp):
+            if isinstance(value, dict):
+                value = {**_shallow(getattr(defaults, key)), **value}
             kwargs[key] = from_dict(tp, value, f"{prefix}{key}.")
             continue
         ok, coerced = _type_ok(value, tp)
@@ -220,6 +223,10 @@ def from_dict(cls, data: Any, prefix: str = ""):
     if hasattr(obj, "validate"):
         obj.validate(prefix)
     return obj
+
+
+def _shallow(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def _type_name(tp) -> str:

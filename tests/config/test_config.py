@@ -1,0 +1,130 @@
+"""Run config, PrecisionConfig rendering, and the one-line exit-2 errors for bad input."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_ds.config import load_config, render_ds_configs
+from verl_ds.errors import ConfigError
+from verl_ds.precision import PrecisionConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_GRPO = ROOT / "examples" / "grpo_cpu_tiny.yaml"
+CPU_PPO = ROOT / "examples" / "ppo_cpu_tiny.yaml"
+
+
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "verl_ds.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_examples_load_and_render_with_every_role():
+    cfg = load_config(CPU_PPO)
+    assert cfg.algorithm.estimator == "gae"
+    rendered = render_ds_configs(cfg, world_size=2)
+    assert set(rendered) == {"actor", "critic", "reference"}
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        load_config(path)  # every shipped example is valid
+
+
+def test_render_cli_prints_four_roles_accepted_by_deepspeed(tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    out = cli("config", "render", "--config", str(CPU_PPO), "model.reward_path=/some/rm", "--world-size", "1")
+    assert out.returncode == 0, out.stderr
+    blocks = [b for b in out.stdout.split("\n# ") if ": DeepSpeed config" in b.split("\n")[0]]
+    roles = [b.split(":")[0] for b in blocks]
+    assert roles == ["actor", "critic", "reference", "reward"]
+    for b in blocks:
+        ds = json.loads(b.split("\n", 1)[1])
+        DeepSpeedConfig(ds)  # DeepSpeed's own parser accepts it (raises otherwise)
+        assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds.get("gradient_accumulation_steps", 1)
+
+
+def test_fp16_override_yields_dynamic_loss_scale_block_and_no_bf16():
+    cfg = load_config(CPU_GRPO, ["precision.actor_dtype=fp16"])
+    actor = render_ds_configs(cfg, world_size=1)["actor"]
+    assert "bf16" not in actor
+    fp16 = actor["fp16"]
+    assert fp16["enabled"] is True and fp16["loss_scale"] == 0 and fp16["initial_scale_power"] == 11
+    for key in ("loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale"):
+        assert key in fp16
+    assert actor["communication_data_type"] == "fp32"  # fp16 roles reduce grads in fp32 by default
+
+
+def test_bf16_grad_accum_and_comm_dtype_and_clipping():
+    cfg = load_config(CPU_GRPO, ["precision.actor_dtype=bf16", "precision.grad_accum_dtype=fp32",
+                                 "precision.actor_comm_dtype=bf16", "trainer.max_grad_norm=0.5"])
+    actor = render_ds_configs(cfg, world_size=1)["actor"]
+    assert actor["bf16"] == {"enabled": True} and "fp16" not in actor
+    assert actor["data_types"]["grad_accum_dtype"] == "fp32"
+    assert actor["communication_data_type"] == "bf16"
+    assert actor["gradient_clipping"] == 0.5
+
+
+def test_batch_sizes_filled_from_run_config():
+    cfg = load_config(CPU_GRPO, ["trainer.prompts_per_step=8", "rollout.n=8", "trainer.mini_batch_size=32",
+                                 "roles.actor.micro_batch_size=4"])
+    actor = render_ds_configs(cfg, world_size=2)["actor"]
+    assert (actor["train_batch_size"], actor["train_micro_batch_size_per_gpu"],
+            actor["gradient_accumulation_steps"]) == (32, 4, 4)
+    assert actor["optimizer"]["params"]["lr"] == cfg.roles.actor.lr
+
+
+def test_auto_dtype_on_this_cpu_is_fp32_without_bf16_hardware():
+    from verl_ds.precision import _cpu_flags, auto_dtype
+    expected = "bf16" if {"avx512_bf16", "amx_bf16"} & _cpu_flags() else "fp32"
+    assert auto_dtype("cpu") == expected
+
+
+def test_python_precision_config_validates():
+    with pytest.raises(ConfigError, match="precision.actor_dtype"):
+        PrecisionConfig(actor_dtype="int8")
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        PrecisionConfig(critic_dtype="fp8")
+    assert PrecisionConfig(reward_dtype="int8").reward_dtype == "int8"
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+BAD_INPUTS = {
+    "yaml_syntax": ("trainer: {steps: 3\n", [], "YAML syntax error"),
+    "unknown_key": ("trainer:\n  stepz: 3\n", [], "did you mean 'trainer.steps'"),
+    "wrong_type": ("trainer:\n  steps: many\n", [], "trainer.steps: expected int"),
+    "missing_json": ("roles:\n  actor: {ds_config: nope.json}\n", [], "roles.actor.ds_config: DeepSpeed config file not found"),
+    "malformed_json": ("roles:\n  actor: {ds_config: BADJSON}\n", [], "malformed JSON"),
+    "fp16_and_bf16": ("roles:\n  actor: {ds_config: BOTHJSON}\n", [], "fp16 and bf16 are both enabled"),
+    "int8_trained": ("precision: {actor_dtype: int8}\n", [], "int8 is only supported for the reward model"),
+    "bf16_fp32_accum_stage0": ("roles:\n  actor: {ds_config: STAGE0}\nprecision: {actor_dtype: bf16, grad_accum_dtype: fp32}\n",
+                               [], "ZeRO stage 0"),
+    "unknown_dtype": ("precision: {critic_dtype: fp8}\n", [], "unknown dtype 'fp8'"),
+    "batch_not_divisible": ("trainer: {prompts_per_step: 3}\nrollout: {n: 4}\n", ["roles.actor.micro_batch_size=5"],
+                            "not divisible"),
+    "bad_override": ("{}\n", ["trainer.steps=abc"], "trainer.steps: expected int"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line(tmp_path, case):
+    text, overrides, expected = BAD_INPUTS[case]
+    bad = _write(tmp_path, "bad.json", '{"zero_optimization": {"stage": 2,}')
+    both = _write(tmp_path, "both.json", json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
+    stage0 = _write(tmp_path, "s0.json", json.dumps({"zero_optimization": {"stage": 0}}))
+    text = text.replace("BADJSON", bad).replace("BOTHJSON", both).replace("STAGE0", stage0)
+    cfg = _write(tmp_path, "run.yaml", text)
+    out = cli("config", "render", "--config", cfg, *overrides)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_version_flag():
+    out = cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("verl-ds ")

@@ -1,0 +1,23 @@
+"""Shared fixtures: one tiny char-level Llama (and tokenizer) per test session, built offline."""
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from verl_ds.data.tiny import build_tiny_llama
+
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", hidden=64, layers=2, heads=4, ffn=128))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from verl_ds.data.tiny import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)

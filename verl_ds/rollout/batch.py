@@ -1,0 +1,98 @@
+"""`RolloutBatch`: what a rollout engine hands the trainer, as padded tensors.
+
+Prompts are left-padded (so every response starts at column P), responses right-padded. The eos
+token, when generated, is part of the response and of its mask: the policy must learn to emit it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: torch.Tensor        # [B, P] long, left-padded with pad_id
+    response_ids: torch.Tensor      # [B, R] long, right-padded with pad_id
+    input_ids: torch.Tensor         # [B, P+R] prompt ++ response
+    attention_mask: torch.Tensor    # [B, P+R] long 0/1
+    response_mask: torch.Tensor     # [B, R] float 0/1
+    rollout_logprobs: torch.Tensor  # [B, R] float32, processed (after temperature); 0 where masked
+    group_ids: torch.Tensor         # [B] long: index of the prompt in its generate call
+    finish_reasons: list[str] = field(default_factory=list)  # "stop" | "length"
+    pad_id: int = 0
+
+    @classmethod
+    def from_lists(cls, prompts: list[list[int]], responses: list[list[int]],
+                   logprobs: list[list[float]], finish_reasons: list[str], group_ids: list[int],
+                   pad_id: int) -> "RolloutBatch":
+        """Pad ragged per-sample lists into tensors (one row per sample)."""
+        b = len(prompts)
+        assert len(responses) == len(logprobs) == len(finish_reasons) == len(group_ids) == b
+        p = max((len(x) for x in prompts), default=0)
+        r = max((len(x) for x in responses), default=0)
+        prompt_ids = torch.full((b, p), pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((b, p), dtype=torch.long)
+        response_ids = torch.full((b, r), pad_id, dtype=torch.long)
+        response_mask = torch.zeros((b, r), dtype=torch.float32)
+        lp = torch.zeros((b, r), dtype=torch.float32)
+        for i, (pr, rs, l) in enumerate(zip(prompts, responses, logprobs)):
+            assert len(rs) == len(l), f"sample {i}: {len(rs)} tokens but {len(l)} logprobs"
+            if pr:
+                prompt_ids[i, p - len(pr):] = torch.as_tensor(pr, dtype=torch.long)
+                prompt_mask[i, p - len(pr):] = 1
+            if rs:
+                response_ids[i, :len(rs)] = torch.as_tensor(rs, dtype=torch.long)
+                response_mask[i, :len(rs)] = 1.0
+                lp[i, :len(rs)] = torch.as_tensor(l, dtype=torch.float32)
+        return cls(
+            prompt_ids=prompt_ids, response_ids=response_ids,
+            input_ids=torch.cat([prompt_ids, response_ids], dim=1),
+            attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
+            response_mask=response_mask, rollout_logprobs=lp,
+            group_ids=torch.as_tensor(list(group_ids), dtype=torch.long),
+            finish_reasons=list(finish_reasons), pad_id=pad_id,
+        )
+
+    def to_lists(self) -> dict[str, list]:
+        """The unpadded per-sample lists `from_lists` takes (inverse of `from_lists`)."""
+        p = self.prompt_ids.shape[1]
+        plen = self.attention_mask[:, :p].sum(1).tolist()
+        rlen = self.response_mask.sum(1).long().tolist()
+        return dict(
+            prompts=[self.prompt_ids[i, p - n:].tolist() for i, n in enumerate(plen)],
+            responses=[self.response_ids[i, :n].tolist() for i, n in enumerate(rlen)],
+            logprobs=[self.rollout_logprobs[i, :n].tolist() for i, n in enumerate(rlen)],
+            finish_reasons=list(self.finish_reasons), group_ids=self.group_ids.tolist(),
+        )
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, indices) -> "RolloutBatch":
+        """Rows `indices` (a list or long tensor), keeping the current padding."""
+        idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[idx], response_ids=self.response_ids[idx],
+            input_ids=self.input_ids[idx], attention_mask=self.attention_mask[idx],
+            response_mask=self.response_mask[idx], rollout_logprobs=self.rollout_logprobs[idx],
+            group_ids=self.group_ids[idx], finish_reasons=[self.finish_reasons[i] for i in idx.tolist()],
+            pad_id=self.pad_id,
+        )
+
+    def chunk(self, k: int) -> list["RolloutBatch"]:
+        """Split into `k` contiguous parts (sizes differ by at most 1; parts may be empty)."""
+        sizes = [len(self) // k + (1 if i < len(self) % k else 0) for i in range(k)]
+        out, start = [], 0
+        for s in sizes:
+            out.append(self.select(list(range(start, start + s))))
+            start += s
+        return out
+
+    @staticmethod
+    def cat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """Concatenate rows, re-padding to the widest prompt and response. group_ids are kept."""
+        assert batches, "cat of no batches"
+        parts = [b.to_lists() for b in batches]
+        merged = {k: sum((p[k] for p in parts), []) for k in parts[0]}
+        return RolloutBatch.from_lists(**merged, pad_id=batches[0].pad_id)
