@@ -112,6 +112,16 @@ class Role:
             return [g for gs in opt.averaged_gradients.values() if gs for g in gs if g is not None]
         return [p.grad for p in self.module.parameters() if p.grad is not None]  # stage 0
 
+    def _master_params(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates (fp32 masters for 16-bit roles), at any stage."""
+        opt = self.engine.optimizer
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
+                     "fp32_groups_flat_partition"):
+            if getattr(opt, attr, None):
+                return list(getattr(opt, attr))
+        inner = getattr(opt, "optimizer", opt)
+        return [p for g in inner.param_groups for p in g["params"]]
+
     def _underflow_fraction(self, sample: int = 1 << 20) -> float:
         """fp16: fraction of (sampled) gradient elements that are exactly zero, i.e. underflowed."""
         zeros = total = 0
@@ -131,8 +141,7 @@ class Role:
         if not self.trainable:
             return stats
         opt = self.engine.optimizer
-        inner = getattr(opt, "optimizer", opt)
-        master = inner.param_groups[0]["params"][0]
+        master = self._master_params()[0]
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         stats.update({

@@ -73,17 +73,17 @@ class Actor(PolicyRole):
             is_w = None
             if c.tis_cap and "rollout_logprobs" in mb:
                 is_w = algos.tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=c.tis_cap)
-            agg = dict(agg_mode=c.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+            counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
             pg_loss, m = algos.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask,
-                                           clip_low=c.clip_low, clip_high=c.clip_high,
-                                           dual_clip_c=c.dual_clip_c, is_weights=is_w, **agg)
+                                           clip_low=c.clip_low, clip_high=c.clip_high, dual_clip_c=c.dual_clip_c,
+                                           agg_mode=c.loss_agg_mode, is_weights=is_w, **counts)
             loss = pg_loss
-            ent = algos.agg_loss(entropy, mask, **{**agg, "mode": c.loss_agg_mode})
+            ent = algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
             if c.entropy_coef:
                 loss = loss - c.entropy_coef * ent
             if c.use_kl_loss and "ref_logprobs" in mb:
                 kl = algos.agg_loss(algos.kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask,
-                                    c.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+                                    c.loss_agg_mode, **counts)
                 loss = loss + c.kl_coef * kl
                 m["kl_loss"] = kl
             if self.force_overflow:

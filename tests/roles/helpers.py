@@ -1,0 +1,36 @@
+"""Build real role engines from rendered configs for tests."""
+import torch
+
+from verl_ds.precision import LossScaling, PrecisionConfig, read_ds_json, render_role
+
+LOSS_CFG = dict(clip_low=0.2, clip_high=0.2, dual_clip_c=None, loss_agg_mode="token-mean", entropy_coef=0.0,
+                use_kl_loss=False, kl_coef=0.0, kl_estimator="k3", tis_cap=None, vf_clip=0.5, vf_coef=1.0)
+
+
+class Cfg:
+    def __init__(self, **kw):
+        self.__dict__.update({**LOSS_CFG, **kw})
+
+
+def ds_config(role: str, stage: int, dtype: str, micro: int = 2, total: int = 4, hysteresis: int = 2) -> dict:
+    files = {"actor": "actor_zero3_fp32.json", "critic": "critic_zero2_fp32.json",
+             "reference": "ref_zero3.json", "reward": "reward_zero0.json"}
+    base = read_ds_json(files[role], "test")
+    base.setdefault("zero_optimization", {})["stage"] = stage
+    prec = PrecisionConfig(**{f"{role}_dtype": dtype},
+                           **({f"{role}_loss_scaling": LossScaling(hysteresis=hysteresis)} if role in ("actor", "critic") else {}))
+    return render_role(role, base, files[role], prec, device="cpu", micro_batch_size=micro, train_batch_size=total,
+                       world_size=1, max_grad_norm=1.0, optimizer_params={"lr": 1e-2, "weight_decay": 0.0,
+                                                                          "betas": [0.9, 0.999]})
+
+
+def make_batch(vocab: int, b: int = 4, p: int = 5, r: int = 3, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (b, p + r), generator=g)
+    attn = torch.ones(b, p + r, dtype=torch.long)
+    attn[0, :2] = 0                      # left padding in the prompt
+    ids[0, :2] = 0
+    resp = torch.ones(b, r)
+    resp[1, -1] = 0                      # right padding in the response
+    attn[1, -1] = 0
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}

@@ -1,0 +1,147 @@
+"""Every role is a real DeepSpeed engine with its own precision (single process, gloo, CPU)."""
+import math
+
+import pytest
+import torch
+
+from tests.roles.helpers import Cfg, ds_config, make_batch
+from verl_ds.roles import (Actor, Critic, Reference, RewardModel, align_overflow, iter_full_params,
+                           load_causal_lm, load_reward_model, load_value_model)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def ppo_batch(actor, batch):
+    lp = actor.logprobs(batch)
+    return {**batch, "old_logprobs": lp, "advantages": torch.randn_like(lp), "returns": torch.randn_like(lp),
+            "old_values": torch.zeros_like(lp)}
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_trained_roles_forward_and_step(tiny_model_dir, stage, dtype):
+    actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", stage, dtype), Cfg())
+    critic = Critic(load_value_model(tiny_model_dir), ds_config("critic", stage, dtype), Cfg())
+    batch = ppo_batch(actor, make_batch(actor.module.config.vocab_size))
+    assert next(actor.module.parameters()).dtype == DTYPES[dtype]
+    before = {n: t.float().clone() for n, t in iter_full_params(actor.engine)}
+    m = actor.update(batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=4.0)
+    v = critic.update(batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=4.0)
+    assert math.isfinite(m["pg_loss"]) and math.isfinite(v["vf_loss"])
+    after = dict(iter_full_params(actor.engine))
+    assert any(not torch.equal(before[n], after[n].float()) for n in before), "actor did not step"
+    stats = actor.precision_stats()
+    assert stats["param_dtype"] == str(DTYPES[dtype]).split(".")[1]
+    if dtype != "fp32":  # DeepSpeed keeps fp32 master weights for 16-bit compute
+        assert stats["master_dtype"] == "float32"
+    assert stats["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_frozen_roles_forward(tiny_model_dir, stage, dtype):
+    ref = Reference(load_causal_lm(tiny_model_dir), ds_config("reference", stage, dtype))
+    batch = make_batch(ref.module.config.vocab_size)
+    lp = ref.logprobs(batch)
+    assert lp.dtype == torch.float32 and lp.shape == (4, 3) and torch.isfinite(lp).all()
+    rm = RewardModel(load_reward_model(tiny_model_dir, dtype, dtype), ds_config("reward", stage, dtype))
+    assert torch.isfinite(rm.score(batch)).all()
+
+
+def test_bf16_master_weights_are_fp32(tiny_model_dir):
+    actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 2, "bf16"), Cfg())
+    assert all(p.dtype == torch.float32 for p in actor._master_params())
+    assert next(actor.module.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_overflow_skips_both_roles_and_follows_hysteresis(tiny_model_dir, stage):
+    actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", stage, "fp16", hysteresis=2), Cfg())
+    critic = Critic(load_value_model(tiny_model_dir), ds_config("critic", stage, "fp16", hysteresis=2), Cfg())
+    batch = ppo_batch(actor, make_batch(actor.module.config.vocab_size))
+    n_tok = float(batch["response_mask"].sum())
+    scales = []
+    for _ in range(2):
+        a0 = {n: t.clone() for n, t in iter_full_params(actor.engine)}
+        c0 = {n: t.clone() for n, t in iter_full_params(critic.engine)}
+        actor.force_overflow = True                      # loss x inf: a real fp16 overflow in the actor only
+        actor.accumulate(batch, n_tok, 4.0)
+        critic.accumulate(batch, n_tok, 4.0)
+        assert align_overflow(actor, critic)
+        actor.step()
+        critic.step()
+        scales.append(actor.precision_stats()["loss_scale"])
+        for n, t in iter_full_params(actor.engine):
+            assert torch.equal(t, a0[n]), f"actor param {n} changed on an overflow step"
+        for n, t in iter_full_params(critic.engine):
+            assert torch.equal(t, c0[n]), f"critic param {n} changed on the aligned skip"
+    assert scales == [2048.0, 1024.0]                   # hysteresis 2: first overflow keeps the scale
+    a, c = actor.precision_stats(), critic.precision_stats()
+    assert a["skipped_steps"] == 2 and a["overflow"] == 1.0
+    assert c["skipped_steps"] == 2 and c["aligned_skips"] == 2
+    actor.force_overflow = False                        # a clean step applies again
+    actor.accumulate(batch, n_tok, 4.0)
+    critic.accumulate(batch, n_tok, 4.0)
+    assert not align_overflow(actor, critic)
+    actor.step()
+    assert actor.precision_stats()["skipped_steps"] == 2
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_iter_full_params_equals_hf_state_dict(tiny_model_dir, stage):
+    hf = load_causal_lm(tiny_model_dir)
+    sd = hf.state_dict()
+    ref = Reference(load_causal_lm(tiny_model_dir), ds_config("reference", stage, "fp32"))
+    got = dict(iter_full_params(ref.engine))
+    assert set(got) == {n for n, _ in hf.named_parameters()}     # plain HF names, tied weight once
+    for n, t in got.items():
+        assert torch.equal(t, sd[n]), n
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tiny_model_dir, tmp_path_factory):
+    """A saved sequence classifier (its score head would otherwise be re-initialised on every load)."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    torch.nn.init.normal_(rm.score.weight, std=0.5)
+    out = tmp_path_factory.mktemp("rm")
+    rm.save_pretrained(out)
+    return str(out)
+
+
+def test_int8_reward_close_to_fp32_smaller_and_really_int8(reward_dir):
+    tiny_model_dir = reward_dir
+    batch = make_batch(20)
+    fp32 = RewardModel(load_reward_model(tiny_model_dir, "fp32", "fp32"), ds_config("reward", 0, "fp32"))
+    int8 = RewardModel(load_reward_model(tiny_model_dir, "int8", "fp32"), ds_config("reward", 0, "fp32"), int8=True)
+    s32, s8 = fp32.score(batch), int8.score(batch)
+    err = (s32 - s8).abs().max().item()
+    print(f"int8 vs fp32 reward max |diff| = {err:.4g} (scores std {s32.std():.4g})")
+    assert err <= 0.05 * s32.abs().max().item()  # within 5% of the score scale
+    linear_weights = [m.weight() for m in int8.module.modules() if hasattr(m, "weight") and callable(m.weight)]
+    assert linear_weights and all(w.dtype == torch.qint8 for w in linear_weights)
+    b32, b8 = fp32.precision_stats()["weight_bytes"], int8.precision_stats()["weight_bytes"]
+    print(f"reward weights fp32 {b32/1024:.1f} KiB -> int8 {b8/1024:.1f} KiB")
+    assert b8 < b32
+
+
+def test_grad_checkpointing_trains(tiny_model_dir):
+    actor = Actor(load_causal_lm(tiny_model_dir, grad_checkpointing=True), ds_config("actor", 3, "fp32"), Cfg())
+    assert actor.module.is_gradient_checkpointing
+    batch = ppo_batch(actor, make_batch(actor.module.config.vocab_size))
+    m = actor.update(batch, float(batch["response_mask"].sum()), 4.0)
+    assert math.isfinite(m["pg_loss"])
+
+
+def test_checkpoint_roundtrip(tiny_model_dir, tmp_path):
+    actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 3, "fp32"), Cfg())
+    batch = ppo_batch(actor, make_batch(actor.module.config.vocab_size))
+    actor.update(batch, float(batch["response_mask"].sum()), 4.0)
+    actor.save(str(tmp_path), "step1")
+    want = dict(iter_full_params(actor.engine))
+    other = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 3, "fp32"), Cfg())
+    other.load(str(tmp_path), "step1")
+    for n, t in iter_full_params(other.engine):
+        assert torch.equal(t, want[n]), n

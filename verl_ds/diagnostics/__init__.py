@@ -1,0 +1,1 @@
+"""Memory accounting, precision stats, metrics sinks and the benchmarks."""

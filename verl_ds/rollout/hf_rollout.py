@@ -1,0 +1,97 @@
+"""`HFRollout`: the same interface on `transformers.generate` — the fallback when vLLM is absent
+and the baseline the benchmark compares vLLM against."""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Iterable
+
+import torch
+
+from .batch import RolloutBatch
+from .weights import DTYPES, ParamChecker, eos_token_ids, pad_token_id, resolve_dtype
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """log-softmax of the distribution actually sampled: logits / temperature, then top-p
+    (tokens outside the nucleus get -inf). Greedy (temperature 0) is the raw log-softmax.
+    logits: [..., V] -> [..., V] fp32."""
+    x = logits.float()
+    if temperature > 0:
+        x = x / temperature
+        if top_p < 1.0:
+            sorted_x, idx = x.sort(dim=-1, descending=True)
+            cum = sorted_x.softmax(-1).cumsum(-1)
+            drop = cum - sorted_x.softmax(-1) > top_p     # keep the token that crosses top_p
+            x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+class HFRollout:
+    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu", seed: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        self.model_path, self.device, self.seed = str(model_path), device, seed
+        self.dtype = resolve_dtype(dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.dtype]).to(device).eval()
+        self.checker = ParamChecker(model_path)
+        self.eos_ids = eos_token_ids(model_path)
+        self.pad_id = pad_token_id(model_path)
+        self.restarts = 0
+        self.last_metrics: dict[str, float] = {}
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
+                 top_p: float = 1.0, max_new_tokens: int = 16, seed: int | None = None) -> RolloutBatch:
+        """Left-padded batched `generate`; responses end at (and include) the first eos."""
+        prompts = [list(map(int, p)) for p in prompt_token_ids for _ in range(n)]
+        groups = [i for i in range(len(prompt_token_ids)) for _ in range(n)]
+        if not prompts:
+            return RolloutBatch.from_lists([], [], [], [], [], pad_id=self.pad_id)
+        padded = RolloutBatch.from_lists(prompts, [[]] * len(prompts), [[]] * len(prompts),
+                                         [""] * len(prompts), groups, pad_id=self.pad_id)
+        greedy = temperature <= 0
+        sample_kw = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature,
+                                                           "top_p": top_p, "top_k": 0}
+        rng = torch.random.fork_rng(devices=[]) if seed is not None else nullcontext()
+        t0 = time.perf_counter()
+        with rng:
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=padded.prompt_ids.to(self.device),
+                attention_mask=padded.attention_mask.to(self.device),
+                max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+                output_logits=True, return_dict_in_generate=True, **sample_kw)
+        dt = time.perf_counter() - t0
+        seq = out.sequences[:, padded.prompt_ids.shape[1]:].cpu()              # [B, T]
+        logits = torch.stack(out.logits, dim=1).cpu()                          # [B, T, V] raw
+        lp = processed_logprobs(logits, temperature, top_p).gather(-1, seq.unsqueeze(-1)).squeeze(-1)
+        responses, logprobs, reasons = [], [], []
+        eos = torch.as_tensor(self.eos_ids)
+        for i in range(len(prompts)):
+            hits = torch.isin(seq[i], eos).nonzero()
+            end = int(hits[0]) + 1 if len(hits) else seq.shape[1]
+            responses.append(seq[i, :end].tolist())
+            logprobs.append(lp[i, :end].tolist())
+            reasons.append("stop" if len(hits) else "length")
+        batch = RolloutBatch.from_lists(prompts, responses, logprobs, reasons, groups, pad_id=self.pad_id)
+        ntok = float(batch.response_mask.sum())
+        self.last_metrics = {"timing_s/gen": dt, "perf/rollout_tokens_per_s": ntok / max(dt, 1e-9)}
+        return batch
+
+    @torch.no_grad()
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Copy new weights in place. Each tensor is checked before it is copied, so a bad name or
+        shape raises ValueError (tensors already copied stay copied; the model keeps serving)."""
+        t0 = time.perf_counter()
+        state = self.model.state_dict()
+        self.checker.begin()
+        for name, tensor in named_tensors:
+            if self.checker.check(name, tensor):
+                state[name].copy_(tensor.detach().to(state[name].device, state[name].dtype))
+        self.checker.finish()
+        return {"timing_s/update_weights": time.perf_counter() - t0, "rollout/engine_restarts": 0.0}
+
+    def shutdown(self) -> None:
+        self.model = None

@@ -1,0 +1,104 @@
+"""Checkpoint facts both rollout engines need: parameter names/shapes, eos ids, and a checker.
+
+Names and shapes come from the safetensors headers (no tensor is read), once at start-up, so a
+bad sync is refused before anything reaches an engine.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TIED_HEAD = "lm_head.weight"
+
+
+def resolve_dtype(dtype: str) -> str:
+    """`auto` -> what the hardware prefers (precision.auto_dtype); others pass through, checked."""
+    if dtype == "auto":
+        from verl_ds.precision import auto_dtype
+        dtype = auto_dtype()
+    if dtype not in DTYPES:
+        raise ValueError(f"rollout dtype {dtype!r}: expected one of fp32, fp16, bf16, auto")
+    return dtype
+
+
+def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """{hf_name: shape} over every *.safetensors file of an HF directory (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_path}: no *.safetensors files")
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                shapes[k] = tuple(sf.get_slice(k).get_shape())
+    return shapes
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def eos_token_ids(model_path: str | Path) -> list[int]:
+    """The model's eos id(s): generation_config.json first, then config.json."""
+    p = Path(model_path)
+    for cfg in (_json(p / "generation_config.json"), _json(p / "config.json")):
+        eos = cfg.get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    raise ValueError(f"{model_path}: no eos_token_id in generation_config.json or config.json")
+
+
+def pad_token_id(model_path: str | Path) -> int:
+    p = Path(model_path)
+    for cfg in (_json(p / "generation_config.json"), _json(p / "config.json")):
+        if cfg.get("pad_token_id") is not None:
+            return int(cfg["pad_token_id"])
+    return eos_token_ids(model_path)[0]
+
+
+class ParamChecker:
+    """Checks streamed `(name, tensor)` pairs against the checkpoint's names and shapes."""
+
+    def __init__(self, model_path: str | Path):
+        self.expected = checkpoint_shapes(model_path)
+        tie = _json(Path(model_path) / "config.json").get("tie_word_embeddings", False)
+        self.tied = tie and TIED_HEAD not in self.expected
+        self.seen: set[str] = set()
+
+    def begin(self) -> None:
+        self.seen = set()
+
+    def check(self, name: str, tensor: torch.Tensor) -> bool:
+        """Raise ValueError on an unknown name or wrong shape. False: skip it (a tied lm_head)."""
+        if name in self.seen:
+            raise ValueError(f"weight sync: parameter {name!r} sent twice")
+        if name == TIED_HEAD and self.tied:
+            return False
+        if name not in self.expected:
+            hint = " (strip the 'module.' prefix)" if name.startswith("module.") else ""
+            raise ValueError(f"weight sync: unknown parameter {name!r}{hint}; the rollout model "
+                             f"has e.g. {sorted(self.expected)[:3]}")
+        if tuple(tensor.shape) != self.expected[name]:
+            raise ValueError(f"weight sync: parameter {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the rollout model expects {self.expected[name]}")
+        self.seen.add(name)
+        return True
+
+    def finish(self) -> None:
+        """Raise if some expected parameter never came (a partial sync is silent corruption)."""
+        missing = sorted(set(self.expected) - self.seen)
+        if missing:
+            raise ValueError(f"weight sync: {len(missing)} parameter(s) missing, e.g. {missing[:3]}")
+
+
+def layer_group(name: str) -> str:
+    """Bucket boundaries fall between groups: everything under `...layers.N.` stays together,
+    because vLLM fuses q/k/v and gate/up of one layer and a half-loaded fused layer is garbage."""
+    m = re.match(r"(.*?\.\d+)\.", name)
+    return m.group(1) if m else name.rsplit(".", 1)[0]
