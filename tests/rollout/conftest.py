@@ -8,5 +8,5 @@ def model_pair(tmp_path_factory):
     from verl_ds.data.tiny import build_tiny_llama
 
     root = tmp_path_factory.mktemp("rollout_models")
-    kw = dict(hidden=64, layers=2, heads=4, ffn=128)
+    kw = dict(hidden=64, layers=2, heads=2, ffn=128)   # head_dim 32: vLLM CPU attention rejects 16
     return str(build_tiny_llama(root / "m0", seed=0, **kw)), str(build_tiny_llama(root / "m1", seed=1, **kw))

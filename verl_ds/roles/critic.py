@@ -67,7 +67,7 @@ class Critic(Role):
                 loss = loss * float("inf")
             self.backward(loss * scale, boundary=i == len(mbs) - 1)
             for k, v in {"vf_loss": vf_loss, **m}.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
         return summarize(sums, len(mbs), self.engine.world_size, ("vf_loss",))
 
     def update(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:

@@ -90,7 +90,7 @@ class Actor(PolicyRole):
                 loss = loss * float("inf")
             self.backward(loss * scale, boundary=i == len(mbs) - 1)
             for k, v in {"pg_loss": pg_loss, "entropy": ent, **m}.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
         return summarize(sums, len(mbs), self.engine.world_size, ("pg_loss", "entropy", "kl_loss"))
 
     force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow

@@ -7,6 +7,26 @@ re-runs vLLM's own weight processing (fused qkv / gate_up, tied embeddings).
 """
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
+
+# A bucket holds only some layers by design; vLLM warns about every layer a reload did not touch.
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+
+
+@contextmanager
+def _quiet_partial_reload():
+    loggers = [logging.getLogger(n) for n in _RELOAD_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
 
 class WeightSyncExtension:
     def load_bucket_file(self, path: str) -> int:
@@ -14,11 +34,13 @@ class WeightSyncExtension:
         from safetensors.torch import load_file
 
         tensors = load_file(path)
-        self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        with _quiet_partial_reload():
+            self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         return len(tensors)
 
     def load_named_tensors(self, named) -> int:
         """In-process mode: the tensors themselves (no serialization)."""
         named = list(named)
-        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        with _quiet_partial_reload():
+            self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         return len(named)

@@ -1,0 +1,88 @@
+"""Metric sinks: `metrics.jsonl` (always), W&B (online/offline/disabled), and cross-rank reduction.
+
+Only rank 0 writes. Values are reduced across ranks first: mean, or max for `*_max` keys.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Mean over the ranks that report a key (max for keys ending in `_max`). Ranks may differ in
+    keys: e.g. only the rank that owns the vLLM engine reports its sync and generation numbers."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return dict(metrics)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {k: float(v) for k, v in metrics.items()})
+    out = {}
+    for key in sorted({k for m in everyone for k in m}):
+        vals = [m[key] for m in everyone if key in m]
+        out[key] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
+    return out
+
+
+class Timer:
+    """`with timer("gen"): ...` accumulates seconds into `timing_s/gen`."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"timing_s/{name}"
+            self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - t0
+
+
+class MetricsLogger:
+    """Writes one JSON line per step and mirrors it to W&B. Secrets never reach the config."""
+
+    def __init__(self, run_dir: str | Path, wandb_cfg, config: dict, enabled: bool = True):
+        self.enabled = enabled
+        self.run = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._fh = self.path.open("a")
+        if wandb_cfg.mode != "disabled":
+            import wandb
+
+            self.run = wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, entity=wandb_cfg.entity,
+                                  name=wandb_cfg.run_name, dir=str(run_dir), config=config, reinit="finish_previous")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in metrics.items()}
+        self._fh.write(json.dumps({"step": step, **clean}) + "\n")
+        self._fh.flush()
+        if self.run is not None:
+            self.run.log({k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_samples(self, rows: list[tuple[str, str, float]], step: int) -> None:
+        """A W&B table of (prompt, response, reward) generations."""
+        if self.enabled and self.run is not None:
+            import wandb
+
+            self.run.log({"samples": wandb.Table(columns=["prompt", "response", "reward"], data=rows)}, step=step)
+
+    def finish(self) -> None:
+        if not self.enabled:
+            return
+        self._fh.close()
+        if self.run is not None:
+            self.run.finish()
+            self.run = None

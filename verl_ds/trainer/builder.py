@@ -1,0 +1,67 @@
+"""Builds everything one run needs from a RunConfig: the initial model, tokenizer, prompts, every
+role's DeepSpeed engine and the rollout engine (DeepSpeed-Chat's rlhf_engine.py, in one place)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from verl_ds.config import RunConfig, active_roles, render_ds_configs
+from verl_ds.data.dataset import load_examples, tokenize_prompts
+from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
+from verl_ds.precision import auto_dtype
+from verl_ds.roles import (Actor, Critic, Reference, RewardModel, load_causal_lm, load_reward_model,
+                           load_value_model)
+from verl_ds.roles.dist import rank
+
+log = logging.getLogger(__name__)
+
+
+def _barrier():
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def resolve_model_path(cfg: RunConfig) -> str:
+    """`model.path: tiny` builds a random-init char-level Llama once, under the run dir."""
+    if cfg.model.path != "tiny":
+        if not Path(cfg.model.path).exists():
+            from verl_ds.errors import ConfigError
+            raise ConfigError("model.path", f"model directory not found: {cfg.model.path}")
+        return cfg.model.path
+    out = Path(cfg.trainer.run_dir) / "init_model"
+    if rank() == 0 and not (out / "config.json").exists():
+        t = cfg.model.tiny
+        build_tiny_llama(out, build_char_tokenizer(), hidden=t.hidden, layers=t.layers, heads=t.heads,
+                         ffn=t.ffn, seed=t.seed)
+    _barrier()
+    return str(out)
+
+
+def build_prompts(cfg: RunConfig, tokenizer) -> list[dict]:
+    return tokenize_prompts(load_examples(cfg.data), tokenizer, cfg.data.max_prompt_length,
+                            cfg.data.apply_chat_template)
+
+
+def build_roles(cfg: RunConfig, model_path: str) -> dict:
+    """One DeepSpeed engine per active role, each from its own rendered config."""
+    ds = render_ds_configs(cfg)
+    p, m = cfg.precision, cfg.model
+    gc = p.enable_grad_checkpointing
+    roles = {"actor": Actor(load_causal_lm(model_path, m.trust_remote_code, gc), ds["actor"], cfg.algorithm,
+                            temperature=cfg.rollout.temperature)}
+    if "critic" in active_roles(cfg):
+        roles["critic"] = Critic(load_value_model(m.critic_path or model_path, m.trust_remote_code, gc),
+                                 ds["critic"], cfg.algorithm)
+    if "reference" in ds:
+        roles["reference"] = Reference(load_causal_lm(model_path, m.trust_remote_code), ds["reference"])
+    if "reward" in ds:
+        dtype = p.reward_dtype if p.reward_dtype != "auto" else auto_dtype(cfg.trainer.device)
+        act = p.reward_activation_dtype if p.reward_activation_dtype != "auto" else auto_dtype(cfg.trainer.device)
+        roles["reward"] = RewardModel(load_reward_model(m.reward_path, dtype, act, m.trust_remote_code),
+                                      ds["reward"], int8=dtype == "int8")
+    return roles
+
+
+def build_tokenizer(cfg: RunConfig, model_path: str):
+    return load_tokenizer(cfg.model.tokenizer_path or model_path, cfg.model.trust_remote_code)

@@ -1,0 +1,277 @@
+"""The RL loop: PPO (GAE + critic), GRPO, Dr.GRPO, RLOO, REINFORCE++ on per-role DeepSpeed engines.
+
+`RLTrainer.step()` reads top to bottom as the data flow of one step (see DESIGN.md). It is the only
+place that knows every role; each phase is one call into the layer that owns it.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from verl_ds import algos
+from verl_ds.config import RunConfig
+from verl_ds.data.dataset import PromptSampler
+from verl_ds.data.rewards import get_reward_fn
+from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
+from verl_ds.precision import auto_dtype
+from verl_ds.roles import align_overflow, iter_full_params
+from verl_ds.roles.base import TORCH_DTYPES
+from verl_ds.roles.dist import init_distributed, rank, world_size
+from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
+from verl_ds.trainer import builder
+from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class RLTrainer:
+    def __init__(self, cfg: RunConfig, reward_fn=None):
+        init_distributed()
+        self.cfg, self.rank, self.world = cfg, rank(), world_size()
+        torch.manual_seed(cfg.trainer.seed + self.rank)
+        random.seed(cfg.trainer.seed + self.rank)
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.model_path = builder.resolve_model_path(cfg)
+        self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
+        self.prompts = builder.build_prompts(cfg, self.tokenizer)
+        self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
+        self.reward_fn = reward_fn or get_reward_fn(cfg.data.reward_fn)
+        self.roles = builder.build_roles(cfg, self.model_path)
+        self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
+        self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")
+        self.estimator = algos.get_advantage_estimator(cfg.algorithm.estimator)
+        a = cfg.algorithm
+        self.kl_ctl = (algos.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target
+                       else algos.FixedKLController(a.kl_coef))
+        self.reward_stats = algos.RunningMeanStd()
+        p = cfg.precision
+        self.buffer_dtype = TORCH_DTYPES[p.buffer_dtype if p.buffer_dtype != "auto" else auto_dtype(cfg.trainer.device)]
+        rollout_dtype = p.rollout_dtype if p.rollout_dtype != "auto" else auto_dtype(cfg.trainer.device)
+        self.rollout = make_rollout(cfg.rollout, self.model_path, rollout_dtype, self.rank, self.world, cfg.trainer.seed)
+        self.global_step = 0
+        self.logger = MetricsLogger(self.run_dir, cfg.logging.wandb, asdict(cfg), enabled=self.rank == 0)
+        self._maybe_resume()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> dict[str, float]:
+        cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
+        timer = Timer()
+        with timer("step"):
+            # 1. prompts: every rank draws the same indices and keeps its own share
+            idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank::self.world]
+            examples = [self.prompts[i] for i in idx]
+            # 2. rollout (vLLM on rank 0 or per rank; samples of one prompt stay on one rank)
+            with timer("gen"):
+                batch = generate_distributed(self.rollout, [e["prompt_ids"] for e in examples], r.n,
+                                             r.temperature, r.top_p, r.max_new_tokens,
+                                             seed=cfg.trainer.seed * 100003 + self.global_step)
+            data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                    "response_mask": batch.response_mask}
+            mask = batch.response_mask
+            # 3. rewards: rule function or reward model, then normalization and clipping
+            with timer("reward"):
+                raw_scores = self._score(batch, examples)
+                scores = self._normalize(raw_scores)
+            # 4. old logprobs, reference logprobs, values — stored in the buffer dtype
+            with timer("old_logprob"):
+                old_lp = self.actor.logprobs(data, r.temperature).cpu()
+            with timer("ref"):
+                ref_lp = self.reference.logprobs(data, r.temperature).cpu() if self.reference else None
+            with timer("values"):
+                values = self.critic.values(data).cpu() if self.critic else None
+            buf = {k: self._buffered(v) for k, v in dict(old_logprobs=old_lp, ref_logprobs=ref_lp,
+                                                         old_values=values,
+                                                         rollout_logprobs=batch.rollout_logprobs).items()}
+            # 5. KL: in the reward (classic PPO), or later as a loss term (GRPO style)
+            token_rewards = torch.zeros_like(mask)
+            last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+            token_rewards[last] = scores[(last.sum(-1) > 0)]
+            kl = algos.kl_penalty(buf["old_logprobs"], buf["ref_logprobs"], a.kl_estimator) * mask \
+                if ref_lp is not None else torch.zeros_like(mask)
+            if not a.use_kl_loss:
+                token_rewards = token_rewards - self.kl_ctl.value * kl
+            # 6. advantages (fp32)
+            with timer("adv"):
+                adv, returns = self.estimator(token_rewards=token_rewards, scores=token_rewards.sum(-1),
+                                              values=buf["old_values"], response_mask=mask,
+                                              group_ids=batch.group_ids, gamma=a.gamma, lam=a.lam)
+            train = {**data, **{k: v for k, v in buf.items() if v is not None},
+                     "advantages": adv.float(), "returns": returns.float()}
+            # 7. ppo_epochs over mini-batches for the actor and the critic
+            update_metrics = self._update(train, timer)
+            # 8. sync the new actor weights into the rollout engine
+            with timer("update_weights"):
+                sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
+        self.global_step += 1
+        kl_mean = algos.masked_mean(kl, mask).item() if ref_lp is not None else 0.0
+        self.kl_ctl.update(kl_mean, n_steps=len(batch))
+        # 9. metrics
+        metrics = {
+            **update_metrics, **sync_metrics, **timer.times,
+            "reward/mean": raw_scores.mean().item(), "reward/normalized_mean": scores.mean().item(),
+            "response_length/mean": mask.sum(-1).mean().item(), "actor/kl_ref": kl_mean,
+            "actor/kl_coef": float(self.kl_ctl.value),
+            **{f"rollout_corr/{k}": float(v) for k, v in
+               algos.mismatch_metrics(old_lp, batch.rollout_logprobs, mask).items()},
+            **self._precision_metrics(), **{k: v for k, v in getattr(self.rollout, "last_metrics", {}).items() if k.startswith("perf/")},
+        }
+        metrics["perf/throughput"] = float(batch.attention_mask.sum()) / max(metrics["timing_s/step"], 1e-9)
+        metrics = reduce_metrics(metrics)
+        self.logger.log(metrics, self.global_step)
+        if self.cfg.logging.sample_every and self.global_step % self.cfg.logging.sample_every == 0:
+            self._log_samples(batch, examples, raw_scores)
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    def _score(self, batch, examples) -> torch.Tensor:
+        if self.reward_model is not None:
+            return self.reward_model.score({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                                            "response_mask": batch.response_mask}).cpu()
+        out = []
+        for i, resp in enumerate(self._decode(batch)):
+            out.append(float(self.reward_fn(resp, examples[int(batch.group_ids[i])]["answer"])))
+        return torch.tensor(out)
+
+    def _normalize(self, scores: torch.Tensor) -> torch.Tensor:
+        a = self.cfg.algorithm
+        if a.reward_normalization == "none":
+            return scores.clamp(-a.reward_clip, a.reward_clip) if a.reward_clip else scores
+        return algos.normalize_rewards(scores, mode=a.reward_normalization, clip=a.reward_clip,
+                                       stats=self.reward_stats)
+
+    def _buffered(self, t):
+        """The rollout buffer keeps logprobs/values in `buffer_dtype`; the math upcasts to fp32."""
+        return None if t is None else t.to(self.buffer_dtype).float()
+
+    def _update(self, train: dict, timer: Timer) -> dict[str, float]:
+        n = train["input_ids"].shape[0]
+        mini = (self.cfg.trainer.mini_batch_size or n * self.world) // self.world
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(self.cfg.algorithm.ppo_epochs):
+            perm = torch.randperm(n)
+            for start in range(0, n, mini):
+                mb = {k: v[perm[start:start + mini]] for k, v in train.items()}
+                tokens, seqs = _global_counts(mb["response_mask"])
+                with timer("update_actor"):
+                    m = self.actor.accumulate(mb, tokens, seqs)
+                if self.critic:
+                    with timer("update_critic"):
+                        m.update({f"critic/{k}": v for k, v in self.critic.accumulate(mb, tokens, seqs).items()})
+                    align_overflow(self.actor, self.critic)  # an overflow in either skips both
+                    with timer("update_critic"):
+                        self.critic.step()
+                with timer("update_actor"):
+                    self.actor.step()
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        out = {(k if k.startswith("critic/") else f"actor/{k}"): v / count for k, v in sums.items()}
+        if self.critic:
+            out["critic/vf_explained_var"] = _explained_var(train["returns"], train["old_values"],
+                                                            train["response_mask"])
+        return out
+
+    def _precision_metrics(self) -> dict[str, float]:
+        out = {}
+        for name, role in self.roles.items():
+            for k, v in role.precision_stats().items():
+                if isinstance(v, float):
+                    out[f"precision/{name}/{k}"] = v
+        out["actor/grad_norm"] = out.get("precision/actor/grad_norm", float("nan"))
+        return out
+
+    def _decode(self, batch) -> list[str]:
+        return [self.tokenizer.decode(ids[m > 0].tolist(), skip_special_tokens=True)
+                for ids, m in zip(batch.response_ids, batch.response_mask)]
+
+    def _log_samples(self, batch, examples, scores):
+        rows = [(examples[int(g)]["prompt"], resp, float(s))
+                for g, resp, s in list(zip(batch.group_ids, self._decode(batch), scores))[:16]]
+        self.logger.log_samples(rows, self.global_step)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _trained_roles(self) -> dict:
+        return {k: v for k, v in self.roles.items() if v.trainable}
+
+    def save(self) -> Path:
+        state = {"sampler": self.sampler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                 "reward_stats": self.reward_stats.state_dict()}
+        return save_checkpoint(self.run_dir / "checkpoints", self.global_step, self._trained_roles(), state,
+                               self.cfg.checkpoint.keep_last)
+
+    def _maybe_resume(self) -> None:
+        resume = self.cfg.trainer.resume
+        if resume == "none":
+            return
+        found = list_checkpoints(self.run_dir / "checkpoints")
+        path = found[-1] if resume == "auto" and found else (Path(resume) if resume != "auto" else None)
+        if path is None:
+            log.info("resume: auto found no checkpoint in %s; starting fresh", self.run_dir / "checkpoints")
+            return
+        if not path.is_dir():
+            from verl_ds.errors import ConfigError
+            raise ConfigError("trainer.resume", f"checkpoint directory not found: {path}")
+        state = load_checkpoint(path, self._trained_roles())
+        self.global_step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.reward_stats.load_state_dict(state["reward_stats"])
+        sync_distributed(self.rollout, iter_full_params(self.actor.engine))  # the engine started from step 0
+        if self.rank == 0:
+            log.info("resumed from %s at step %d", path, self.global_step)
+
+    def export(self, out_dir: Path, dtype: str) -> None:
+        """The actor as an HF model (safetensors) in `dtype`, written atomically."""
+        sd = {n: t.to(TORCH_DTYPES[dtype]).cpu() for n, t in iter_full_params(self.actor.engine)}
+        if self.rank == 0:
+            tmp = out_dir.with_name(out_dir.name + ".tmp")
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.actor.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(out_dir, ignore_errors=True)
+            tmp.rename(out_dir)
+        builder._barrier()
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, float]:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        metrics: dict[str, float] = {}
+        bar = tqdm(total=cfg.trainer.steps, initial=self.global_step, disable=self.rank != 0, desc="train")
+        try:
+            while self.global_step < cfg.trainer.steps:
+                metrics = self.step()
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+                every = cfg.checkpoint.every
+                if every and self.global_step % every == 0:
+                    self.save()
+            self.export(self.run_dir / "final_model", cfg.checkpoint.export_dtype)
+        finally:
+            bar.close()
+            self.logger.finish()
+            if self.rollout is not None:
+                self.rollout.shutdown()
+        return metrics
+
+
+def _global_counts(mask: torch.Tensor) -> tuple[float, float]:
+    """Response tokens and sequences in the whole mini-batch, over every rank."""
+    import torch.distributed as dist
+
+    t = torch.tensor([float(mask.sum()), float(mask.shape[0])], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t[0].item(), t[1].item()
+
+
+def _explained_var(returns, values, mask) -> float:
+    var_r = algos.masked_var(returns, mask)
+    return float(1 - algos.masked_var(returns - values, mask) / (var_r + 1e-8))
