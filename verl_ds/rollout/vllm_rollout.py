@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from .batch import RolloutBatch
-from .weights import DTYPES, ParamChecker, eos_token_ids, layer_group, pad_token_id, resolve_dtype
+from .weights import DTYPES, TIED_HEAD, ParamChecker, eos_token_ids, layer_group, pad_token_id, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +140,14 @@ class VLLMRollout:
                 if bucket and g != group and nbytes + size > self.bucket_bytes:
                     self._flush(bucket, staged, stage_dir)
                     bucket, nbytes = [], 0
-                bucket.append((name, tensor.detach().to("cpu", dt).contiguous()))
+                cast = tensor.detach().to("cpu", dt).contiguous()
+                bucket.append((name, cast))
                 nbytes, group = nbytes + size, g
+                if self.checker.tied and name == self.checker.tied_source:
+                    # vLLM 0.32's layerwise reload restores each layer separately: a tied lm_head
+                    # that receives nothing keeps the OLD embedding. Send it, in the same bucket.
+                    bucket.append((TIED_HEAD, cast.clone()))
+                    nbytes += size
             self.checker.finish()
             if bucket:
                 self._flush(bucket, staged, stage_dir)

@@ -69,6 +69,8 @@ class ParamChecker:
         self.expected = checkpoint_shapes(model_path)
         tie = _json(Path(model_path) / "config.json").get("tie_word_embeddings", False)
         self.tied = tie and TIED_HEAD not in self.expected
+        # the input embedding a tied head shares (vLLM's in-place reload needs it sent twice)
+        self.tied_source = next((k for k in self.expected if k.endswith("embed_tokens.weight")), None)
         self.seen: set[str] = set()
 
     def begin(self) -> None:

@@ -115,6 +115,7 @@ class RLTrainer:
             "reward/mean": raw_scores.mean().item(), "reward/normalized_mean": scores.mean().item(),
             "response_length/mean": mask.sum(-1).mean().item(), "actor/kl_ref": kl_mean,
             "actor/kl_coef": float(self.kl_ctl.value),
+            "data/position": float(self.sampler.epoch * self.sampler.n + self.sampler.pos),
             **{f"rollout_corr/{k}": float(v) for k, v in
                algos.mismatch_metrics(old_lp, batch.rollout_logprobs, mask).items()},
             **self._precision_metrics(), **{k: v for k, v in getattr(self.rollout, "last_metrics", {}).items() if k.startswith("perf/")},
@@ -254,6 +255,9 @@ class RLTrainer:
                 if every and self.global_step % every == 0:
                     self.save()
             self.export(self.run_dir / "final_model", cfg.checkpoint.export_dtype)
+            if self.rank == 0:
+                from verl_ds.diagnostics.plots import plot_curves
+                plot_curves(self.logger.path, self.run_dir / "reward_curve.png")
         finally:
             bar.close()
             self.logger.finish()

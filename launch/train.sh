@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Train under the deepspeed launcher: bash launch/train.sh CONFIG.yaml [key=value ...]
+# Env: NUM_RANKS (default: GPUs, or 2 on CPU), HOSTFILE (multi-node GPU clusters), MASTER_PORT.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+config="${1:?usage: launch/train.sh CONFIG.yaml [key=value ...]}"; shift
+port="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}"
+args=(--master_port "$port")
+if [ -n "${HOSTFILE:-}" ]; then
+  args+=(--hostfile "$HOSTFILE")
+elif [ "$VERL_DS_DEVICE" = gpu ]; then
+  args+=(--num_gpus "${NUM_RANKS:-$(nvidia-smi -L | wc -l)}")
+else
+  # CPU: one OpenMP thread per rank, so the ranks and the vLLM worker share the cores.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+  args+=(--num_gpus "${NUM_RANKS:-2}")
+fi
+exec deepspeed "${args[@]}" --module verl_ds.cli train --config "$config" "$@"

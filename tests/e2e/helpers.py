@@ -1,0 +1,51 @@
+"""Run `verl-ds train` through the real deepspeed launcher (2 CPU ranks, gloo, vLLM) and read results."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train_cmd(config: str, run_dir, *overrides, ranks: int = 2):
+    return ["bash", str(ROOT / "launch" / "train.sh"), str(ROOT / "examples" / config),
+            f"trainer.run_dir={run_dir}", *overrides], {**os.environ, "NUM_RANKS": str(ranks)}
+
+
+def run_train(config: str, run_dir, *overrides, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd, env = train_cmd(config, run_dir, *overrides)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    return out
+
+
+def run_until_step(config: str, run_dir, step: int, *overrides, timeout: int = 600):
+    """Start training and kill the whole launcher process group once `step` is logged."""
+    cmd, env = train_cmd(config, run_dir, *overrides)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            rows = read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").exists() else []
+            if rows and rows[-1]["step"] >= step:
+                break
+            time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def wandb_history(run_dir) -> list[dict]:
+    runs = sorted((Path(run_dir) / "wandb").glob("offline-run-*"))
+    assert runs, "no W&B offline run written"
+    out = subprocess.run(["wandb", "leet", "inspect", "--json", str(runs[-1])], capture_output=True, text=True,
+                         timeout=120)
+    recs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return [r["history"] for r in recs if r.get("type") == "history"]
