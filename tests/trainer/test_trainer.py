@@ -7,7 +7,7 @@ from verl_ds.trainer.rl_trainer import RLTrainer
 
 def test_lr_zero_on_policy_ratio_is_one(tmp_path):
     cfg = load_config(None, ["rollout.engine=hf", "trainer.steps=2", "trainer.prompts_per_step=4", "rollout.n=4",
-                             "roles.actor.lr=0.0", "algorithm.ppo_epochs=1", f"trainer.run_dir={tmp_path}",
+                             "roles.actor.lr=0.0", "precision.buffer_dtype=fp32", "algorithm.ppo_epochs=1", f"trainer.run_dir={tmp_path}",
                              "logging.wandb.mode=disabled", "roles.actor.micro_batch_size=8",
                              "roles.reference.micro_batch_size=8", "model.tiny.hidden=32", "model.tiny.ffn=64"])
     trainer = RLTrainer(cfg)

@@ -1,0 +1,29 @@
+"""2 ranks under the real deepspeed launcher: ZeRO-3 reference -> sync_distributed -> rank-0 vLLM
+(multiprocess) -> generate_distributed, checked against HF on both ranks."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.rollout.helpers import free_port
+
+pytest.importorskip("vllm")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+def test_zero3_sync_into_rank0_vllm_under_deepspeed(model_pair):
+    start, trained = model_pair
+    launcher = Path(sys.executable).parent / "deepspeed"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    cmd = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()),
+           str(ROOT / "tests/rollout/e2e_sync_script.py"), trained, start]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    out = proc.stdout + proc.stderr
+    print("\n".join(line for line in out.splitlines() if "dlogprob" in line or "sync metrics" in line))
+    assert proc.returncode == 0, out[-6000:]
+    assert "ROLLOUT_E2E_OK" in out, out[-6000:]

@@ -1,0 +1,43 @@
+"""HFRollout: same interface as VLLMRollout, checked against a manual HF forward."""
+import pytest
+import torch
+
+from tests.rollout.helpers import PROMPTS, load_hf, max_logprob_diff
+from verl_ds.rollout import HFRollout
+from verl_ds.rollout.hf_rollout import processed_logprobs
+
+
+@pytest.fixture(scope="module")
+def hf(model_pair):
+    return HFRollout(model_pair[0], "fp32", seed=0)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_match_manual_forward(hf, model_pair, temperature):
+    batch = hf.generate(PROMPTS, n=2, temperature=temperature, max_new_tokens=8, seed=3)
+    assert len(batch) == 8 and batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert max_logprob_diff(load_hf(model_pair[0]), batch, temperature) <= 1e-4
+    for row, reason in zip(batch.to_lists()["responses"], batch.finish_reasons):
+        assert (reason == "stop") == (row[-1] == 2) and 2 not in row[:-1]     # eos ends and is kept
+    assert hf.last_metrics["perf/rollout_tokens_per_s"] > 0
+    again = hf.generate(PROMPTS, n=2, temperature=temperature, max_new_tokens=8, seed=3)
+    assert torch.equal(again.response_ids, batch.response_ids)
+
+
+def test_sync_and_bad_sync(hf, model_pair):
+    new = load_hf(model_pair[1])
+    m = hf.sync_weights(new.named_parameters())
+    assert m["rollout/engine_restarts"] == 0
+    batch = hf.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=6)
+    assert max_logprob_diff(new, batch, 0.0) <= 1e-5
+    with pytest.raises(ValueError, match="module.model.norm.weight"):
+        hf.sync_weights([("module.model.norm.weight", torch.zeros(64))])
+    with pytest.raises(ValueError, match="shape"):
+        hf.sync_weights([("model.norm.weight", torch.zeros(3))])
+    hf.sync_weights(load_hf(model_pair[0]).named_parameters())
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    lp = processed_logprobs(logits, 1.0, top_p=0.7)
+    assert torch.isinf(lp[0, 2:]).all() and torch.allclose(lp[0, :2].exp().sum(), torch.tensor(1.0))
