@@ -60,4 +60,4 @@ def main(trained_path: str, start_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])   # the launcher adds it

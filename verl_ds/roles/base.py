@@ -43,9 +43,10 @@ def summarize(sums: dict, n_micro: int, world: int, global_keys: tuple) -> dict:
 
 
 class Role:
-    """A model role backed by a DeepSpeed engine. `trainable` roles get the config's optimizer."""
+    """A model role backed by a DeepSpeed engine. `trainable` roles get the config's optimizer
+    (or the torch `optimizer` given)."""
 
-    def __init__(self, name: str, model: torch.nn.Module, ds_config: dict, trainable: bool):
+    def __init__(self, name: str, model: torch.nn.Module, ds_config: dict, trainable: bool, optimizer=None):
         init_distributed()
         import deepspeed
 
@@ -56,8 +57,10 @@ class Role:
         if not trainable:
             model.requires_grad_(False)
             model.eval()
-        params = [p for p in model.parameters() if p.requires_grad] if trainable else None
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+        # a user's torch optimizer replaces the config's optimizer block
+        params = [p for p in model.parameters() if p.requires_grad] if trainable and optimizer is None else None
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
+                                               config=ds_config)
         self.micro_batch_size = int(ds_config["train_micro_batch_size_per_gpu"])
         self.aligned_skips = 0          # steps skipped because the partner role overflowed
         self._last_underflow = float("nan")

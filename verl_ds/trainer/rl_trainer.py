@@ -15,7 +15,7 @@ import torch
 from verl_ds import algos
 from verl_ds.config import RunConfig
 from verl_ds.data.dataset import PromptSampler
-from verl_ds.data.rewards import get_reward_fn
+from verl_ds.data.reward import get_reward_fn
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.precision import auto_dtype
 from verl_ds.roles import align_overflow, iter_full_params

@@ -1,0 +1,1 @@
+"""Entry points users know from other frameworks: `PPOTrainer`, the SFT `Trainer`, `python -m verl_ds.train.ppo`."""
