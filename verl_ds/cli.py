@@ -1,4 +1,4 @@
-"""`verl-ds train | config render | bench … | --version`.
+"""`verl-ds train | config render | bench … | debug memory | --version`.
 
 User mistakes (ConfigError) print one line `error: <where>: <message>` and exit 2.
 """
@@ -42,6 +42,24 @@ def build_parser() -> argparse.ArgumentParser:
     rollout = bsub.add_parser("rollout", help="vLLM vs HF generate tokens/s, and sync vs train-step time")
     rollout.add_argument("--config", required=True)
     rollout.add_argument("overrides", nargs="*")
+    prec = bsub.add_parser("precision", help="the same training under fp32/bf16/fp16: memory, speed, reward, loss scale")
+    prec.add_argument("--config", required=True)
+    prec.add_argument("--dtypes", default="fp32,bf16,fp16")
+    prec.add_argument("--steps", type=int, default=5)
+    prec.add_argument("--out", default=None, help="output folder (default: <trainer.run_dir>/bench_precision)")
+    prec.add_argument("overrides", nargs="*")
+
+    debug = sub.add_parser("debug", help="diagnostics")
+    dsub = debug.add_subparsers(dest="debug_command", parser_class=_Parser, required=True)
+    mem = dsub.add_parser("memory", help="memory per stage and role: analytic estimate vs measured")
+    mem.add_argument("--config", help="run config (with --compare: optional, unused)")
+    mem.add_argument("--stage", default="all", choices=("all", "rollout", "train", "score", "update", "sync"))
+    mem.add_argument("--model-config", help="an HF config.json: estimate only, nothing is built")
+    mem.add_argument("--world-size", type=int, default=None)
+    mem.add_argument("--gpu-memory-gb", type=float, default=None, help="print a fits / doesn't-fit verdict")
+    mem.add_argument("--compare", nargs=2, metavar=("A_YAML", "B_YAML"), help="Markdown delta of two configs")
+    mem.add_argument("--metric", default="peak_memory", choices=("peak_memory", "rollout", "score", "update", "sync"))
+    mem.add_argument("overrides", nargs="*")
     return p
 
 
@@ -69,16 +87,80 @@ def cmd_train(args) -> int:
 
 def cmd_bench(args) -> int:
     from verl_ds.config import load_config
+
+    if args.bench_command == "precision":
+        return cmd_bench_precision(args)
     from verl_ds.diagnostics.bench import bench_rollout
 
     bench_rollout(load_config(args.config, args.overrides))
     return 0
 
 
+def cmd_bench_precision(args) -> int:
+    from pathlib import Path
+
+    from verl_ds.config import load_config
+    from verl_ds.diagnostics.bench_precision import bench_precision, parse_dtypes
+    from verl_ds.trainer.rl_trainer import RLTrainer
+
+    dtypes = parse_dtypes(args.dtypes)
+    if args.steps <= 0:
+        raise ConfigError("--steps", f"must be > 0, got {args.steps}")
+    out = args.out or str(Path(load_config(args.config, args.overrides).trainer.run_dir) / "bench_precision")
+    res = bench_precision(args.config, args.overrides, dtypes, args.steps, out, RLTrainer)
+    print(res["table"])
+    print(f"\nwrote {out}/bench_precision.md, .json, .png")
+    return 0
+
+
+def cmd_debug(args) -> int:
+    """`debug memory`: estimate (+ measured from one real step unless --model-config), or --compare."""
+    from pathlib import Path
+
+    from verl_ds.config import load_config
+    from verl_ds.diagnostics import memory
+    from verl_ds.trainer.builder import resolve_model_path
+
+    def shape_of(cfg):
+        return memory.load_shape(args.model_config or str(Path(resolve_model_path(cfg)) / "config.json"))
+
+    world = args.world_size or 1
+    if args.compare:
+        tables = []
+        for path in args.compare:
+            cfg = load_config(path, args.overrides)
+            from verl_ds.config import render_ds_configs
+            est = memory.estimate_memory(cfg, shape_of(cfg), render_ds_configs(cfg, world), world, args.gpu_memory_gb)
+            tables.append(memory.peak_by_role(est) if args.metric == "peak_memory" else est[args.metric])
+        print(f"## {args.metric}: {args.compare[0]} vs {args.compare[1]} (analytic estimate, world size {world})\n")
+        print(memory.compare_table(*tables, names=tuple(Path(p).stem for p in args.compare)))
+        return 0
+    if not args.config:
+        raise ConfigError("--config", "debug memory needs --config X.yaml (or --compare A.yaml B.yaml)")
+    cfg = load_config(args.config, args.overrides)
+    measured = None
+    if not args.model_config:  # build the real roles and measure one step (own run dir, no W&B)
+        cfg = load_config(args.config, args.overrides + [
+            "logging.wandb.mode=disabled", f"trainer.run_dir={Path(cfg.trainer.run_dir) / 'debug_memory'}"])
+        from verl_ds.trainer.rl_trainer import RLTrainer
+
+        trainer = RLTrainer(cfg)
+        trainer.track_activations = True
+        try:
+            measured = memory.stages_from_metrics(trainer.step())
+        finally:
+            trainer.logger.finish()
+            if trainer.rollout is not None:
+                trainer.rollout.shutdown()
+        world = args.world_size or trainer.world
+    print(memory.report(cfg, shape_of(cfg), world, args.stage, measured, args.gpu_memory_gb))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[verl-ds] %(message)s", stream=sys.stdout)
-    handlers = {"train": cmd_train, "config": cmd_render, "bench": cmd_bench}
+    handlers = {"train": cmd_train, "config": cmd_render, "bench": cmd_bench, "debug": cmd_debug}
     if args.command is None:
         build_parser().print_help()
         return 2

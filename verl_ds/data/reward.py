@@ -45,7 +45,15 @@ def gsm8k_reward(response: str, answer: str) -> float:
     return 1.0 if want is not None and got is not None and abs(got - want) < 1e-6 else 0.0
 
 
-REWARD_FNS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
+def last_number_reward(response: str, answer: str) -> float:
+    """Lenient, for chatty instruct models: the last number in the response equals the answer."""
+    nums = _NUMBER.findall(response)
+    want = _as_number(str(answer).strip())
+    return 1.0 if nums and want is not None and _as_number(nums[-1]) == want else 0.0
+
+
+REWARD_FNS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward,
+                                   "last_number": last_number_reward}
 
 
 def register_reward_fn(name: str, fn: RewardFn) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import torch
 
@@ -42,6 +43,25 @@ def summarize(sums: dict, n_micro: int, world: int, global_keys: tuple) -> dict:
     return {k: v * world if k in global_keys else v / n_micro for k, v in sums.items()}
 
 
+class AutocastWarning(UserWarning):
+    pass
+
+
+_AUTOCAST_WARNED = False
+
+
+def warn_if_autocast(*_hook_args) -> None:
+    """Forward pre-hook on every role's engine: warn once per process when a role runs inside a
+    user-opened `torch.autocast`; the framework owns each role's precision (DeepSpeed's config)."""
+    global _AUTOCAST_WARNED
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    if not _AUTOCAST_WARNED and any(torch.is_autocast_enabled(d) for d in devices):
+        _AUTOCAST_WARNED = True
+        warnings.warn("a role's forward runs inside a user-opened torch.autocast: verl-ds sets each role's "
+                      "precision itself (precision.*_dtype); autocast overrides it and can break fp16 loss "
+                      "scaling or the logprob mismatch. Remove the autocast context.", AutocastWarning, stacklevel=2)
+
+
 class Role:
     """A model role backed by a DeepSpeed engine. `trainable` roles get the config's optimizer
     (or the torch `optimizer` given)."""
@@ -61,6 +81,7 @@ class Role:
         params = [p for p in model.parameters() if p.requires_grad] if trainable and optimizer is None else None
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                                config=ds_config)
+        self.engine.register_forward_pre_hook(warn_if_autocast)
         self.micro_batch_size = int(ds_config["train_micro_batch_size_per_gpu"])
         self.aligned_skips = 0          # steps skipped because the partner role overflowed
         self._last_underflow = float("nan")

@@ -70,8 +70,11 @@ class VLLMRollout:
         self.llm = self._start()
 
     def _start(self):
+        import vllm.envs
         from vllm import LLM
 
+        # An in-process EngineCore freezes vllm.envs (enable_envs_cache): re-read them for this engine.
+        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.multiprocess else "0"}
         if self._threads_bind:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self._threads_bind
@@ -93,15 +96,17 @@ class VLLMRollout:
         from vllm.inputs import TokensPrompt
 
         prompts = [list(map(int, p)) for p in prompt_token_ids]
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
-                                 logprobs=0, stop_token_ids=self.eos_ids, detokenize=False,
-                                 seed=None if seed is None else seed + i) for i in range(len(prompts))]
+        greedy = temperature <= 0     # vLLM refuses n > 1 when greedy: send n copies of n=1 instead
+        reqs = [i for i in range(len(prompts)) for _ in range(n if greedy else 1)]
+        params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=top_p,
+                                 max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos_ids,
+                                 detokenize=False, seed=None if seed is None else seed + i) for i in reqs]
         t0 = time.perf_counter()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                 use_tqdm=False) if prompts else []
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in reqs], params,
+                                 use_tqdm=False) if reqs else []
         dt = time.perf_counter() - t0
         rows = dict(prompts=[], responses=[], logprobs=[], finish_reasons=[], group_ids=[])
-        for i, out in enumerate(outs):
+        for i, out in zip(reqs, outs):
             for c in out.outputs:
                 toks = list(c.token_ids)
                 rows["prompts"].append(prompts[i])

@@ -16,6 +16,7 @@ from verl_ds import algos
 from verl_ds.config import RunConfig
 from verl_ds.data.dataset import PromptSampler
 from verl_ds.data.reward import get_reward_fn
+from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.precision import auto_dtype
 from verl_ds.roles import align_overflow, iter_full_params
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class RLTrainer:
+    track_activations = False  # `debug memory` sets it: also measure saved-for-backward bytes
+
     def __init__(self, cfg: RunConfig, reward_fn=None):
         init_distributed()
         self.cfg, self.rank, self.world = cfg, rank(), world_size()
@@ -59,7 +62,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
-        timer = Timer()
+        # a Timer that also accounts each role's memory per stage (memory/<stage>/<role>/...)
+        timer = MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations)
         with timer("step"):
             # 1. prompts: every rank draws the same indices and keeps its own share
             idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank::self.world]
@@ -111,7 +115,7 @@ class RLTrainer:
         self.kl_ctl.update(kl_mean, n_steps=len(batch))
         # 9. metrics
         metrics = {
-            **update_metrics, **sync_metrics, **timer.times,
+            **update_metrics, **sync_metrics, **timer.times, **timer.memory_metrics(),
             "reward/mean": raw_scores.mean().item(), "reward/normalized_mean": scores.mean().item(),
             "response_length/mean": mask.sum(-1).mean().item(), "actor/kl_ref": kl_mean,
             "actor/kl_coef": float(self.kl_ctl.value),

@@ -1,0 +1,56 @@
+"""Built-in task, rule rewards and their registry, the resumable sampler, prompt files."""
+import json
+
+import pytest
+
+from verl_ds.data.dataset import PromptSampler, load_examples, tokenize_prompts
+from verl_ds.data.reward import arithmetic_reward, get_reward_fn, gsm8k_reward, last_number_reward
+from verl_ds.data.tasks import arithmetic_examples
+from verl_ds.errors import ConfigError
+
+
+def test_arithmetic_task_is_seeded_and_correct():
+    a = arithmetic_examples(50, seed=3, min_value=0, max_value=9, num_operands=3, ops="+-*")
+    assert a == arithmetic_examples(50, seed=3, min_value=0, max_value=9, num_operands=3, ops="+-*")
+    for ex in a:
+        assert str(eval(ex["prompt"][:-1])) == ex["answer"] and ex["prompt"].endswith("=")
+    with pytest.raises(ConfigError, match="data.arithmetic.ops"):
+        arithmetic_examples(1, seed=0, ops="/")
+
+
+def test_rule_rewards():
+    assert arithmetic_reward("7", "7") == 1.0 and arithmetic_reward("71", "7") == 0.0
+    assert arithmetic_reward("work... #### 7", "7") == 1.0
+    assert gsm8k_reward("so #### 1,234", "steps\n#### 1234") == 1.0
+    assert gsm8k_reward("1234", "#### 1234") == 0.0           # the format is required
+    assert last_number_reward("The answer is 12.", "12") == 1.0
+    assert get_reward_fn("gsm8k") is gsm8k_reward
+    assert get_reward_fn("verl_ds.data.reward:last_number_reward") is last_number_reward
+    with pytest.raises(ConfigError, match="data.reward_fn"):
+        get_reward_fn("no_such_reward")
+
+
+def test_sampler_resumes_at_the_same_position():
+    s = PromptSampler(10, seed=0)
+    s.next(7)
+    state = s.state_dict()
+    want = s.next(9)                                          # crosses an epoch boundary
+    t = PromptSampler(10, seed=0)
+    t.load_state_dict(state)
+    assert t.next(9) == want
+
+
+def test_prompt_files_with_chat_free_tokenization(tmp_path, tokenizer):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"q": f"{i}+1=", "a": str(i + 1)}) for i in range(3)))
+
+    class D:
+        task, train_files, prompt_key, answer_key = "files", [str(f)], "q", "a"
+    rows = tokenize_prompts(load_examples(D), tokenizer, max_prompt_length=5, apply_chat_template=False)
+    assert [r["answer"] for r in rows] == ["1", "2", "3"]
+    assert rows[0]["prompt_ids"][0] == tokenizer.bos_token_id and len(rows[0]["prompt_ids"]) == 5
+    short = tokenize_prompts(load_examples(D), tokenizer, max_prompt_length=4, apply_chat_template=False)
+    assert short[0]["prompt_ids"] == rows[0]["prompt_ids"][1:]     # over-long prompts keep their tail
+    D.prompt_key = "missing"
+    with pytest.raises(ConfigError, match="data.prompt_key"):
+        load_examples(D)

@@ -1,0 +1,26 @@
+"""`verl-ds bench precision`: 2 steps per dtype on a tiny model, HF rollout; table, JSON and PNG."""
+import json
+
+from tests.diagnostics.helpers import parse_md_tables, tiny_overrides
+from verl_ds import cli
+
+
+def test_bench_precision_two_steps_per_dtype(tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "precision", "--config", "examples/grpo_cpu_tiny.yaml", "--dtypes", "fp32,bf16,fp16",
+            "--steps", "2", "--out", str(out)] + tiny_overrides(tmp_path / "run") + ["trainer.prompts_per_step=2"]
+    assert cli.main(args) == 0
+    (table,) = parse_md_tables(capsys.readouterr().out)
+    assert [r[0] for r in table[1:]] == ["fp32", "bf16", "fp16"]
+    res = {r["dtype"]: r for r in json.loads((out / "bench_precision.json").read_text())["results"]}
+    assert res["fp16"]["loss_scale"][0] > 1 and res["fp32"]["loss_scale"] == [1.0, 1.0]
+    # 16-bit weights halve the actor's parameter memory (ZeRO-3 keeps fp32 masters either way)
+    for dtype in res:
+        assert res[dtype]["steps"] == 2 and res[dtype]["peak_memory_mib"]["actor"] > 0
+    assert res["fp16"]["peak_memory_mib"]["reference"] < 0.6 * res["fp32"]["peak_memory_mib"]["reference"]
+    assert (out / "bench_precision.png").stat().st_size > 0 and (out / "bench_precision.md").exists()
+
+
+def test_bench_precision_rejects_unknown_dtype(capsys):
+    assert cli.main(["bench", "precision", "--config", "examples/grpo_cpu_tiny.yaml", "--dtypes", "fp8"]) == 2
+    assert "error: --dtypes" in capsys.readouterr().err

@@ -1,0 +1,111 @@
+"""Memory diagnostics: analytic estimate vs real DeepSpeed tensors, per-stage trainer metrics,
+the Markdown compare, the will-it-fit verdict for an 8B Llama, and the autocast warning."""
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.diagnostics.helpers import LLAMA_8B, parse_md_tables, tiny_overrides, write_yaml
+from verl_ds import cli
+from verl_ds.config import load_config, render_ds_configs
+from verl_ds.diagnostics import memory as M
+
+
+@pytest.fixture(scope="module")
+def ppo_step(tmp_path_factory):
+    """One PPO step (actor ZeRO-3, critic ZeRO-2, reference ZeRO-0, all fp32) with activation tracking."""
+    from verl_ds.trainer.rl_trainer import RLTrainer
+
+    cfg = load_config(None, tiny_overrides(tmp_path_factory.mktemp("ppo")) + ["algorithm.estimator=gae"])
+    trainer = RLTrainer(cfg)
+    trainer.track_activations = True
+    metrics = trainer.step()
+    yield cfg, trainer, metrics
+    trainer.logger.finish()
+
+
+def test_estimate_matches_tensor_bytes(ppo_step):
+    cfg, trainer, metrics = ppo_step
+    shape = M.ModelShape.from_hf_config(json.loads(Path(trainer.model_path, "config.json").read_text()))
+    assert shape.params("lm") == sum(p.numel() for p in trainer.reference.module.parameters())
+    est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1)["update"]
+    measured = M.stages_from_metrics(metrics)["update"]
+    for role, comps in {"actor": ("weights_fp32", "master", "grads", "optimizer"),
+                        "critic": ("weights_fp32", "master", "grads", "optimizer"),
+                        "reference": ("weights_fp32",)}.items():
+        for c in comps:
+            e, m = est[role][c], measured[role][c]
+            assert abs(e - m) <= 0.05 * m, f"{role}/{c}: estimate {e} vs measured {m}"
+    assert measured["actor"]["activations"] > 0          # saved-for-backward peak was tracked
+
+
+def test_trainer_step_logs_memory_per_stage(ppo_step):
+    _, _, metrics = ppo_step
+    for key in ("memory/rollout/rollout/weights_fp32_mib", "memory/score/reference/weights_fp32_mib",
+                "memory/update/actor/optimizer_mib", "memory/update/critic/grads_mib",
+                "memory/sync/actor/total_mib", "memory/update/process/rss_mib"):
+        assert metrics.get(key, 0) > 0, key
+    assert any(k.startswith("precision/actor/") for k in metrics)
+
+
+def test_autocast_warning_fires_once(ppo_step, monkeypatch):
+    from verl_ds.roles import base
+
+    _, trainer, _ = ppo_step
+    ids = torch.randint(4, 20, (2, 6))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(2, 2)}
+    monkeypatch.setattr(base, "_AUTOCAST_WARNED", False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.reference.logprobs(batch)                               # no autocast: silent
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            trainer.reference.logprobs(batch)
+            trainer.actor.logprobs(batch)
+    assert sum(issubclass(w.category, base.AutocastWarning) for w in seen) == 1
+
+
+def test_compare_fp16_vs_fp32_is_markdown_and_halves_weights(tmp_path, capsys):
+    base = {"model": {"path": "tiny", "tiny": {"hidden": 32, "ffn": 64}}, "rollout": {"engine": "hf"},
+            "trainer": {"run_dir": str(tmp_path / "run")}}
+    a = write_yaml(tmp_path / "fp32.yaml", {**base, "precision": {"actor_dtype": "fp32", "reference_dtype": "fp32"}})
+    b = write_yaml(tmp_path / "fp16.yaml", {**base, "precision": {"actor_dtype": "fp16", "reference_dtype": "fp16"}})
+    assert cli.main(["debug", "memory", "--compare", a, b, "--metric", "peak_memory"]) == 0
+    (table,) = parse_md_tables(capsys.readouterr().out)
+    assert table[0] == ["role", "component", "fp32", "fp16", "delta", "ratio"]
+    rows = {(r[0], r[1]): r for r in table[1:]}
+    for role in ("actor", "reference"):
+        assert rows[(role, "weights (fp32 → fp16)")][5] == "0.50"
+    assert rows[("actor", "optimizer")][5] == "1.00"             # fp32 Adam states either way
+
+
+def test_debug_memory_measured_report_is_markdown(tmp_path, capsys):
+    cfg = write_yaml(tmp_path / "c.yaml", {"rollout": {"engine": "hf"}})
+    assert cli.main(["debug", "memory", "--config", cfg, "--stage", "train"] + tiny_overrides(tmp_path / "r")) == 0
+    out = capsys.readouterr().out
+    tables = parse_md_tables(out)
+    assert len(tables) == 2 and "### stage: update" in out and "### stage: sync" in out
+    rows = {(r[0], r[1]): r for r in tables[0][1:]}
+    assert rows[("actor", "optimizer")][3] != "n/a"              # measured column filled
+
+
+@pytest.mark.parametrize("world,fits", [(1, False), (8, True)])
+def test_llama8b_zero3_verdict(world, fits, capsys):
+    assert M.load_shape(str(LLAMA_8B)).params() == 8_030_261_248
+    args = ["debug", "memory", "--config", "examples/grpo_cpu_tiny.yaml", "--model-config", str(LLAMA_8B),
+            "--world-size", str(world), "--gpu-memory-gb", "80", "precision.actor_dtype=bf16",
+            "precision.reference_dtype=bf16", "precision.rollout_dtype=bf16",
+            "roles.reference.ds_config=ref_zero3.json", "precision.enable_grad_checkpointing=true",
+            "roles.actor.micro_batch_size=4", "roles.reference.micro_batch_size=4",
+            "data.max_prompt_length=512", "rollout.max_new_tokens=512"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert ("**Verdict: fits**" in out) == fits and "n/a" in out
+    parse_md_tables(out)
+
+
+def test_missing_model_config_is_a_user_error(capsys):
+    assert cli.main(["debug", "memory", "--config", "examples/grpo_cpu_tiny.yaml",
+                     "--model-config", "nope/config.json"]) == 2
+    assert "error: --model-config" in capsys.readouterr().err

@@ -1,0 +1,153 @@
+"""`verl-ds bench precision`: the same training under each precision, side by side.
+
+For each dtype, every role's precision (actor, critic, reference and the rollout engine; the reward
+model keeps its own setting) is set to that dtype and `steps` trainer steps run. Output: a Markdown
+table (peak memory per role, step time, tokens/s, final reward, overflows and skips, loss-scale
+trajectory), the same as JSON, and a PNG of the loss and reward curves.
+
+On CPU the rollout defaults to HF generate (`rollout.engine=hf`; pass `rollout.engine=vllm` to
+override): three vLLM engine starts would dominate the benchmark. fp16 on CPU runs through the
+roles' DeepSpeed fp16 shim (emulated, slow). bf16 on a CPU without avx512_bf16/AMX is slow too.
+
+The trainer is passed in (`make_trainer`, e.g. `RLTrainer`): diagnostics sit above the trainer layer.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+
+from verl_ds.diagnostics.memory import md_table
+from verl_ds.errors import ConfigError
+
+log = logging.getLogger(__name__)
+BENCH_DTYPES = ("fp32", "bf16", "fp16")
+PRECISION_KEYS = ("actor_dtype", "critic_dtype", "reference_dtype", "rollout_dtype")
+
+
+def precision_overrides(dtype: str) -> list[str]:
+    return [f"precision.{k}={dtype}" for k in PRECISION_KEYS]
+
+
+def parse_dtypes(text: str) -> list[str]:
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in BENCH_DTYPES]
+    if bad or not dtypes:
+        raise ConfigError("--dtypes", f"unknown dtype(s) {bad or text!r}; use a comma list of {', '.join(BENCH_DTYPES)}")
+    return dtypes
+
+
+def summarize(dtype: str, rows: list[dict]) -> dict:
+    """One dtype's result from its per-step metrics (pure)."""
+    def series(key):
+        return [r.get(key, float("nan")) for r in rows]
+
+    def peak(role):
+        vals = [v for r in rows for k, v in r.items()
+                if k.startswith("memory/") and k.split("/")[2] == role and k.endswith("/total_mib")]
+        return max(vals) if vals else None
+
+    roles = sorted({k.split("/")[2] for r in rows for k in r if k.startswith("memory/")} - {"process"})
+    trained = [role for role in ("actor", "critic") if any(f"precision/{role}/skipped_steps" in r for r in rows)]
+    proc = [v for r in rows for k, v in r.items() if k.startswith("memory/") and "/process/" in k
+            and (k.endswith("rss_mib") or k.endswith("cuda_peak_mib"))]
+    timed = rows[1:] if len(rows) > 2 else rows  # the first step pays one-off warm-up costs
+    return {
+        "dtype": dtype,
+        "steps": len(rows),
+        "peak_memory_mib": {role: peak(role) for role in roles},
+        "process_peak_mib": max(proc) if proc else None,
+        "step_time_s": statistics.mean(r["timing_s/step"] for r in timed),
+        "tokens_per_s": statistics.mean(r.get("perf/throughput", float("nan")) for r in timed),
+        "final_reward": rows[-1]["reward/mean"],
+        "overflows": {role: int(sum(series(f"precision/{role}/overflow"))) for role in trained},
+        "skipped_steps": {role: int(rows[-1].get(f"precision/{role}/skipped_steps", 0)
+                                    + rows[-1].get(f"precision/{role}/aligned_skips", 0)) for role in trained},
+        "loss_scale": series("precision/actor/loss_scale"),
+        "loss": series("actor/pg_loss"),
+        "reward": series("reward/mean"),
+    }
+
+
+def _fmt(x, spec=".2f"):
+    return "n/a" if x is None else format(x, spec)
+
+
+def markdown(results: list[dict]) -> str:
+    roles = sorted({r for res in results for r in res["peak_memory_mib"]})
+    header = (["dtype"] + [f"peak {r} (MiB)" for r in roles] +
+              ["process peak (MiB)", "step time (s)", "tokens/s", "final reward", "overflows", "skips",
+               "loss scale (per step)"])
+    rows = []
+    for res in results:
+        rows.append([res["dtype"]] + [_fmt(res["peak_memory_mib"].get(r), ".3f") for r in roles] + [
+            _fmt(res["process_peak_mib"], ".0f"), _fmt(res["step_time_s"], ".3f"), _fmt(res["tokens_per_s"], ".1f"),
+            _fmt(res["final_reward"], ".3f"),
+            ", ".join(f"{k} {v}" for k, v in res["overflows"].items()) or "0",
+            ", ".join(f"{k} {v}" for k, v in res["skipped_steps"].items()) or "0",
+            " → ".join(f"{s:g}" for s in res["loss_scale"])])
+    return md_table(header, rows)
+
+
+def plot(results: list[dict], out_png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, key, title in ((axes[0], "loss", "actor/pg_loss"), (axes[1], "reward", "reward/mean")):
+        for res in results:
+            ax.plot(range(1, len(res[key]) + 1), res[key], marker="o", label=res["dtype"])
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+def _finite(x):
+    """NaN/inf -> None, so the JSON is valid."""
+    if isinstance(x, float):
+        return x if x == x and abs(x) != float("inf") else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def run_steps(make_trainer, cfg, steps: int) -> list[dict]:
+    trainer = make_trainer(cfg)
+    try:
+        return [trainer.step() for _ in range(steps)]
+    finally:
+        trainer.logger.finish()
+        if trainer.rollout is not None:
+            trainer.rollout.shutdown()
+
+
+def bench_precision(config_path: str | None, overrides: list[str], dtypes: list[str], steps: int,
+                    out_dir: str | Path, make_trainer) -> dict:
+    """Run `steps` steps per dtype; write bench_precision.{md,json,png} into `out_dir`."""
+    import torch
+
+    from verl_ds.config import load_config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base = [] if torch.cuda.is_available() else ["rollout.engine=hf"]
+    results = []
+    for dtype in dtypes:
+        cfg = load_config(config_path, base + list(overrides) + precision_overrides(dtype)
+                          + [f"trainer.steps={steps}", f"trainer.run_dir={out / dtype}"])
+        log.info("bench precision: %s, %d steps", dtype, steps)
+        results.append(summarize(dtype, run_steps(make_trainer, cfg, steps)))
+    table = markdown(results)
+    (out / "bench_precision.md").write_text(f"# bench precision ({steps} steps per dtype)\n\n{table}\n")
+    (out / "bench_precision.json").write_text(json.dumps(_finite({"steps": steps, "results": results}), indent=2))
+    plot(results, out / "bench_precision.png")
+    return {"table": table, "results": results, "out_dir": str(out)}
