@@ -117,7 +117,7 @@ def cmd_debug(args) -> int:
     """`debug memory`: estimate (+ measured from one real step unless --model-config), or --compare."""
     from pathlib import Path
 
-    from verl_ds.config import load_config
+    from verl_ds.config import load_config, render_ds_configs
     from verl_ds.diagnostics import memory
     from verl_ds.trainer.builder import resolve_model_path
 
@@ -129,7 +129,6 @@ def cmd_debug(args) -> int:
         tables = []
         for path in args.compare:
             cfg = load_config(path, args.overrides)
-            from verl_ds.config import render_ds_configs
             est = memory.estimate_memory(cfg, shape_of(cfg), render_ds_configs(cfg, world), world, args.gpu_memory_gb)
             tables.append(memory.peak_by_role(est) if args.metric == "peak_memory" else est[args.metric])
         print(f"## {args.metric}: {args.compare[0]} vs {args.compare[1]} (analytic estimate, world size {world})\n")
