@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 def tiny_model_dir(tmp_path_factory):
     from verl_ds.data.tiny import build_tiny_llama
 
-    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", hidden=64, layers=2, heads=4, ffn=128))
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", hidden=64, layers=2, heads=2, ffn=128))
 
 
 @pytest.fixture(scope="session")

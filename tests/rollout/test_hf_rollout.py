@@ -41,3 +41,21 @@ def test_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     lp = processed_logprobs(logits, 1.0, top_p=0.7)
     assert torch.isinf(lp[0, 2:]).all() and torch.allclose(lp[0, :2].exp().sum(), torch.tensor(1.0))
+
+
+def test_make_rollout_layouts(model_pair):
+    from verl_ds.config import RolloutConfig
+    from verl_ds.errors import ConfigError
+    from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
+    from verl_ds.rollout.distributed import _cpu_bind_for_rank
+
+    hf = make_rollout(RolloutConfig(engine="hf"), model_pair[0], "fp32", rank=1, world_size=2, seed=0)
+    assert isinstance(hf, HFRollout)                              # HF: every rank owns one
+    with pytest.raises(ConfigError, match="rollout.multiprocess"):  # would deadlock in LLM()
+        make_rollout(RolloutConfig(engine="vllm", multiprocess=False), model_pair[0], "fp32", 0, 2, 0)
+    assert make_rollout(RolloutConfig(engine="vllm"), model_pair[0], "fp32", rank=1, world_size=2, seed=0) is None
+    assert sync_distributed(None, iter([("x", torch.zeros(1))])) == {}   # drains, owns no engine
+    batch = generate_distributed(hf, [[1, 5]], n=2, temperature=0.0, top_p=1.0, max_new_tokens=3)
+    assert len(batch) == 2                                          # world 1: local
+    binds = [_cpu_bind_for_rank(r, 2) for r in range(2)]
+    assert binds[0] and binds[1] and (binds[0] != binds[1] or len(binds[0].split(",")) == 1)

@@ -1,6 +1,8 @@
 """Process-group setup shared by every role (single process under pytest, or the deepspeed launcher)."""
 from __future__ import annotations
 
+import atexit
+import glob
 import logging
 import os
 import socket
@@ -29,6 +31,19 @@ def init_distributed() -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():
+        atexit.register(_remove_shm_buffer)
+
+
+def _remove_shm_buffer() -> None:
+    """DeepSpeed's CPU shm all-reduce leaves a ~66 MB /dev/shm file per rank and run; remove ours."""
+    name = f"deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_" \
+           f"{os.environ.get('RANK', '0')}"
+    for f in glob.glob(os.path.join("/dev/shm", name)):
+        try:
+            os.remove(f)
+        except OSError:
+            pass
 
 
 def rank() -> int:

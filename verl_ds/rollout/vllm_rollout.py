@@ -127,7 +127,10 @@ class VLLMRollout:
         last bucket is loaded: a model that fits one bucket is fully validated before the engine is
         touched, and a ValueError leaves the engine serving. Loaded buckets are kept (in /dev/shm,
         or as tensors in-process) until the sync ends, so an engine that dies mid-reload is rebuilt
-        from the original checkpoint and the whole update replayed into it.
+        from the original checkpoint and the whole update replayed into it: this process holds at
+        most one bucket, /dev/shm one copy of the update while the sync runs. A ValueError after
+        some buckets were loaded (models larger than one bucket) leaves a mix of old and new
+        weights serving until the next complete sync. `rollout/engine_restarts` counts since start.
         """
         t0 = time.perf_counter()
         dt = DTYPES[self.dtype]
