@@ -195,6 +195,9 @@ def render_role(role: str, base: dict, source: str, precision: PrecisionConfig, 
             if params.get(k, "auto") == "auto":
                 params[k] = v
     else:
+        if stage in (1, 2):
+            raise ConfigError(source, f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO "
+                                      f"stage {stage}; use stage 0 or 3")
         ds.pop("optimizer", None)
         ds.pop("scheduler", None)
         ds.pop("gradient_clipping", None)

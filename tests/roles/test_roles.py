@@ -37,6 +37,12 @@ def test_trained_roles_forward_and_step(tiny_model_dir, stage, dtype):
     assert stats["skipped_steps"] == 0
 
 
+def test_frozen_roles_refuse_zero_stage_2():
+    from verl_ds.errors import ConfigError
+    with pytest.raises(ConfigError, match="inference-only"):
+        ds_config("reference", 2, "fp32")   # DeepSpeed asserts "zero stage 2 requires an optimizer"
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_frozen_roles_forward(tiny_model_dir, stage, dtype):
@@ -119,7 +125,7 @@ def test_int8_reward_close_to_fp32_smaller_and_really_int8(reward_dir):
     s32, s8 = fp32.score(batch), int8.score(batch)
     err = (s32 - s8).abs().max().item()
     print(f"int8 vs fp32 reward max |diff| = {err:.4g} (scores std {s32.std():.4g})")
-    assert err <= 0.05 * s32.abs().max().item()  # within 5% of the score scale
+    assert err <= 0.10 * s32.abs().max().item()  # stated tolerance: 10% of the score scale (dynamic int8)
     linear_weights = [m.weight() for m in int8.module.modules() if hasattr(m, "weight") and callable(m.weight)]
     assert linear_weights and all(w.dtype == torch.qint8 for w in linear_weights)
     b32, b8 = fp32.precision_stats()["weight_bytes"], int8.precision_stats()["weight_bytes"]

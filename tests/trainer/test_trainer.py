@@ -1,6 +1,9 @@
 """The loop in one process (HF rollout, real DeepSpeed engines, W&B disabled): on-policy invariants."""
 import math
 
+import pytest
+import torch
+
 from verl_ds.config import load_config
 from verl_ds.trainer.rl_trainer import RLTrainer
 
@@ -17,4 +20,31 @@ def test_lr_zero_on_policy_ratio_is_one(tmp_path):
         assert abs(m["actor/ppo_kl"]) < 1e-6
         assert m["rollout_corr/logprob_abs_diff_max"] < 1e-4   # HF rollout in fp32 = the trainer's weights
         assert math.isfinite(m["actor/pg_loss"])
+    trainer.logger.finish()
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_every_estimator_runs_a_step(tmp_path, estimator):
+    cfg = load_config(None, ["rollout.engine=hf", "trainer.steps=1", "trainer.prompts_per_step=4", "rollout.n=4",
+                             f"algorithm.estimator={estimator}", f"trainer.run_dir={tmp_path}",
+                             "logging.wandb.mode=disabled", "roles.actor.micro_batch_size=8",
+                             "roles.critic.micro_batch_size=8", "roles.reference.micro_batch_size=8",
+                             "model.tiny.hidden=32", "model.tiny.ffn=64"])
+    trainer = RLTrainer(cfg)
+    assert ("critic" in trainer.roles) == (estimator == "gae")     # no critic engine unless needed
+    m = trainer.step()
+    assert math.isfinite(m["actor/pg_loss"])
+    if estimator == "gae":
+        assert math.isfinite(m["critic/vf_loss"]) and "critic/vf_explained_var" in m
+    trainer.logger.finish()
+
+
+def test_buffer_dtype_bf16_rounds_what_the_buffer_stores(tmp_path):
+    cfg = load_config(None, ["rollout.engine=hf", "precision.buffer_dtype=bf16", f"trainer.run_dir={tmp_path}",
+                             "logging.wandb.mode=disabled", "model.tiny.hidden=32", "model.tiny.ffn=64"])
+    trainer = RLTrainer(cfg)
+    x = torch.randn(4, 3, dtype=torch.float32)
+    stored = trainer._buffered(x)
+    assert stored.dtype == torch.float32 and torch.equal(stored, x.to(torch.bfloat16).float())
+    assert not torch.equal(stored, x)
     trainer.logger.finish()

@@ -1,0 +1,48 @@
+"""Run by test_two_ranks.py under `deepspeed --num_gpus 2` (CPU, gloo): ZeRO-3 gather and step sync."""
+import hashlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests.roles.helpers import Cfg, ds_config, make_batch
+from verl_ds.roles import Actor, iter_full_params, load_causal_lm
+from verl_ds.roles.dist import init_distributed
+
+
+def digest(engine) -> str:
+    h = hashlib.sha256()
+    for name, t in iter_full_params(engine):   # collective under ZeRO-3: every rank iterates
+        h.update(name.encode())
+        h.update(t.float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(model_dir: str, stage: int) -> None:
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ds = ds_config("actor", stage, "fp32", micro=2, total=4)
+    ds["train_batch_size"] = 2 * world          # 2 per rank, no accumulation
+    ds["gradient_accumulation_steps"] = 1
+    actor = Actor(load_causal_lm(model_dir), ds, Cfg())
+    before = digest(actor.engine)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, before)
+    assert len(set(everyone)) == 1, f"ZeRO-{stage} gather differs across ranks: {everyone}"
+    batch = make_batch(actor.module.config.vocab_size, b=2, seed=rank)   # different data per rank
+    lp = actor.logprobs(batch)
+    batch = {**batch, "old_logprobs": lp, "advantages": torch.randn_like(lp)}
+    tokens = torch.tensor([float(batch["response_mask"].sum())])
+    dist.all_reduce(tokens)
+    actor.update(batch, global_tokens=tokens.item(), global_seqs=2.0 * world)
+    after = digest(actor.engine)
+    dist.all_gather_object(everyone, after)
+    assert len(set(everyone)) == 1, f"ranks diverged after a step at ZeRO-{stage}"
+    assert after != before, "the step changed nothing"
+    if rank == 0:
+        print(f"TWO_RANK_OK stage={stage}", flush=True)
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    main(args[0], int(args[1]))
