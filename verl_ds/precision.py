@@ -203,7 +203,8 @@ def render_role(role: str, base: dict, source: str, precision: PrecisionConfig, 
         ds.pop("gradient_clipping", None)
         train_batch_size = micro_batch_size * world_size
 
-    _fill_batch_sizes(ds, source, micro_batch_size, train_batch_size, world_size)
+    _fill_batch_sizes(ds, f"{source} (roles.{role}.micro_batch_size)", micro_batch_size, train_batch_size,
+                      world_size)
     ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds

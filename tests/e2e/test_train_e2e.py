@@ -8,7 +8,9 @@ from safetensors.torch import load_file
 from tests.e2e.helpers import read_metrics, run_train, run_until_step, wandb_history
 
 pytestmark = pytest.mark.e2e
-FAST = ["trainer.prompts_per_step=8", "rollout.n=8", "logging.sample_every=2"]
+FAST = ["trainer.prompts_per_step=8", "rollout.n=8", "logging.sample_every=2", "roles.actor.micro_batch_size=16",
+        "roles.critic.micro_batch_size=16", "roles.reference.micro_batch_size=16",
+        "data.reward_fn=tests.e2e.helpers:length_reward"]
 KEYS = ["reward/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
         "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
         "timing_s/step", "perf/throughput", "precision/actor/loss_scale", "precision/actor/skipped_steps",
