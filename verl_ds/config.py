@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import yaml
 
+from verl_ds.algos import ADVANTAGE_ESTIMATORS, AGG_LOSS_MODES, ESTIMATORS_NEEDING_CRITIC, KL_KINDS
 from verl_ds.errors import ConfigError
 from verl_ds.precision import PrecisionConfig, read_ds_json, render_role
 
@@ -75,7 +76,7 @@ class AlgorithmConfig:
     dual_clip_c: Optional[float] = None
     loss_agg_mode: str = "token-mean"
     entropy_coef: float = 0.0
-    vf_clip: float = 0.5
+    vf_clip: Optional[float] = 0.5        # null: no value clipping
     vf_coef: float = 1.0
     kl_estimator: str = "k3"
     use_kl_loss: bool = True               # KL as a loss term (GRPO style) ...
@@ -91,8 +92,8 @@ class AlgorithmConfig:
 class RolloutConfig:
     engine: str = "vllm"                   # vllm | hf
     n: int = 8                             # samples per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0               # > 0; the trainer scores with the same temperature
+    top_p: float = 1.0                     # < 1: rollout logprobs are of the truncated distribution
     max_new_tokens: int = 8
     per_rank: bool = False                 # each rank runs its own engine
     multiprocess: bool = True              # vLLM's default multiprocess mode
@@ -110,7 +111,6 @@ class RoleConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     micro_batch_size: int = 8              # per rank
-    enabled: bool = True
 
 
 def _role(ds: str, lr: float = 1e-6) -> RoleConfig:
@@ -288,21 +288,18 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-
-
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that a single field's type can't express."""
     choices = {
-        "algorithm.estimator": (cfg.algorithm.estimator, ESTIMATORS),
-        "algorithm.kl_estimator": (cfg.algorithm.kl_estimator, ("k1", "k2", "k3", "low_var_kl", "abs")),
-        "algorithm.loss_agg_mode": (cfg.algorithm.loss_agg_mode, (
-            "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")),
+        "algorithm.estimator": (cfg.algorithm.estimator, ADVANTAGE_ESTIMATORS),
+        "algorithm.kl_estimator": (cfg.algorithm.kl_estimator, KL_KINDS),
+        "algorithm.loss_agg_mode": (cfg.algorithm.loss_agg_mode, AGG_LOSS_MODES),
         "algorithm.reward_normalization": (cfg.algorithm.reward_normalization, ("none", "batch", "running")),
         "rollout.engine": (cfg.rollout.engine, ("vllm", "hf")),
         "logging.wandb.mode": (cfg.logging.wandb.mode, ("online", "offline", "disabled")),
         "data.task": (cfg.data.task, ("arithmetic", "files")),
         "trainer.device": (cfg.trainer.device, ("auto", "cpu", "cuda")),
+        "logging.level": (cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR")),
         "checkpoint.export_dtype": (cfg.checkpoint.export_dtype, ("fp32", "fp16", "bf16")),
     }
     for key, (value, allowed) in choices.items():
@@ -311,25 +308,29 @@ def validate(cfg: RunConfig) -> None:
     positive = {
         "trainer.steps": cfg.trainer.steps, "trainer.prompts_per_step": cfg.trainer.prompts_per_step,
         "rollout.n": cfg.rollout.n, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
-        "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs,
+        "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs, "rollout.temperature": cfg.rollout.temperature,
+        "algorithm.kl_horizon": cfg.algorithm.kl_horizon,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(key, f"must be > 0, got {value}")
     if cfg.algorithm.dual_clip_c is not None and cfg.algorithm.dual_clip_c <= 1:
         raise ConfigError("algorithm.dual_clip_c", f"must be > 1, got {cfg.algorithm.dual_clip_c}")
+    if cfg.algorithm.kl_target is not None:
+        if cfg.algorithm.kl_target <= 0:
+            raise ConfigError("algorithm.kl_target", f"must be > 0, got {cfg.algorithm.kl_target}")
+        if cfg.algorithm.use_kl_loss:
+            raise ConfigError("algorithm.kl_target", "the adaptive KL controller acts on the in-reward KL; "
+                                                     "set algorithm.use_kl_loss: false or drop kl_target")
     if cfg.data.task == "files" and not cfg.data.train_files:
         raise ConfigError("data.train_files", "task 'files' needs at least one jsonl or parquet file")
-
-
-NEEDS_CRITIC = ("gae",)
 
 
 def active_roles(cfg: RunConfig) -> list[str]:
     """The roles this run builds: no critic unless the estimator needs one, no reference without KL,
     no reward engine when a rule function scores."""
     roles = ["actor"]
-    if cfg.algorithm.estimator in NEEDS_CRITIC:
+    if cfg.algorithm.estimator in ESTIMATORS_NEEDING_CRITIC:
         roles.append("critic")
     if cfg.algorithm.kl_coef > 0:
         roles.append("reference")
@@ -346,8 +347,9 @@ def render_ds_configs(cfg: RunConfig, world_size: int | None = None) -> dict[str
     if batch % mini:
         raise ConfigError("trainer.mini_batch_size", f"{mini} does not divide the rollout batch "
                           f"{batch} (trainer.prompts_per_step x rollout.n)")
-    if batch % world:
-        raise ConfigError("trainer.prompts_per_step", f"rollout batch {batch} does not split over {world} ranks")
+    if cfg.trainer.prompts_per_step % world:   # every rank must run the same number of micro-batches
+        raise ConfigError("trainer.prompts_per_step", f"{cfg.trainer.prompts_per_step} prompts do not split "
+                                                      f"evenly over {world} ranks")
     out = {}
     for role in active_roles(cfg):
         rc: RoleConfig = getattr(cfg.roles, role)

@@ -215,7 +215,10 @@ def _fill_batch_sizes(ds: dict, source: str, micro: int, total: int, world: int)
         ds["train_micro_batch_size_per_gpu"] = micro
     if ds.get("train_batch_size", "auto") == "auto":
         ds["train_batch_size"] = total
-    micro, total = ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"]
+    if ds["train_batch_size"] != total:   # the loop's mini-batch is what one optimizer step must see
+        raise ConfigError(source, f"train_batch_size {ds['train_batch_size']} != the run's mini-batch {total} "
+                                  "(trainer.mini_batch_size); use \"auto\"")
+    micro = ds["train_micro_batch_size_per_gpu"]
     if micro <= 0 or total % (micro * world):
         raise ConfigError(source, f"train_batch_size {total} is not divisible by micro batch {micro} x "
                                   f"{world} ranks")

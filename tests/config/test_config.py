@@ -106,6 +106,10 @@ BAD_INPUTS = {
     "batch_not_divisible": ("trainer: {prompts_per_step: 3}\nrollout: {n: 4}\n", ["roles.actor.micro_batch_size=5"],
                             "not divisible"),
     "bad_override": ("{}\n", ["trainer.steps=abc"], "trainer.steps: expected int"),
+    "zero_temperature": ("rollout: {temperature: 0}\n", [], "rollout.temperature: must be > 0"),
+    "kl_target_with_kl_loss": ("algorithm: {kl_target: 0.1, use_kl_loss: true}\n", [], "algorithm.kl_target"),
+    "explicit_train_batch": ("roles:\n  actor: {ds_config: TBS}\n", [], "train_batch_size 7 != the run's mini-batch"),
+    "frozen_role_zero2": ("roles:\n  reference: {ds_config: STAGE2}\n", [], "inference-only"),
 }
 
 
@@ -115,7 +119,10 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
     bad = _write(tmp_path, "bad.json", '{"zero_optimization": {"stage": 2,}')
     both = _write(tmp_path, "both.json", json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
     stage0 = _write(tmp_path, "s0.json", json.dumps({"zero_optimization": {"stage": 0}}))
+    stage2 = _write(tmp_path, "s2.json", json.dumps({"zero_optimization": {"stage": 2}}))
+    tbs = _write(tmp_path, "tbs.json", json.dumps({"train_batch_size": 7}))
     text = text.replace("BADJSON", bad).replace("BOTHJSON", both).replace("STAGE0", stage0)
+    text = text.replace("STAGE2", stage2).replace("TBS", tbs)
     cfg = _write(tmp_path, "run.yaml", text)
     out = cli("config", "render", "--config", cfg, *overrides)
     assert out.returncode == 2, out.stdout + out.stderr
@@ -128,3 +135,16 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
 def test_version_flag():
     out = cli("--version")
     assert out.returncode == 0 and out.stdout.startswith("verl-ds ")
+
+
+def test_prompts_must_split_evenly_over_ranks():
+    out = cli("config", "render", "--config", str(CPU_GRPO), "--world-size", "2", "trainer.prompts_per_step=3")
+    assert out.returncode == 2 and "trainer.prompts_per_step" in out.stderr
+
+
+def test_train_with_missing_model_dir_is_one_line(tmp_path):
+    out = cli("train", "--config", str(CPU_GRPO), "model.reward_path=/no/such/rm", f"trainer.run_dir={tmp_path}",
+              "logging.wandb.mode=disabled")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == ["error: model.reward_path: directory not found: /no/such/rm"]
+    assert "Traceback" not in out.stderr

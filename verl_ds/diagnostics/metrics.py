@@ -1,6 +1,6 @@
 """Metric sinks: `metrics.jsonl` (always), W&B (online/offline/disabled), and cross-rank reduction.
 
-Only rank 0 writes. Values are reduced across ranks first: mean, or max for `*_max` keys.
+Only rank 0 writes. Values are reduced across ranks first (see `reduce_metrics`).
 """
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from pathlib import Path
 import torch
 
 
+SUMMED = {"perf/throughput"}   # per-rank tokens/s add up to the job's
+
+
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Mean over the ranks that report a key (max for keys ending in `_max`). Ranks may differ in
+    """Mean over the ranks that report a key (max for `*_max` and `memory/*`, sum for SUMMED). Ranks may differ in
     keys: e.g. only the rank that owns the vLLM engine reports its sync and generation numbers."""
     import torch.distributed as dist
 
@@ -25,7 +28,12 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     out = {}
     for key in sorted({k for m in everyone for k in m}):
         vals = [m[key] for m in everyone if key in m]
-        out[key] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
+        if key in SUMMED:
+            out[key] = sum(vals)
+        elif key.endswith("_max") or key.startswith("memory/"):   # the worst rank is what matters
+            out[key] = max(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
     return out
 
 

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from verl_ds.precision import ds_dtype
-from verl_ds.roles.dist import enable_cpu_fp16, init_distributed
+from verl_ds.roles.dist import all_reduce_sum, enable_cpu_fp16, init_distributed
 
 log = logging.getLogger(__name__)
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -114,12 +114,8 @@ class Role:
         """Whether the reduced gradients of the pending (boundary) step hold inf/NaN."""
         if self.dtype != "fp16":
             return False
-        import torch.distributed as dist
-
-        bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in self._grad_partitions()))])
-        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank must decide alike
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bool(bad.item())
+        bad = float(any(not torch.isfinite(g).all() for g in self._grad_partitions()))
+        return all_reduce_sum([bad])[0] > 0      # every rank must decide alike
 
     def force_skip(self) -> None:
         """Make DeepSpeed skip the pending step through its own overflow path (aligned overflow)."""

@@ -56,6 +56,7 @@ class Critic(Role):
         c = self.cfg
         scale = self.engine.gradient_accumulation_steps() * self.engine.world_size
         mbs = list(micro_batches(self.to_device(batch), self.micro_batch_size))
+        assert len(mbs) == self.engine.gradient_accumulation_steps(), "mini-batch != micro x accumulation"
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):
             values = self.forward(mb)

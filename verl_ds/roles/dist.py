@@ -51,6 +51,28 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def device_tensor(values, dtype=torch.float64) -> torch.Tensor:
+    """A tensor on this rank's accelerator, as NCCL all-reduces need (gloo takes CPU)."""
+    from deepspeed.accelerator import get_accelerator
+    return torch.tensor(values, dtype=dtype, device=get_accelerator().current_device_name())
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over ranks (identity in a 1-rank world)."""
+    import torch.distributed as dist
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    t = device_tensor(values)
+    dist.all_reduce(t)
+    return t.cpu().tolist()
+
+
 def world_size() -> int:
     import torch.distributed as dist
     return dist.get_world_size() if dist.is_initialized() else 1

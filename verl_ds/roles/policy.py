@@ -23,14 +23,20 @@ class PolicyRole(Role):
 
     def forward(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
         resp_len = batch["response_mask"].shape[1]
-        logits = self.engine(**model_inputs(batch), use_cache=False).logits
-        logits = logits[:, -resp_len - 1:-1]                  # position t predicts token t + 1
+        # only the positions that predict response tokens: no [B, P, V] logits for the prompt
+        logits = self.engine(**model_inputs(batch), use_cache=False, logits_to_keep=resp_len + 1).logits
+        logits = logits[:, :-1]                               # position t predicts token t + 1
         if temperature != 1.0:
             logits = logits / temperature                     # match the rollout's processed logprobs
         labels = batch["input_ids"][:, -resp_len:]
         logprob = algos.logprobs_from_logits(logits, labels, chunk_size=1024)
-        entropy = algos.entropy_from_logits(logits, chunk_size=1024) if with_entropy else None
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and self._entropy_needs_grad):
+                entropy = algos.entropy_from_logits(logits, chunk_size=1024)
         return logprob, entropy
+
+    _entropy_needs_grad = False   # only an entropy bonus needs its gradient
 
     @torch.no_grad()
     def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
@@ -59,6 +65,7 @@ class Actor(PolicyRole):
     def __init__(self, model, ds_config: dict, loss_cfg, temperature: float = 1.0):
         super().__init__("actor", model, ds_config, trainable=True)
         self.cfg, self.temperature = loss_cfg, temperature
+        self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
 
     def accumulate(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
         """Forward/backward over one mini-batch (this rank's share), leaving the optimizer step to
@@ -66,6 +73,7 @@ class Actor(PolicyRole):
         c = self.cfg
         scale = self.engine.gradient_accumulation_steps() * self.engine.world_size  # undo DS averaging
         mbs = list(micro_batches(self.to_device(batch), self.micro_batch_size))
+        assert len(mbs) == self.engine.gradient_accumulation_steps(), "mini-batch != micro x accumulation"
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):
             mask = mb["response_mask"]

@@ -30,7 +30,8 @@ def _cpu_bind_for_rank(rank: int, world_size: int) -> str | None:
     return ",".join(map(str, mine))
 
 
-def make_rollout(rollout_cfg, model_path: str, dtype: str, rank: int, world_size: int, seed: int):
+def make_rollout(rollout_cfg, model_path: str, dtype: str, rank: int, world_size: int, seed: int,
+                 trust_remote_code: bool = False):
     """The rollout this rank owns, or None (rank-0 mode, rank > 0)."""
     from .hf_rollout import HFRollout
 
@@ -43,7 +44,7 @@ def make_rollout(rollout_cfg, model_path: str, dtype: str, rank: int, world_size
             engine = "hf"
     if engine == "hf":
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return HFRollout(model_path, dtype, device=device, seed=seed + rank)
+        return HFRollout(model_path, dtype, device=device, seed=seed + rank, trust_remote_code=trust_remote_code)
     if engine != "vllm":
         raise ValueError(f"rollout.engine: unknown engine {engine!r} (vllm | hf)")
     if world_size > 1 and not rollout_cfg.per_rank and not rollout_cfg.multiprocess:
@@ -63,7 +64,8 @@ def make_rollout(rollout_cfg, model_path: str, dtype: str, rank: int, world_size
         model_path, dtype, max_model_len=rollout_cfg.max_model_len, kv_cache_gb=rollout_cfg.kv_cache_gb,
         enforce_eager=rollout_cfg.enforce_eager, multiprocess=rollout_cfg.multiprocess,
         bucket_mb=rollout_cfg.bucket_mb, seed=seed + (rank if rollout_cfg.per_rank else 0),
-        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization, cpu_threads_bind=bind)
+        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization, cpu_threads_bind=bind,
+        trust_remote_code=trust_remote_code)
     rollout.serves_all_ranks = shared   # generate_distributed gathers every rank's prompts here
     return rollout
 

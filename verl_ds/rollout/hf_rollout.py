@@ -28,12 +28,14 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
 
 
 class HFRollout:
-    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu", seed: int = 0):
+    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu", seed: int = 0,
+                 trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.model_path, self.device, self.seed = str(model_path), device, seed
         self.dtype = resolve_dtype(dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.dtype]).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.dtype],
+                                                          trust_remote_code=trust_remote_code).to(device).eval()
         self.checker = ParamChecker(model_path)
         self.eos_ids = eos_token_ids(model_path)
         self.pad_id = pad_token_id(model_path)

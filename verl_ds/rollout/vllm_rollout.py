@@ -48,7 +48,7 @@ class VLLMRollout:
     def __init__(self, model_path: str, dtype: str = "fp32", *, max_model_len: int = 256,
                  kv_cache_gb: float = 0.25, enforce_eager: bool = True, multiprocess: bool = True,
                  bucket_mb: int = 256, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 cpu_threads_bind: str | None = None):
+                 cpu_threads_bind: str | None = None, trust_remote_code: bool = False):
         self.model_path = str(model_path)
         self.dtype = resolve_dtype(dtype)
         self.multiprocess = multiprocess
@@ -61,6 +61,7 @@ class VLLMRollout:
         self.last_metrics: dict[str, float] = {}
         self._llm_kwargs = dict(
             model=self.model_path, dtype=_VLLM_DTYPE[self.dtype], skip_tokenizer_init=True,
+            trust_remote_code=trust_remote_code,
             enforce_eager=enforce_eager, max_model_len=max_model_len, seed=seed,
             kv_cache_memory_bytes=int(kv_cache_gb * 2**30), gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode="processed_logprobs",

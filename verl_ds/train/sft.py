@@ -9,15 +9,14 @@ the engine (a `Role`), so overflows, skipped steps and loss scale are DeepSpeed'
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import torch
 
 from verl_ds.errors import ConfigError
 from verl_ds.precision import LossScaling, auto_dtype, precision_blocks
-from verl_ds.roles.base import TORCH_DTYPES, Role
-from verl_ds.roles.params import iter_full_params
+from verl_ds.roles.base import Role
+from verl_ds.roles.params import export_hf
 
 log = logging.getLogger(__name__)
 STRATEGIES = {"ddp": 0, "zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -139,18 +138,4 @@ class Trainer:
 
     def save(self, out_dir: str | Path, dtype: str | None = None) -> Path:
         """Export an HF model (safetensors) atomically; all ranks must call it (ZeRO-3 gathers)."""
-        from verl_ds.roles.dist import rank
-
-        dt = TORCH_DTYPES[dtype or ("fp32" if self.precision == "fp32" else self.precision)]
-        sd = {n: t.to(dt).cpu() for n, t in iter_full_params(self.engine)}
-        out = Path(out_dir)
-        if rank() == 0:
-            tmp = out.with_name(out.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.engine.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(tmp)
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
-        return out
-
+        return export_hf(self.engine, out_dir, dtype or self.precision, self.tokenizer)

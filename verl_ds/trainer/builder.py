@@ -7,40 +7,43 @@ from pathlib import Path
 
 from verl_ds.config import RunConfig, active_roles, render_ds_configs
 from verl_ds.data.dataset import load_examples, tokenize_prompts
+from verl_ds.errors import ConfigError
 from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
 from verl_ds.precision import auto_dtype
 from verl_ds.roles import (Actor, Critic, Reference, RewardModel, load_causal_lm, load_reward_model,
                            load_value_model)
-from verl_ds.roles.dist import rank
+from verl_ds.roles.dist import barrier, rank
 
 log = logging.getLogger(__name__)
 
 
-def _barrier():
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
+def _check_dirs(cfg: RunConfig) -> None:
+    for key in ("path", "tokenizer_path", "critic_path", "reward_path"):
+        value = getattr(cfg.model, key)
+        if value and not (key == "path" and value == "tiny") and not Path(value).is_dir():
+            raise ConfigError(f"model.{key}", f"directory not found: {value}")
 
 
 def resolve_model_path(cfg: RunConfig) -> str:
     """`model.path: tiny` builds a random-init char-level Llama once, under the run dir."""
+    _check_dirs(cfg)
     if cfg.model.path != "tiny":
-        if not Path(cfg.model.path).exists():
-            from verl_ds.errors import ConfigError
-            raise ConfigError("model.path", f"model directory not found: {cfg.model.path}")
         return cfg.model.path
     out = Path(cfg.trainer.run_dir) / "init_model"
     if rank() == 0 and not (out / "config.json").exists():
         t = cfg.model.tiny
         build_tiny_llama(out, build_char_tokenizer(), hidden=t.hidden, layers=t.layers, heads=t.heads,
                          ffn=t.ffn, seed=t.seed)
-    _barrier()
+    barrier()
     return str(out)
 
 
 def build_prompts(cfg: RunConfig, tokenizer) -> list[dict]:
-    return tokenize_prompts(load_examples(cfg.data), tokenizer, cfg.data.max_prompt_length,
-                            cfg.data.apply_chat_template)
+    prompts = tokenize_prompts(load_examples(cfg.data), tokenizer, cfg.data.max_prompt_length,
+                               cfg.data.apply_chat_template)
+    if not prompts:
+        raise ConfigError("data", "the prompt dataset is empty")
+    return prompts
 
 
 def build_roles(cfg: RunConfig, model_path: str) -> dict:

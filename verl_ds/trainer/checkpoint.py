@@ -14,18 +14,9 @@ from pathlib import Path
 
 import torch
 
+from verl_ds.roles.dist import barrier, rank
+
 _STEP = re.compile(r"^step_(\d+)$")
-
-
-def _barrier():
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -35,32 +26,43 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def save_checkpoint(root: Path, step: int, roles: dict, state: dict, keep_last: int) -> Path:
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     for name, role in roles.items():
         role.save(str(tmp / name), tag="ds")
-    if _rank() == 0:
+    if rank() == 0:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
     # per-rank RNG (sampling seeds differ per rank)
     torch.save({"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-                "python_pos": random.getstate()[2]}, tmp / f"rng_rank{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+                "python_pos": random.getstate()[2]}, tmp / f"rng_rank{rank()}.pt")
+    barrier()
+    if rank() == 0:
+        old = root / f".step_{step}.old"        # swap by renames: a complete step_<k> always exists
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
         tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
         for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    barrier()
     return final
 
 
 def load_checkpoint(path: Path, roles: dict) -> dict:
     """Restore roles and RNG; return the trainer state dict (step, sampler, kl, reward_norm)."""
+    from verl_ds.errors import ConfigError
+
+    missing = [p.name for p in [path / "trainer_state.json", path / f"rng_rank{rank()}.pt",
+                                *(path / name for name in roles)] if not p.exists()]
+    if missing:
+        raise ConfigError("trainer.resume", f"{path} is not a complete verl-ds checkpoint (missing: "
+                                            f"{', '.join(missing)})")
     for name, role in roles.items():
         role.load(str(path / name), tag="ds")
-    rng = torch.load(path / f"rng_rank{_rank()}.pt", weights_only=True)
+    rng = torch.load(path / f"rng_rank{rank()}.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate((3, tuple(rng["python"]), rng["python_pos"]))
     return json.loads((path / "trainer_state.json").read_text())

@@ -20,8 +20,9 @@ from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.precision import auto_dtype
 from verl_ds.roles import align_overflow, iter_full_params
+from verl_ds.roles.params import export_hf
 from verl_ds.roles.base import TORCH_DTYPES
-from verl_ds.roles.dist import init_distributed, rank, world_size
+from verl_ds.roles.dist import all_reduce_sum, barrier, init_distributed, rank, world_size
 from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
 from verl_ds.trainer import builder
 from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
@@ -35,6 +36,8 @@ class RLTrainer:
     def __init__(self, cfg: RunConfig, reward_fn=None):
         init_distributed()
         self.cfg, self.rank, self.world = cfg, rank(), world_size()
+        # rank 0 logs at logging.level; other ranks only warnings
+        logging.getLogger("verl_ds").setLevel(cfg.logging.level if self.rank == 0 else logging.WARNING)
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
         self.run_dir = Path(cfg.trainer.run_dir)
@@ -54,7 +57,8 @@ class RLTrainer:
         p = cfg.precision
         self.buffer_dtype = TORCH_DTYPES[p.buffer_dtype if p.buffer_dtype != "auto" else auto_dtype(cfg.trainer.device)]
         rollout_dtype = p.rollout_dtype if p.rollout_dtype != "auto" else auto_dtype(cfg.trainer.device)
-        self.rollout = make_rollout(cfg.rollout, self.model_path, rollout_dtype, self.rank, self.world, cfg.trainer.seed)
+        self.rollout = make_rollout(cfg.rollout, self.model_path, rollout_dtype, self.rank, self.world,
+                                    cfg.trainer.seed, trust_remote_code=cfg.model.trust_remote_code)
         self.global_step = 0
         self.logger = MetricsLogger(self.run_dir, cfg.logging.wandb, asdict(cfg), enabled=self.rank == 0)
         self._maybe_resume()
@@ -107,8 +111,9 @@ class RLTrainer:
             with timer("update_weights"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
         self.global_step += 1
-        kl_mean = algos.masked_mean(kl, mask).item() if ref_lp is not None else 0.0
-        self.kl_ctl.update(kl_mean, n_steps=len(batch))
+        kl_sum, n_tok, n_seq = all_reduce_sum([float((kl * mask).sum()), float(mask.sum()), float(len(batch))])
+        kl_mean = kl_sum / max(n_tok, 1.0)
+        self.kl_ctl.update(kl_mean, n_steps=int(n_seq))     # same value on every rank
         # 9. metrics (reduced over ranks; rank 0 writes them)
         metrics = reduce_metrics({
             **update_metrics, **sync_metrics, **timer.times, **timer.memory_metrics(),
@@ -134,8 +139,12 @@ class RLTrainer:
         a = self.cfg.algorithm
         if a.reward_normalization == "none":
             return scores.clamp(-a.reward_clip, a.reward_clip) if a.reward_clip else scores
-        return algos.normalize_rewards(scores, mode=a.reward_normalization, clip=a.reward_clip,
-                                       stats=self.reward_stats)
+        # statistics over the whole batch (every rank), so each rank's normalizer state stays identical
+        everyone = _all_gather(scores.tolist())
+        start = sum(len(x) for x in everyone[:self.rank])
+        full = algos.normalize_rewards(torch.tensor([v for x in everyone for v in x]), mode=a.reward_normalization,
+                                       clip=a.reward_clip, stats=self.reward_stats)
+        return full[start:start + len(scores)]
 
     def _buffered(self, t):
         """The rollout buffer keeps logprobs/values in `buffer_dtype`; the math upcasts to fp32."""
@@ -235,16 +244,7 @@ class RLTrainer:
 
     def export(self, out_dir: Path, dtype: str) -> None:
         """The actor as an HF model (safetensors) in `dtype`, written atomically."""
-        sd = {n: t.to(TORCH_DTYPES[dtype]).cpu() for n, t in iter_full_params(self.actor.engine)}
-        if self.rank == 0:
-            tmp = out_dir.with_name(out_dir.name + ".tmp")
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.actor.module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            shutil.rmtree(out_dir, ignore_errors=True)
-            tmp.rename(out_dir)
-        builder._barrier()
+        export_hf(self.actor.engine, out_dir, dtype, self.tokenizer)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -261,6 +261,8 @@ class RLTrainer:
                 every = cfg.checkpoint.every
                 if every and self.global_step % every == 0:
                     self.save()
+            if not (cfg.checkpoint.every and self.global_step % cfg.checkpoint.every == 0):
+                self.save()                     # the final state, for resume and for the record
             self.export(self.run_dir / "final_model", cfg.checkpoint.export_dtype)
             if self.rank == 0:
                 from verl_ds.diagnostics.plots import plot_curves
@@ -282,14 +284,19 @@ def _token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.T
     return rewards - kl_penalty if kl_penalty is not None else rewards
 
 
+def _all_gather(obj) -> list:
+    import torch.distributed as dist
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def _global_counts(mask: torch.Tensor) -> tuple[float, float]:
     """Response tokens and sequences in the whole mini-batch, over every rank."""
-    import torch.distributed as dist
-
-    t = torch.tensor([float(mask.sum()), float(mask.shape[0])], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t[0].item(), t[1].item()
+    tokens, seqs = all_reduce_sum([float(mask.sum()), float(mask.shape[0])])
+    return tokens, seqs
 
 
 def _explained_var(returns, values, mask) -> float:
