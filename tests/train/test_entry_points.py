@@ -65,7 +65,11 @@ def test_sft_trainer_lowers_loss(tiny_model_dir, precision, grad_scaler, tmp_pat
     assert sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2
     assert t.skipped_steps == 0
     out = t.save(tmp_path / "sft")
-    assert (out / "model.safetensors").exists()
+    import json
+    from safetensors.torch import load_file
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert all(v.dtype == want for v in load_file(str(out / "model.safetensors")).values())
+    assert json.loads((out / "config.json").read_text())["dtype"] == str(want).split(".")[1]
 
 
 def test_sft_fp16_forced_overflow_is_skipped_and_counted(tiny_model_dir):

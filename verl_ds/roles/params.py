@@ -51,7 +51,7 @@ def export_hf(engine, out_dir: str | Path, dtype: str, tokenizer=None) -> Path:
         module = getattr(engine, "module", engine)
         tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
         shutil.rmtree(tmp, ignore_errors=True)
-        module.config.torch_dtype = TORCH_DTYPES[dtype]
+        module.config.dtype = TORCH_DTYPES[dtype]   # transformers 5 name (was torch_dtype)
         module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
