@@ -15,4 +15,6 @@ else
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
   args+=(--num_gpus "${NUM_RANKS:-2}")
 fi
-exec deepspeed "${args[@]}" --module verl_ds.cli train --config "$config" "$@"
+# DeepSpeed's CPU shm all-reduce leaves a ~66 MB /dev/shm file per rank; remove this run's on exit.
+trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_* 2>/dev/null || true' EXIT
+deepspeed "${args[@]}" --module verl_ds.cli train --config "$config" "$@"
