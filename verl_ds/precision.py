@@ -14,11 +14,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from verl_ds.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("fp32", "fp16", "bf16", "int8", "auto")
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TRAINED_ROLES = ("actor", "critic")
 ROLES = ("actor", "critic", "reference", "reward")
 DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
@@ -73,15 +76,6 @@ class PrecisionConfig:
             if isinstance(ls, dict):  # Python API convenience: plain dicts are accepted
                 setattr(self, f"{role}_loss_scaling", LossScaling(**ls))
 
-    def resolved(self, device: str | None = None) -> "PrecisionConfig":
-        """A copy with every `auto` replaced by the hardware's choice (logged once)."""
-        auto = auto_dtype(device)
-        out = copy.deepcopy(self)
-        for f in fields(out):
-            if f.name.endswith("_dtype") and getattr(out, f.name) == "auto":
-                setattr(out, f.name, "fp32" if f.name == "actor_master_weight_dtype" else auto)
-        return out
-
     def role_dtype(self, role: str) -> str:
         return getattr(self, f"{role}_dtype")
 
@@ -89,8 +83,6 @@ class PrecisionConfig:
 @lru_cache(maxsize=None)
 def auto_dtype(device: str | None = None) -> str:
     """Pick the compute dtype from the hardware and log the choice and the reason once."""
-    import torch
-
     if (device in (None, "auto", "cuda")) and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         choice, why = ("bf16", f"CUDA capability {major}.{minor} >= 8") if major >= 8 else \

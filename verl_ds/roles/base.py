@@ -16,7 +16,6 @@ from verl_ds.precision import ds_dtype
 from verl_ds.roles.dist import all_reduce_sum, enable_cpu_fp16, init_distributed
 
 log = logging.getLogger(__name__)
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def model_inputs(batch: dict) -> dict:
@@ -98,6 +97,36 @@ class Role:
         return {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
     # ------------------------------------------------------------ training (trainable roles)
+    force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow
+    global_metric_keys: tuple = ()   # metrics normalised by global counts (see `summarize`)
+
+    def micro_loss(self, mb: dict, counts: dict) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics) of one micro-batch; `counts` = global_tokens/global_seqs for agg_loss."""
+        raise NotImplementedError
+
+    def accumulate(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
+        """Forward/backward over one mini-batch (this rank's share), leaving the optimizer step to
+        `step()`. Losses use global counts, so the accumulated gradient equals the full mini-batch's."""
+        gas = self.engine.gradient_accumulation_steps()
+        scale = gas * self.engine.world_size            # undo DeepSpeed's 1/gas and rank averaging
+        mbs = list(micro_batches(self.to_device(batch), self.micro_batch_size))
+        assert len(mbs) == gas, "mini-batch != micro x accumulation"
+        counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
+        sums: dict[str, float] = {}
+        for i, mb in enumerate(mbs):
+            loss, metrics = self.micro_loss(mb, counts)
+            if self.force_overflow:
+                loss = loss * float("inf")
+            self.backward(loss * scale, boundary=i == len(mbs) - 1)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+        return summarize(sums, len(mbs), self.engine.world_size, self.global_metric_keys)
+
+    def update(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
+        metrics = self.accumulate(batch, global_tokens, global_seqs)
+        self.step()
+        return metrics
+
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """Backward through the engine; `engine.step()` for all but the boundary micro-batch, whose
         step is left to `step()` so that overflow can be aligned with another role first."""

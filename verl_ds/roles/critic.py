@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from verl_ds import algos
-from verl_ds.roles.base import Role, micro_batches, model_inputs, summarize
+from verl_ds.roles.base import Role, micro_batches, model_inputs
 
 
 class ValueModel(torch.nn.Module):
@@ -50,28 +50,10 @@ class Critic(Role):
     def values(self, batch: dict) -> torch.Tensor:
         return torch.cat([self.forward(mb) for mb in micro_batches(self.to_device(batch), self.micro_batch_size)])
 
-    force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow
+    global_metric_keys = ("vf_loss",)
 
-    def accumulate(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
+    def micro_loss(self, mb: dict, counts: dict):
         c = self.cfg
-        scale = self.engine.gradient_accumulation_steps() * self.engine.world_size
-        mbs = list(micro_batches(self.to_device(batch), self.micro_batch_size))
-        assert len(mbs) == self.engine.gradient_accumulation_steps(), "mini-batch != micro x accumulation"
-        sums: dict[str, float] = {}
-        for i, mb in enumerate(mbs):
-            values = self.forward(mb)
-            vf_loss, m = algos.value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"],
-                                          clip=c.vf_clip, agg_mode=c.loss_agg_mode,
-                                          global_tokens=global_tokens, global_seqs=global_seqs)
-            loss = c.vf_coef * vf_loss
-            if self.force_overflow:
-                loss = loss * float("inf")
-            self.backward(loss * scale, boundary=i == len(mbs) - 1)
-            for k, v in {"vf_loss": vf_loss, **m}.items():
-                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
-        return summarize(sums, len(mbs), self.engine.world_size, ("vf_loss",))
-
-    def update(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
-        metrics = self.accumulate(batch, global_tokens, global_seqs)
-        self.step()
-        return metrics
+        vf_loss, m = algos.value_loss(self.forward(mb), mb["old_values"], mb["returns"], mb["response_mask"],
+                                      clip=c.vf_clip, agg_mode=c.loss_agg_mode, **counts)
+        return c.vf_coef * vf_loss, {"vf_loss": vf_loss, **m}

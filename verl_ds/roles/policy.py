@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from verl_ds import algos
-from verl_ds.roles.base import Role, micro_batches, model_inputs, summarize
+from verl_ds.roles.base import Role, micro_batches, model_inputs
 
 
 def load_causal_lm(path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False):
@@ -67,43 +67,25 @@ class Actor(PolicyRole):
         self.cfg, self.temperature = loss_cfg, temperature
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
 
-    def accumulate(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
-        """Forward/backward over one mini-batch (this rank's share), leaving the optimizer step to
-        `step()`. Global counts make the accumulated gradient equal the full mini-batch's."""
-        c = self.cfg
-        scale = self.engine.gradient_accumulation_steps() * self.engine.world_size  # undo DS averaging
-        mbs = list(micro_batches(self.to_device(batch), self.micro_batch_size))
-        assert len(mbs) == self.engine.gradient_accumulation_steps(), "mini-batch != micro x accumulation"
-        sums: dict[str, float] = {}
-        for i, mb in enumerate(mbs):
-            mask = mb["response_mask"]
-            logprob, entropy = self.forward(mb, self.temperature, with_entropy=True)
-            is_w = None
-            if c.tis_cap and "rollout_logprobs" in mb:
-                is_w = algos.tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=c.tis_cap)
-            counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
-            pg_loss, m = algos.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask,
-                                           clip_low=c.clip_low, clip_high=c.clip_high, dual_clip_c=c.dual_clip_c,
-                                           agg_mode=c.loss_agg_mode, is_weights=is_w, **counts)
-            loss = pg_loss
-            ent = algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
-            if c.entropy_coef:
-                loss = loss - c.entropy_coef * ent
-            if c.use_kl_loss and "ref_logprobs" in mb:
-                kl = algos.agg_loss(algos.kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask,
-                                    c.loss_agg_mode, **counts)
-                loss = loss + c.kl_coef * kl
-                m["kl_loss"] = kl
-            if self.force_overflow:
-                loss = loss * float("inf")
-            self.backward(loss * scale, boundary=i == len(mbs) - 1)
-            for k, v in {"pg_loss": pg_loss, "entropy": ent, **m}.items():
-                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
-        return summarize(sums, len(mbs), self.engine.world_size, ("pg_loss", "entropy", "kl_loss"))
+    global_metric_keys = ("pg_loss", "entropy", "kl_loss")
 
-    force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow
-
-    def update(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
-        metrics = self.accumulate(batch, global_tokens, global_seqs)
-        self.step()
-        return metrics
+    def micro_loss(self, mb: dict, counts: dict):
+        """Clipped surrogate (+ entropy bonus, + KL to the reference when it is a loss term)."""
+        c, mask = self.cfg, mb["response_mask"]
+        logprob, entropy = self.forward(mb, self.temperature, with_entropy=True)
+        is_w = None
+        if c.tis_cap and "rollout_logprobs" in mb:
+            is_w = algos.tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=c.tis_cap)
+        pg_loss, m = algos.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask,
+                                       clip_low=c.clip_low, clip_high=c.clip_high, dual_clip_c=c.dual_clip_c,
+                                       agg_mode=c.loss_agg_mode, is_weights=is_w, **counts)
+        loss = pg_loss
+        ent = algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
+        if c.entropy_coef:
+            loss = loss - c.entropy_coef * ent
+        if c.use_kl_loss and "ref_logprobs" in mb:
+            kl = algos.agg_loss(algos.kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask,
+                                c.loss_agg_mode, **counts)
+            loss = loss + c.kl_coef * kl
+            m["kl_loss"] = kl
+        return loss, {"pg_loss": pg_loss, "entropy": ent, **m}

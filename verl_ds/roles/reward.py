@@ -6,7 +6,8 @@ import logging
 import torch
 
 from verl_ds.errors import ConfigError
-from verl_ds.roles.base import TORCH_DTYPES, Role, micro_batches, model_inputs
+from verl_ds.precision import TORCH_DTYPES
+from verl_ds.roles.base import Role, micro_batches, model_inputs
 
 log = logging.getLogger(__name__)
 

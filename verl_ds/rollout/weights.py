@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from verl_ds.precision import TORCH_DTYPES as DTYPES  # one name -> torch dtype map
 TIED_HEAD = "lm_head.weight"
 
 

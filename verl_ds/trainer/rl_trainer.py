@@ -21,7 +21,7 @@ from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.precision import auto_dtype
 from verl_ds.roles import align_overflow, iter_full_params
 from verl_ds.roles.params import export_hf
-from verl_ds.roles.base import TORCH_DTYPES
+from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles.dist import all_reduce_sum, barrier, init_distributed, rank, world_size
 from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
 from verl_ds.trainer import builder
