@@ -19,6 +19,7 @@ import statistics
 from pathlib import Path
 
 from verl_ds.diagnostics.memory import md_table
+from verl_ds.diagnostics.plots import save_panels
 from verl_ds.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -91,22 +92,9 @@ def markdown(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], out_png: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key, title in ((axes[0], "loss", "actor/pg_loss"), (axes[1], "reward", "reward/mean")):
-        for res in results:
-            ax.plot(range(1, len(res[key]) + 1), res[key], marker="o", label=res["dtype"])
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
-    return out_png
+    return save_panels([(title, [(res["dtype"], range(1, len(res[key]) + 1), res[key], {"marker": "o"})
+                                 for res in results])
+                        for key, title in (("loss", "actor/pg_loss"), ("reward", "reward/mean"))], out_png)
 
 
 def _finite(x):

@@ -9,28 +9,34 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_curves(metrics_path: str | Path, out_png: str | Path, keys=("reward/mean",), window: int = 10) -> Path:
-    """Plot each key against the step, raw and as a trailing moving average."""
+def save_panels(panels: list[tuple[str, list[tuple[str, list, list, dict]]]], out_png: str | Path) -> Path:
+    """One subplot per (title, lines); each line is (label, xs, ys, matplotlib kwargs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.5), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        if not pts:
-            continue
-        steps, vals = zip(*pts)
-        smooth = [sum(vals[max(0, i - window + 1):i + 1]) / len(vals[max(0, i - window + 1):i + 1])
-                  for i in range(len(vals))]
-        ax.plot(steps, vals, alpha=0.3, label=key)
-        ax.plot(steps, smooth, label=f"{key} (avg {window})")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels):
+        for label, xs, ys, kw in lines:
+            ax.plot(xs, ys, label=label, **kw)
         ax.set_xlabel("step")
-        ax.set_title(key)
+        ax.set_title(title)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return Path(out_png)
+
+
+def plot_curves(metrics_path: str | Path, out_png: str | Path, keys=("reward/mean",), window: int = 10) -> Path:
+    """Plot each key against the step, raw and as a trailing moving average."""
+    rows = read_metrics(metrics_path)
+    panels = []
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        steps, vals = zip(*pts) if pts else ((), ())
+        smooth = [sum(vals[max(0, i - window + 1):i + 1]) / len(vals[max(0, i - window + 1):i + 1])
+                  for i in range(len(vals))]
+        panels.append((key, [(key, steps, vals, {"alpha": 0.3}), (f"{key} (avg {window})", steps, smooth, {})]))
+    return save_panels(panels, out_png)
