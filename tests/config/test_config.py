@@ -1,5 +1,6 @@
 """Run config, PrecisionConfig rendering, and the one-line exit-2 errors for bad input."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,11 @@ CPU_PPO = ROOT / "examples" / "ppo_cpu_tiny.yaml"
 
 
 def cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "verl_ds.cli", *args], capture_output=True, text=True, cwd=cwd)
+    # no process-group env inherited from an in-process test (its MASTER_PORT is taken)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-m", "verl_ds.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env)
 
 
 def test_examples_load_and_render_with_every_role():
