@@ -15,8 +15,19 @@ from .advantages import (
     rloo_advantages,
 )
 from .logprobs import entropy_from_logits, logprobs_from_logits, mismatch_metrics, tis_weights
-from .losses import KL_KINDS, AdaptiveKLController, FixedKLController, kl_penalty, policy_loss, value_loss
-from .rewards import REWARD_NORM_MODES, RunningMeanStd, normalize_rewards
+from .losses import (
+    KL_KINDS,
+    POLICY_LOSSES,
+    AdaptiveKLController,
+    FixedKLController,
+    cispo_policy_loss,
+    get_policy_loss,
+    gspo_policy_loss,
+    kl_penalty,
+    policy_loss,
+    value_loss,
+)
+from .rewards import REWARD_NORM_MODES, RunningMeanStd, normalize_rewards, overlong_penalty
 from .stats import AGG_LOSS_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -24,15 +35,19 @@ __all__ = [
     "AGG_LOSS_MODES",
     "ESTIMATORS_NEEDING_CRITIC",
     "KL_KINDS",
+    "POLICY_LOSSES",
     "REWARD_NORM_MODES",
     "AdaptiveKLController",
     "FixedKLController",
     "RunningMeanStd",
     "agg_loss",
+    "cispo_policy_loss",
     "compute_gae",
     "entropy_from_logits",
     "get_advantage_estimator",
+    "get_policy_loss",
     "grpo_advantages",
+    "gspo_policy_loss",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
@@ -41,6 +56,7 @@ __all__ = [
     "masked_whiten",
     "mismatch_metrics",
     "normalize_rewards",
+    "overlong_penalty",
     "policy_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",

@@ -1,4 +1,4 @@
-"""KL penalties, the PPO clipped policy loss, the clipped value loss and KL-coefficient controllers.
+"""KL penalties, the policy losses (PPO, GSPO, CISPO), the clipped value loss and KL-coefficient controllers.
 
 Convention (verl ``core_algos``): token tensors are ``[batch, T]``, masks float 0/1 ``[batch, T]``,
 log-probabilities are of the sampled tokens. Losses return ``(loss, metrics)`` where ``loss`` is a
@@ -8,16 +8,21 @@ log-probabilities are of the sampled tokens. Losses return ``(loss, metrics)`` w
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from .stats import Count, agg_loss, masked_mean
 
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
+POLICY_LOSSES = ("vanilla", "gspo", "cispo")
+
+PolicyLossFn = Callable[..., Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
 
 # exp() of a log-ratio beyond this overflows fp32 soon after and is meaningless anyway.
 _LOG_RATIO_CLAMP = 20.0
+# GSPO clamps its (sequence) log-ratio from above only, at 10, as verl.
+_GSPO_LOG_RATIO_MAX = 10.0
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
@@ -87,15 +92,101 @@ def policy_loss(
     else:
         clipfrac_lower = torch.zeros((), device=losses.device)
 
+    ppo_kl = masked_mean(old_logprob - logprob, response_mask)
+    loss = _aggregate(losses, response_mask, agg_mode, is_weights, global_tokens, global_seqs)
+    return loss, _metrics(clipfrac, clipfrac_lower, ppo_kl)
+
+
+def gspo_policy_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip_c: Optional[float] = None,
+    agg_mode: str = "token-mean",
+    is_weights: Optional[torch.Tensor] = None,
+    global_tokens: Optional[Count] = None,
+    global_seqs: Optional[Count] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071), token form as verl ``compute_policy_loss_gspo``.
+
+    Shapes: all tensors ``[batch, T]`` -> ``(loss 0-dim, metrics)``.
+    Sequence ratio s_i = exp(masked mean over the response of logprob - old_logprob). Token ratio
+    s_it = sg[s_i] * exp(logprob - sg[logprob]): value s_i, gradient s_i * d logprob_t, so that per-token
+    advantages still apply. Its log is clamped at 10 (as verl). Per-token loss and clip as
+    :func:`policy_loss` with s_it for the ratio; ``dual_clip_c`` is ignored (as verl); ``agg_mode`` is
+    honoured (as verl 0.9; the paper uses ``seq-mean-token-mean``). Metrics as :func:`policy_loss`,
+    ``pg_clipfrac_lower`` is 0.
+    """
+    seq_log_ratio = masked_mean(logprob - old_logprob, response_mask, dim=-1).detach()
+    log_ratio = (logprob - logprob.detach() + seq_log_ratio.unsqueeze(-1)).clamp(max=_GSPO_LOG_RATIO_MAX)
+    ratio = log_ratio.exp()
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    losses = torch.maximum(loss_unclipped, loss_clipped)
+    clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
+    ppo_kl = masked_mean(old_logprob - logprob, response_mask)
+    loss = _aggregate(losses, response_mask, agg_mode, is_weights, global_tokens, global_seqs)
+    return loss, _metrics(clipfrac, torch.zeros((), device=losses.device), ppo_kl)
+
+
+def cispo_policy_loss(
+    old_logprob: torch.Tensor,
+    logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip_c: Optional[float] = None,
+    agg_mode: str = "token-mean",
+    is_weights: Optional[torch.Tensor] = None,
+    global_tokens: Optional[Count] = None,
+    global_seqs: Optional[Count] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585), as verl ``compute_policy_loss_cispo``.
+
+    Shapes: all tensors ``[batch, T]`` -> ``(loss 0-dim, metrics)``.
+    Per-token loss = -sg[clip(ratio, 1 - clip_low, 1 + clip_high)] * A * logprob with
+    ratio = exp(logprob - old_logprob) (log-ratio clamped to [-20, 20]): the clipped IS weight is a
+    constant, so every token keeps a REINFORCE gradient. ``dual_clip_c`` is ignored (as verl).
+    Metrics: ``pg_clipfrac`` (fraction of tokens whose ratio is clipped), ``pg_clipfrac_lower`` 0,
+    ``ppo_kl`` (masked mean of the clamped old_logprob - logprob).
+    """
+    log_ratio = (logprob - old_logprob).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    losses = -weight.detach() * advantages * logprob
+    clipfrac = masked_mean((ratio != weight).float(), response_mask)
+    ppo_kl = masked_mean(-log_ratio, response_mask)
+    loss = _aggregate(losses, response_mask, agg_mode, is_weights, global_tokens, global_seqs)
+    return loss, _metrics(clipfrac, torch.zeros((), device=losses.device), ppo_kl)
+
+
+_POLICY_LOSS_FNS: Dict[str, PolicyLossFn] = {
+    "vanilla": policy_loss,
+    "gspo": gspo_policy_loss,
+    "cispo": cispo_policy_loss,
+}
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss called ``name`` (one of :data:`POLICY_LOSSES`); all share :func:`policy_loss`'s signature."""
+    if name not in _POLICY_LOSS_FNS:
+        raise ValueError(f"unknown policy loss {name!r}; known: {POLICY_LOSSES}")
+    return _POLICY_LOSS_FNS[name]
+
+
+def _aggregate(losses, mask, agg_mode, is_weights, global_tokens, global_seqs) -> torch.Tensor:
+    # Per-token policy losses [batch, T] -> 0-dim: IS weights (constants), then agg_loss.
     if is_weights is not None:
         losses = losses * is_weights.detach()
-    loss = agg_loss(losses, response_mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
-    metrics = {
-        "pg_clipfrac": clipfrac.detach(),
-        "pg_clipfrac_lower": clipfrac_lower.detach(),
-        "ppo_kl": masked_mean(old_logprob - logprob, response_mask).detach(),
-    }
-    return loss, metrics
+    return agg_loss(losses, mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+
+
+def _metrics(clipfrac, clipfrac_lower, ppo_kl) -> Dict[str, torch.Tensor]:
+    return {"pg_clipfrac": clipfrac.detach(), "pg_clipfrac_lower": clipfrac_lower.detach(), "ppo_kl": ppo_kl.detach()}
 
 
 def value_loss(

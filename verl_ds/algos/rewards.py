@@ -1,4 +1,4 @@
-"""Reward normalization: (r - mean) / std over the batch or with running statistics.
+"""Reward shaping: normalization ((r - mean) / std over the batch or running) and DAPO's overlong penalty.
 
 Convention: scores are sequence-level rewards ``[batch]`` (any shape works: every element is a
 sample). Statistics are population (biased) moments.
@@ -77,3 +77,22 @@ def normalize_rewards(
         raise ValueError(f"unknown reward normalization mode {mode!r}; known: {REWARD_NORM_MODES}")
     out = (x - mean) / (std + eps)
     return out if clip is None else out.clamp(-clip, clip)
+
+
+def overlong_penalty(
+    response_lengths: torch.Tensor, max_new_tokens: int, buffer_len: int, penalty: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025; verl ``DAPORewardManager`` ``overlong_buffer``).
+
+    Shapes: ``response_lengths`` ``[batch]`` (token counts) -> ``[batch]`` float32, added to the scores.
+    With expected = max_new_tokens - buffer_len: min(-(length - expected) / buffer_len * penalty, 0), i.e.
+    0 up to ``expected``, then linear down to -penalty at length == max_new_tokens (and on beyond it,
+    as verl). ``buffer_len`` 0 disables it (zeros); it must lie in [0, max_new_tokens].
+    """
+    if not 0 <= buffer_len <= max_new_tokens:
+        raise ValueError(f"buffer_len must be in [0, max_new_tokens={max_new_tokens}], got {buffer_len}")
+    lengths = response_lengths.float()
+    if buffer_len == 0:
+        return torch.zeros_like(lengths)
+    exceed = lengths - (max_new_tokens - buffer_len)
+    return (-exceed / buffer_len * penalty).clamp(max=0.0)

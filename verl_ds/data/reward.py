@@ -52,8 +52,15 @@ def last_number_reward(response: str, answer: str) -> float:
     return 1.0 if nums and want is not None and _as_number(nums[-1]) == want else 0.0
 
 
+def math_verify_reward(response: str, answer: str) -> float:
+    """Final answer (`\\boxed{}`, `####`, "answer is") equal to the reference as math; see `math_reward`."""
+    from verl_ds.data.math_reward import math_verify_reward as fn  # sympy + antlr: imported on first use
+
+    return fn(response, answer)
+
+
 REWARD_FNS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward,
-                                   "last_number": last_number_reward}
+                                   "last_number": last_number_reward, "math_verify": math_verify_reward}
 
 
 def register_reward_fn(name: str, fn: RewardFn) -> None:
