@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Train under the deepspeed launcher: bash launch/train.sh CONFIG.yaml [key=value ...]
-# Env: NUM_RANKS (default: GPUs, or 2 on CPU), HOSTFILE (multi-node GPU clusters), MASTER_PORT.
+# Env: NUM_RANKS (default: GPUs, or 2 on CPU), HOSTFILE (multi-node GPU clusters), MASTER_PORT,
+#      CUDA_VISIBLE_DEVICES (a scheduler's GPUs are kept: --num_gpus would make the launcher drop them).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 config="${1:?usage: launch/train.sh CONFIG.yaml [key=value ...]}"; shift
@@ -8,6 +9,10 @@ port="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127
 args=(--master_port "$port")
 if [ -n "${HOSTFILE:-}" ]; then
   args+=(--hostfile "$HOSTFILE")
+elif [ "$VERL_DS_DEVICE" = gpu ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  IFS=, read -ra gpus <<< "$CUDA_VISIBLE_DEVICES"
+  gpus=("${gpus[@]:0:${NUM_RANKS:-${#gpus[@]}}}")
+  args+=(--include "localhost:$(IFS=,; echo "${gpus[*]}")")
 elif [ "$VERL_DS_DEVICE" = gpu ]; then
   args+=(--num_gpus "${NUM_RANKS:-$(nvidia-smi -L | wc -l)}")
 else

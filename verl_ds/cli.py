@@ -65,12 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_render(args) -> int:
-    from verl_ds.config import load_config, render_ds_configs, to_dict
+    from verl_ds.config import load_config, to_dict, validate_paths
+    from verl_ds.ds_config import render_ds_configs, resolve
 
     cfg = load_config(args.config, args.overrides)
-    rendered = render_ds_configs(cfg, args.world_size)
-    print("# run config (resolved)")
+    validate_paths(cfg)   # what a run would check first
+    precision = resolve(cfg)
+    rendered = render_ds_configs(cfg, args.world_size, precision)
+    print("# run config (as given; `auto` resolves to the precision below)")
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    resolved = {k: v for k, v in vars(precision).items() if not k.endswith("loss_scaling")}
+    print("\n# precision (resolved on this machine)")
+    print(yaml.safe_dump(resolved, sort_keys=False).rstrip())
     for role, ds in rendered.items():
         print(f"\n# {role}: DeepSpeed config")
         print(json.dumps(ds, indent=2))
@@ -118,8 +124,9 @@ def cmd_debug(args) -> int:
     """`debug memory`: estimate (+ measured from one real step unless --model-config), or --compare."""
     from pathlib import Path
 
-    from verl_ds.config import load_config, render_ds_configs
+    from verl_ds.config import load_config
     from verl_ds.diagnostics import memory
+    from verl_ds.ds_config import render_ds_configs, resolve
     from verl_ds.trainer.builder import resolve_model_path
 
     def shape_of(cfg):
@@ -130,7 +137,9 @@ def cmd_debug(args) -> int:
         tables = []
         for path in args.compare:
             cfg = load_config(path, args.overrides)
-            est = memory.estimate_memory(cfg, shape_of(cfg), render_ds_configs(cfg, world), world, args.gpu_memory_gb)
+            precision = resolve(cfg)
+            est = memory.estimate_memory(cfg, shape_of(cfg), render_ds_configs(cfg, world, precision), world,
+                                         precision.rollout, args.gpu_memory_gb)
             tables.append(memory.peak_by_role(est) if args.metric == "peak_memory" else est[args.metric])
         print(f"## {args.metric}: {args.compare[0]} vs {args.compare[1]} (analytic estimate, world size {world})\n")
         print(memory.compare_table(*tables, names=tuple(Path(p).stem for p in args.compare)))
@@ -144,14 +153,9 @@ def cmd_debug(args) -> int:
             "logging.wandb.mode=disabled", f"trainer.run_dir={Path(cfg.trainer.run_dir) / 'debug_memory'}"])
         from verl_ds.trainer.rl_trainer import RLTrainer
 
-        trainer = RLTrainer(cfg)
-        trainer.track_activations = True
-        try:
+        with RLTrainer(cfg) as trainer:
+            trainer.track_activations = True
             measured = memory.stages_from_metrics(trainer.step())
-        finally:
-            trainer.logger.finish()
-            if trainer.rollout is not None:
-                trainer.rollout.shutdown()
         world = args.world_size or trainer.world
     print(memory.report(cfg, shape_of(cfg), world, args.stage, measured, args.gpu_memory_gb))
     return 0

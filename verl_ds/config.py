@@ -17,7 +17,7 @@ import yaml
 
 from verl_ds.algos import ADVANTAGE_ESTIMATORS, AGG_LOSS_MODES, ESTIMATORS_NEEDING_CRITIC, KL_KINDS
 from verl_ds.errors import ConfigError
-from verl_ds.precision import PrecisionConfig, read_ds_json, render_role
+from verl_ds.precision import TRAINED_ROLES, PrecisionConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,13 +95,13 @@ class RolloutConfig:
     temperature: float = 1.0               # > 0; the trainer scores with the same temperature
     top_p: float = 1.0                     # < 1: rollout logprobs are of the truncated distribution
     max_new_tokens: int = 8
-    per_rank: bool = False                 # each rank runs its own engine
-    multiprocess: bool = True              # vLLM's default multiprocess mode
+    tensor_parallel_size: int = 1          # ranks that share one vLLM engine; must divide the world size
     enforce_eager: bool = True
     max_model_len: int = 256
-    kv_cache_gb: float = 0.25
+    kv_cache_gb: float = 0.25              # CPU: the KV cache size (GPU: gpu_memory_utilization)
     bucket_mb: int = 256                   # weight-sync bucket size (bounds peak extra memory)
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.5    # GPU: fraction of device memory vLLM may take
+    sleep: bool = True                     # GPU: free vLLM's weights and KV cache while training
 
 
 @dataclass
@@ -288,17 +288,24 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def validate(cfg: RunConfig) -> None:
-    """Cross-field checks that a single field's type can't express."""
+def validate(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Every static check of a run config, each a ConfigError naming the key (or file).
+
+    Field types were checked when the config was built; here: choices, ranges, cross-field rules,
+    the model directories, the batch geometry against `world_size` ranks, and the ZeRO-stage facts
+    of each role's DeepSpeed JSON file.
+    """
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    a, r, t, d = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.data
     choices = {
-        "algorithm.estimator": (cfg.algorithm.estimator, ADVANTAGE_ESTIMATORS),
-        "algorithm.kl_estimator": (cfg.algorithm.kl_estimator, KL_KINDS),
-        "algorithm.loss_agg_mode": (cfg.algorithm.loss_agg_mode, AGG_LOSS_MODES),
-        "algorithm.reward_normalization": (cfg.algorithm.reward_normalization, ("none", "batch", "running")),
-        "rollout.engine": (cfg.rollout.engine, ("vllm", "hf")),
+        "algorithm.estimator": (a.estimator, ADVANTAGE_ESTIMATORS),
+        "algorithm.kl_estimator": (a.kl_estimator, KL_KINDS),
+        "algorithm.loss_agg_mode": (a.loss_agg_mode, AGG_LOSS_MODES),
+        "algorithm.reward_normalization": (a.reward_normalization, ("none", "batch", "running")),
+        "rollout.engine": (r.engine, ("vllm", "hf")),
         "logging.wandb.mode": (cfg.logging.wandb.mode, ("online", "offline", "disabled")),
-        "data.task": (cfg.data.task, ("arithmetic", "files")),
-        "trainer.device": (cfg.trainer.device, ("auto", "cpu", "cuda")),
+        "data.task": (d.task, ("arithmetic", "files")),
+        "trainer.device": (t.device, ("auto", "cpu", "cuda")),
         "logging.level": (cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR")),
         "checkpoint.export_dtype": (cfg.checkpoint.export_dtype, ("fp32", "fp16", "bf16")),
     }
@@ -306,24 +313,107 @@ def validate(cfg: RunConfig) -> None:
         if value not in allowed:
             raise ConfigError(key, f"'{value}' is not one of {', '.join(allowed)}")
     positive = {
-        "trainer.steps": cfg.trainer.steps, "trainer.prompts_per_step": cfg.trainer.prompts_per_step,
-        "rollout.n": cfg.rollout.n, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
-        "algorithm.ppo_epochs": cfg.algorithm.ppo_epochs, "rollout.temperature": cfg.rollout.temperature,
-        "algorithm.kl_horizon": cfg.algorithm.kl_horizon,
+        "trainer.steps": t.steps, "trainer.prompts_per_step": t.prompts_per_step,
+        "rollout.n": r.n, "rollout.max_new_tokens": r.max_new_tokens, "rollout.tensor_parallel_size":
+        r.tensor_parallel_size, "algorithm.ppo_epochs": a.ppo_epochs, "rollout.temperature": r.temperature,
+        "algorithm.kl_horizon": a.kl_horizon, "data.max_prompt_length": d.max_prompt_length,
+        "rollout.bucket_mb": r.bucket_mb,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(key, f"must be > 0, got {value}")
-    if cfg.algorithm.dual_clip_c is not None and cfg.algorithm.dual_clip_c <= 1:
-        raise ConfigError("algorithm.dual_clip_c", f"must be > 1, got {cfg.algorithm.dual_clip_c}")
-    if cfg.algorithm.kl_target is not None:
-        if cfg.algorithm.kl_target <= 0:
-            raise ConfigError("algorithm.kl_target", f"must be > 0, got {cfg.algorithm.kl_target}")
-        if cfg.algorithm.use_kl_loss:
+    for role in ("actor", "critic", "reference", "reward"):
+        if getattr(cfg.roles, role).micro_batch_size <= 0:
+            raise ConfigError(f"roles.{role}.micro_batch_size", "must be > 0")
+    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
+        raise ConfigError("algorithm.dual_clip_c", f"must be > 1, got {a.dual_clip_c}")
+    if a.kl_target is not None:
+        if a.kl_target <= 0:
+            raise ConfigError("algorithm.kl_target", f"must be > 0, got {a.kl_target}")
+        if a.use_kl_loss:
             raise ConfigError("algorithm.kl_target", "the adaptive KL controller acts on the in-reward KL; "
                                                      "set algorithm.use_kl_loss: false or drop kl_target")
-    if cfg.data.task == "files" and not cfg.data.train_files:
+    if a.estimator in GROUP_ESTIMATORS and r.n < 2:
+        raise ConfigError("rollout.n", f"estimator '{a.estimator}' compares samples of one prompt: needs n >= 2, "
+                                       f"got {r.n}")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    if r.max_model_len < d.max_prompt_length + r.max_new_tokens:
+        raise ConfigError("rollout.max_model_len", f"{r.max_model_len} < data.max_prompt_length "
+                          f"{d.max_prompt_length} + rollout.max_new_tokens {r.max_new_tokens}")
+    if d.task == "files" and not d.train_files:
         raise ConfigError("data.train_files", "task 'files' needs at least one jsonl or parquet file")
+    # batch geometry over `world` ranks
+    if world % r.tensor_parallel_size:
+        raise ConfigError("rollout.tensor_parallel_size", f"{r.tensor_parallel_size} does not divide the "
+                                                          f"world size {world}")
+    batch = t.prompts_per_step * r.n
+    mini = t.mini_batch_size or batch
+    if mini <= 0 or batch % mini:
+        raise ConfigError("trainer.mini_batch_size", f"{mini} does not divide the rollout batch "
+                          f"{batch} (trainer.prompts_per_step x rollout.n)")
+    if t.prompts_per_step % world:   # every rank must run the same number of micro-batches
+        raise ConfigError("trainer.prompts_per_step", f"{t.prompts_per_step} prompts do not split "
+                                                      f"evenly over {world} ranks")
+    _validate_ds_files(cfg, world, mini)
+
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+def validate_paths(cfg: RunConfig) -> None:
+    """The model directories exist and hold an HF model (and a tokenizer). Separate from `validate`:
+    a config may be rendered on a machine that lacks the model; a run checks them before anything
+    is built."""
+    for i, f in enumerate(cfg.data.train_files):
+        if not Path(f).is_file():
+            raise ConfigError(f"data.train_files[{i}]", f"file not found: {f}")
+    m = cfg.model
+    for key in ("path", "tokenizer_path", "critic_path", "reward_path"):
+        value = getattr(m, key)
+        if not value or (key == "path" and value == "tiny"):
+            continue
+        p = Path(value)
+        if not p.is_dir():
+            raise ConfigError(f"model.{key}", f"directory not found: {value}")
+        if key != "tokenizer_path" and not (p / "config.json").is_file():
+            raise ConfigError(f"model.{key}", f"{value} has no config.json: not an HF model directory")
+    tok = m.tokenizer_path or (m.path if m.path != "tiny" else None)
+    if tok and not any((Path(tok) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                            "vocab.json", "tokenizer.model")):
+        key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
+        raise ConfigError(key, f"{tok} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+
+
+def _validate_ds_files(cfg: RunConfig, world: int, mini: int) -> None:
+    """ZeRO-stage rules and batch keys of each active role's DeepSpeed JSON."""
+    from verl_ds.ds_config import read_ds_json, resolve_ds_path
+
+    for role in active_roles(cfg):
+        rc: RoleConfig = getattr(cfg.roles, role)
+        ds = read_ds_json(rc.ds_config, f"roles.{role}.ds_config")
+        src = str(resolve_ds_path(rc.ds_config))
+        stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+        trained = role in TRAINED_ROLES
+        if not trained and stage in (1, 2):
+            raise ConfigError(src, f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO "
+                                   f"stage {stage}; use stage 0 or 3")
+        if role == "reward" and cfg.precision.reward_dtype == "int8" and stage != 0:
+            raise ConfigError("roles.reward.ds_config", "an int8 reward model needs a ZeRO stage-0 config")
+        total = mini if trained else rc.micro_batch_size * world
+        micro = ds.get("train_micro_batch_size_per_gpu", "auto")
+        micro = rc.micro_batch_size if micro == "auto" else micro
+        where = f"{src} (roles.{role}.micro_batch_size)"
+        if ds.get("train_batch_size", "auto") not in ("auto", total):
+            raise ConfigError(where, f"train_batch_size {ds['train_batch_size']} != the run's mini-batch {total} "
+                                     "(trainer.mini_batch_size); use \"auto\"")
+        if micro <= 0 or total % (micro * world):
+            raise ConfigError(where, f"train_batch_size {total} is not divisible by micro batch {micro} x "
+                                     f"{world} ranks")
+        gas = ds.get("gradient_accumulation_steps", "auto")
+        if gas != "auto" and gas != total // (micro * world):
+            raise ConfigError(where, f"gradient_accumulation_steps {gas} != train_batch_size {total} / "
+                                     f"(micro {micro} x {world} ranks)")
 
 
 def active_roles(cfg: RunConfig) -> list[str]:
@@ -337,26 +427,3 @@ def active_roles(cfg: RunConfig) -> list[str]:
     if cfg.model.reward_path:
         roles.append("reward")
     return roles
-
-
-def render_ds_configs(cfg: RunConfig, world_size: int | None = None) -> dict[str, dict]:
-    """Every active role's final DeepSpeed config, as DeepSpeed will receive it."""
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    batch = cfg.trainer.prompts_per_step * cfg.rollout.n
-    mini = cfg.trainer.mini_batch_size or batch
-    if batch % mini:
-        raise ConfigError("trainer.mini_batch_size", f"{mini} does not divide the rollout batch "
-                          f"{batch} (trainer.prompts_per_step x rollout.n)")
-    if cfg.trainer.prompts_per_step % world:   # every rank must run the same number of micro-batches
-        raise ConfigError("trainer.prompts_per_step", f"{cfg.trainer.prompts_per_step} prompts do not split "
-                                                      f"evenly over {world} ranks")
-    out = {}
-    for role in active_roles(cfg):
-        rc: RoleConfig = getattr(cfg.roles, role)
-        key = f"roles.{role}.ds_config"
-        out[role] = render_role(
-            role, read_ds_json(rc.ds_config, key), rc.ds_config, cfg.precision,
-            device=cfg.trainer.device, micro_batch_size=rc.micro_batch_size, train_batch_size=mini,
-            world_size=world, max_grad_norm=cfg.trainer.max_grad_norm,
-            optimizer_params={"lr": rc.lr, "weight_decay": rc.weight_decay, "betas": list(rc.betas)})
-    return out

@@ -1,16 +1,14 @@
-"""PrecisionConfig: the one place a user states each role's precision, rendered into DeepSpeed JSON.
+"""PrecisionConfig (what the user asks for) and its resolution, once, into concrete dtypes.
 
-Each role's final DeepSpeed config = its JSON file from ds_configs/ + the precision blocks from
-here (fp16/bf16, loss scaling, grad-accum and communication dtypes) + the batch sizes and
-gradient clipping the run config implies. `verl-ds config render` prints exactly that result.
+`resolve_precision(precision, hardware, json_dtypes)` is the only place `auto` meets the hardware:
+it returns an immutable `ResolvedPrecision` (every role, the rollout, the buffer, comm dtypes) that
+the trainer builds once and passes down. `verl_ds/ds_config.py` renders it into DeepSpeed JSON.
+See docs/ARCHITECTURE.md ("Precision").
 """
 from __future__ import annotations
 
-import copy
-import json
 import logging
 from dataclasses import dataclass, field, fields
-from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -24,7 +22,6 @@ DTYPES = ("fp32", "fp16", "bf16", "int8", "auto")
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TRAINED_ROLES = ("actor", "critic")
 ROLES = ("actor", "critic", "reference", "reward")
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
 
 
 @dataclass
@@ -80,21 +77,34 @@ class PrecisionConfig:
         return getattr(self, f"{role}_dtype")
 
 
-@lru_cache(maxsize=None)
-def auto_dtype(device: str | None = None) -> str:
-    """Pick the compute dtype from the hardware and log the choice and the reason once."""
-    if (device in (None, "auto", "cuda")) and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        choice, why = ("bf16", f"CUDA capability {major}.{minor} >= 8") if major >= 8 else \
-            ("fp16", f"CUDA capability {major}.{minor} < 8: fp16 with dynamic loss scaling")
-    else:
-        flags = _cpu_flags()
-        if {"avx512_bf16", "amx_bf16"} & flags:
-            choice, why = "bf16", "CPU has avx512_bf16/AMX"
-        else:
-            choice, why = "fp32", "CPU without avx512_bf16/AMX: bf16 matmul is ~40x slower here"
-    log.info("precision 'auto' -> %s (%s)", choice, why)
-    return choice
+# ---------------------------------------------------------------- hardware facts and the auto rule
+
+@dataclass(frozen=True)
+class Hardware:
+    """The facts the `auto` rule reads. Tests inject them; `detect_hardware` reads this machine."""
+    device: str = "cpu"                      # cpu | cuda
+    cuda_capability: tuple = (0, 0)
+    cpu_flags: frozenset = frozenset()
+
+
+def detect_hardware(device: str = "auto") -> Hardware:
+    """This machine's facts; `device` is `trainer.device` (auto | cpu | cuda)."""
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return Hardware("cuda", tuple(torch.cuda.get_device_capability()))
+    return Hardware("cpu", cpu_flags=frozenset(_cpu_flags()))
+
+
+def auto_compute_dtype(hw: Hardware) -> tuple[str, str]:
+    """The `auto` rule: (dtype, reason). bf16 on CUDA >= 8.0 and on CPUs with bf16 hardware; fp16
+    (dynamic loss scaling) on older CUDA; fp32 on CPUs where bf16 is emulated (~40x slower)."""
+    if hw.device == "cuda":
+        major, minor = hw.cuda_capability
+        if major >= 8:
+            return "bf16", f"CUDA capability {major}.{minor} >= 8"
+        return "fp16", f"CUDA capability {major}.{minor} < 8: fp16 with dynamic loss scaling"
+    if {"avx512_bf16", "amx_bf16"} & set(hw.cpu_flags):
+        return "bf16", "CPU has avx512_bf16/AMX"
+    return "fp32", "CPU without avx512_bf16/AMX: bf16 matmul is ~40x slower here"
 
 
 def _cpu_flags() -> set:
@@ -107,125 +117,53 @@ def _cpu_flags() -> set:
     return set()
 
 
-# ---------------------------------------------------------------- rendering
+@dataclass(frozen=True)
+class ResolvedPrecision:
+    """Concrete dtypes for one run (no `auto` left). `reward` may be int8 (weight-only)."""
+    actor: str
+    critic: str
+    reference: str
+    reward: str
+    reward_activation: str
+    rollout: str
+    buffer: str
+    grad_accum: Optional[str]
+    actor_comm: Optional[str]
+    critic_comm: Optional[str]
+    actor_loss_scaling: LossScaling
+    critic_loss_scaling: LossScaling
+    auto_choice: str                         # what `auto` meant on this hardware, and why
+    auto_reason: str
 
-def resolve_ds_path(name: str) -> Path:
-    p = Path(name)
-    if p.is_absolute() or p.exists():
-        return p
-    return DS_CONFIG_DIR / name
+    def role(self, name: str) -> str:
+        return getattr(self, name)
 
-
-def read_ds_json(name: str, key: str) -> dict:
-    path = resolve_ds_path(name)
-    if not name:
-        raise ConfigError(key, "no DeepSpeed JSON file given")
-    if not path.is_file():
-        raise ConfigError(key, f"DeepSpeed config file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(str(path), f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(str(path), "a DeepSpeed config must be a JSON object")
-    return data
-
-
-def precision_blocks(dtype: str, scaling: LossScaling | None) -> dict:
-    """The fp16/bf16 blocks DeepSpeed reads for a compute dtype (fp32 and int8: neither)."""
-    if dtype == "fp16":
-        s = scaling or LossScaling()
-        return {"fp16": {"enabled": True, "auto_cast": False, "loss_scale": s.loss_scale,
-                         "initial_scale_power": s.initial_scale_power,
-                         "loss_scale_window": s.loss_scale_window, "hysteresis": s.hysteresis,
-                         "consecutive_hysteresis": s.consecutive_hysteresis,
-                         "min_loss_scale": s.min_loss_scale}}
-    if dtype == "bf16":
-        return {"bf16": {"enabled": True}}
-    return {}
+    def torch_dtype(self, name: str) -> torch.dtype:
+        return TORCH_DTYPES[self.role(name)]
 
 
-def render_role(role: str, base: dict, source: str, precision: PrecisionConfig, *,
-                device: str | None, micro_batch_size: int, train_batch_size: int, world_size: int,
-                max_grad_norm: float, optimizer_params: dict | None) -> dict:
-    """Merge one role's DeepSpeed JSON with its precision and batch settings.
+def resolve_precision(p: PrecisionConfig, hw: Hardware, json_dtypes: dict[str, str] | None = None,
+                      log_choice: bool = True) -> ResolvedPrecision:
+    """`auto` -> a concrete dtype. An explicit dtype wins; for a role, `auto` first defers to a
+    fp16/bf16 block in its DeepSpeed JSON (`json_dtypes[role]`), then to the hardware rule. An
+    `auto` rollout follows the actor (same numbers on both sides of the sync)."""
+    auto, why = auto_compute_dtype(hw)
+    json_dtypes = json_dtypes or {}
 
-    `auto` dtypes are resolved here (see above). Trained roles get an optimizer; frozen ones
-    lose any optimizer block. Raises ConfigError naming the file or key on inconsistent input.
-    """
-    ds = copy.deepcopy(base)
-    if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
-        raise ConfigError(source, f"fp16 and bf16 are both enabled for the {role}")
-    # An explicit PrecisionConfig dtype wins; `auto` defers to a precision block in the JSON file,
-    # and only then to the hardware rule.
-    dtype = precision.role_dtype(role)
-    from_json = ds_dtype(ds) if dtype == "auto" and ds_dtype(ds) != "fp32" else None
-    dtype = from_json or (auto_dtype(device) if dtype == "auto" else dtype)
-    json_fp16 = ds.pop("fp16", {})
-    ds.pop("bf16", None)
-    # int8 is weight-only quantization applied by the reward role; DeepSpeed itself runs fp32.
-    ds.update(precision_blocks(dtype, getattr(precision, f"{role}_loss_scaling", None)))
-    if from_json == "fp16":
-        ds["fp16"].update(json_fp16)
-    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    def pick(value: str, role: str | None = None) -> str:
+        if value != "auto":
+            return value
+        from_json = json_dtypes.get(role or "", "fp32")
+        return from_json if from_json != "fp32" else auto
 
-    trained = role in TRAINED_ROLES
-    if trained:
-        if precision.grad_accum_dtype:
-            if dtype == "bf16" and precision.grad_accum_dtype == "fp32" and stage == 0:
-                raise ConfigError("precision.grad_accum_dtype",
-                                  f"bf16 with fp32 grad accumulation at ZeRO stage 0 is rejected by DeepSpeed ({source}); use stage >= 1")
-            ds.setdefault("data_types", {})["grad_accum_dtype"] = precision.grad_accum_dtype
-        comm = getattr(precision, f"{role}_comm_dtype") or ("fp32" if dtype == "fp16" else None)
-        if comm:
-            ds["communication_data_type"] = comm
-        if ds.get("gradient_clipping", "auto") == "auto":
-            ds["gradient_clipping"] = float(max_grad_norm)
-        opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
-        params = opt.setdefault("params", {})
-        for k, v in (optimizer_params or {}).items():
-            if params.get(k, "auto") == "auto":
-                params[k] = v
-    else:
-        if stage in (1, 2):
-            raise ConfigError(source, f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO "
-                                      f"stage {stage}; use stage 0 or 3")
-        ds.pop("optimizer", None)
-        ds.pop("scheduler", None)
-        ds.pop("gradient_clipping", None)
-        train_batch_size = micro_batch_size * world_size
-
-    _fill_batch_sizes(ds, f"{source} (roles.{role}.micro_batch_size)", micro_batch_size, train_batch_size,
-                      world_size)
-    ds.setdefault("steps_per_print", 10**9)
-    ds.setdefault("wall_clock_breakdown", False)
-    return ds
-
-
-def _fill_batch_sizes(ds: dict, source: str, micro: int, total: int, world: int) -> None:
-    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds["train_micro_batch_size_per_gpu"] = micro
-    if ds.get("train_batch_size", "auto") == "auto":
-        ds["train_batch_size"] = total
-    if ds["train_batch_size"] != total:   # the loop's mini-batch is what one optimizer step must see
-        raise ConfigError(source, f"train_batch_size {ds['train_batch_size']} != the run's mini-batch {total} "
-                                  "(trainer.mini_batch_size); use \"auto\"")
-    micro = ds["train_micro_batch_size_per_gpu"]
-    if micro <= 0 or total % (micro * world):
-        raise ConfigError(source, f"train_batch_size {total} is not divisible by micro batch {micro} x "
-                                  f"{world} ranks")
-    gas = total // (micro * world)
-    if ds.get("gradient_accumulation_steps", "auto") == "auto":
-        ds["gradient_accumulation_steps"] = gas
-    elif ds["gradient_accumulation_steps"] != gas:
-        raise ConfigError(source, f"gradient_accumulation_steps {ds['gradient_accumulation_steps']} != "
-                                  f"train_batch_size {total} / (micro {micro} x {world} ranks)")
-
-
-def ds_dtype(ds: dict) -> str:
-    """The compute dtype a rendered DeepSpeed config asks for."""
-    if ds.get("fp16", {}).get("enabled"):
-        return "fp16"
-    if ds.get("bf16", {}).get("enabled"):
-        return "bf16"
-    return "fp32"
+    roles = {r: pick(p.role_dtype(r), r) for r in ROLES}
+    rollout = pick(p.rollout_dtype) if p.rollout_dtype != "auto" else roles["actor"]
+    comm = {r: getattr(p, f"{r}_comm_dtype") or ("fp32" if roles[r] == "fp16" else None) for r in TRAINED_ROLES}
+    if log_choice and "auto" in (p.actor_dtype, p.critic_dtype, p.reference_dtype, p.reward_dtype,
+                                 p.rollout_dtype, p.buffer_dtype, p.reward_activation_dtype):
+        log.info("precision 'auto' -> %s (%s)", auto, why)
+    return ResolvedPrecision(
+        **roles, reward_activation=pick(p.reward_activation_dtype),
+        rollout=rollout, buffer=pick(p.buffer_dtype), grad_accum=p.grad_accum_dtype,
+        actor_comm=comm["actor"], critic_comm=comm["critic"], actor_loss_scaling=p.actor_loss_scaling,
+        critic_loss_scaling=p.critic_loss_scaling, auto_choice=auto, auto_reason=why)

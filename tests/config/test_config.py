@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from verl_ds.config import load_config, render_ds_configs
+from verl_ds.config import load_config
+from verl_ds.ds_config import render_ds_configs
 from verl_ds.errors import ConfigError
-from verl_ds.precision import PrecisionConfig
+from verl_ds.precision import Hardware, PrecisionConfig, auto_compute_dtype, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_GRPO = ROOT / "examples" / "grpo_cpu_tiny.yaml"
@@ -36,7 +37,10 @@ def test_examples_load_and_render_with_every_role():
 def test_render_cli_prints_four_roles_accepted_by_deepspeed(tmp_path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    out = cli("config", "render", "--config", str(CPU_PPO), "model.reward_path=/some/rm", "--world-size", "1")
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text("{}")
+    out = cli("config", "render", "--config", str(CPU_PPO), f"model.reward_path={rm}", "--world-size", "1")
     assert out.returncode == 0, out.stderr
     blocks = [b for b in out.stdout.split("\n# ") if ": DeepSpeed config" in b.split("\n")[0]]
     roles = [b.split(":")[0] for b in blocks]
@@ -77,10 +81,46 @@ def test_batch_sizes_filled_from_run_config():
     assert actor["optimizer"]["params"]["lr"] == cfg.roles.actor.lr
 
 
-def test_auto_dtype_on_this_cpu_is_fp32_without_bf16_hardware():
-    from verl_ds.precision import _cpu_flags, auto_dtype
-    expected = "bf16" if {"avx512_bf16", "amx_bf16"} & _cpu_flags() else "fp32"
-    assert auto_dtype("cpu") == expected
+AVX2 = Hardware("cpu", cpu_flags=frozenset({"avx2", "fma"}))
+AVX512_BF16 = Hardware("cpu", cpu_flags=frozenset({"avx2", "avx512f", "avx512_bf16"}))
+AMX = Hardware("cpu", cpu_flags=frozenset({"amx_bf16", "amx_tile"}))
+A100 = Hardware("cuda", cuda_capability=(8, 0))
+V100 = Hardware("cuda", cuda_capability=(7, 0))
+
+
+@pytest.mark.parametrize("hw,want", [(AVX2, "fp32"), (AVX512_BF16, "bf16"), (AMX, "bf16"), (A100, "bf16"),
+                                     (V100, "fp16")])
+def test_auto_rule_every_branch_from_injected_hardware(hw, want):
+    assert auto_compute_dtype(hw)[0] == want
+    r = resolve_precision(PrecisionConfig(), hw)
+    assert (r.actor, r.critic, r.reference, r.reward, r.rollout) == (want,) * 5
+    assert r.actor_comm == ("fp32" if want == "fp16" else None)   # fp16 grads reduce in fp32
+
+
+def test_resolution_explicit_wins_then_json_then_hardware():
+    p = PrecisionConfig(actor_dtype="fp32", critic_dtype="auto", reference_dtype="auto", rollout_dtype="auto",
+                        buffer_dtype="auto", reward_dtype="int8")
+    r = resolve_precision(p, AVX512_BF16, json_dtypes={"critic": "fp16"})
+    assert (r.actor, r.critic, r.reference, r.buffer, r.reward) == ("fp32", "fp16", "bf16", "bf16", "int8")
+    assert r.rollout == "fp32"                 # an auto rollout follows the actor: same numbers both sides
+    with pytest.raises(Exception):             # immutable: nothing downstream re-decides
+        r.actor = "bf16"
+
+
+def test_rendered_configs_follow_injected_hardware_not_this_machine():
+    from verl_ds.ds_config import resolve
+    cfg = load_config(CPU_GRPO, ["precision.actor_dtype=auto"])
+    for hw, block in ((AVX2, None), (AVX512_BF16, "bf16"), (V100, "fp16")):
+        actor = render_ds_configs(cfg, 1, resolve(cfg, hw))["actor"]
+        assert ("bf16" in actor, "fp16" in actor) == (block == "bf16", block == "fp16")
+
+
+def test_only_precision_resolves_auto():
+    """One place turns `auto` into a dtype: no other module reads the hardware rule."""
+    pkg = ROOT / "verl_ds"
+    users = [p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py")
+             if "auto_compute_dtype(" in p.read_text() or "_cpu_flags(" in p.read_text()]
+    assert users == ["precision.py"], users
 
 
 def test_python_precision_config_validates():
@@ -115,6 +155,13 @@ BAD_INPUTS = {
     "kl_target_with_kl_loss": ("algorithm: {kl_target: 0.1, use_kl_loss: true}\n", [], "algorithm.kl_target"),
     "explicit_train_batch": ("roles:\n  actor: {ds_config: TBS}\n", [], "train_batch_size 7 != the run's mini-batch"),
     "frozen_role_zero2": ("roles:\n  reference: {ds_config: STAGE2}\n", [], "inference-only"),
+    "max_model_len": ("rollout: {max_model_len: 16, max_new_tokens: 8}\ndata: {max_prompt_length: 12}\n", [],
+                      "rollout.max_model_len: 16 < data.max_prompt_length 12 + rollout.max_new_tokens 8"),
+    "grpo_single_sample": ("algorithm: {estimator: grpo}\nrollout: {n: 1}\n", [], "rollout.n: estimator 'grpo'"),
+    "tp_not_dividing": ("rollout: {tensor_parallel_size: 3}\n", ["--world-size", "2"], "rollout.tensor_parallel_size"),
+    "micro_batch_zero": ("roles:\n  actor: {micro_batch_size: 0}\n", [], "roles.actor.micro_batch_size"),
+    "model_without_config": ("model: {path: EMPTYDIR}\n", [], "has no config.json"),
+    "model_without_tokenizer": ("model: {path: NOTOKDIR}\n", [], "has no tokenizer"),
 }
 
 
@@ -128,6 +175,11 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
     tbs = _write(tmp_path, "tbs.json", json.dumps({"train_batch_size": 7}))
     text = text.replace("BADJSON", bad).replace("BOTHJSON", both).replace("STAGE0", stage0)
     text = text.replace("STAGE2", stage2).replace("TBS", tbs)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notok").mkdir()
+    (tmp_path / "notok" / "config.json").write_text("{}")
+    text = text.replace("EMPTYDIR", str(tmp_path / "empty"))
+    text = text.replace("NOTOKDIR", str(tmp_path / "notok"))
     cfg = _write(tmp_path, "run.yaml", text)
     out = cli("config", "render", "--config", cfg, *overrides)
     assert out.returncode == 2, out.stdout + out.stderr
@@ -143,7 +195,7 @@ def test_version_flag():
 
 
 def test_prompts_must_split_evenly_over_ranks():
-    out = cli("config", "render", "--config", str(CPU_GRPO), "--world-size", "2", "trainer.prompts_per_step=3")
+    out = cli("config", "render", "--config", str(CPU_GRPO), "--world-size", "3", "trainer.prompts_per_step=4")
     assert out.returncode == 2 and "trainer.prompts_per_step" in out.stderr
 
 
@@ -152,4 +204,14 @@ def test_train_with_missing_model_dir_is_one_line(tmp_path):
               "logging.wandb.mode=disabled")
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == ["error: model.reward_path: directory not found: /no/such/rm"]
+    assert "Traceback" not in out.stderr
+
+
+def test_train_with_malformed_jsonl_line_is_one_line(tmp_path):
+    bad = _write(tmp_path, "bad.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4\n')
+    out = cli("train", "--config", str(CPU_GRPO), "data.task=files", f"data.train_files=[{bad}]",
+              f"trainer.run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "rollout.engine=hf")
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {bad}:2: malformed JSON line"), out.stderr
     assert "Traceback" not in out.stderr

@@ -7,9 +7,13 @@ DATA = Path(__file__).parent / "data"
 LLAMA_8B = DATA / "llama3_8b_config.json"
 
 
+FP32 = [f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "rollout", "buffer")]
+
+
 def tiny_overrides(run_dir) -> list[str]:
-    """Tiny hidden-32 Llama, 4 prompts x 2 samples, HF rollout, no W&B."""
-    return ["rollout.engine=hf", "trainer.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=3",
+    """Tiny hidden-32 Llama, 4 prompts x 2 samples, HF rollout, no W&B; every dtype pinned to fp32
+    (the tests assert fp32 byte counts; `auto` would follow the CPU kind)."""
+    return FP32 + ["rollout.engine=hf", "trainer.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=3",
             "precision.buffer_dtype=fp32", "model.tiny.hidden=32", "model.tiny.ffn=64",
             "roles.actor.micro_batch_size=4", "roles.reference.micro_batch_size=8",
             "roles.critic.micro_batch_size=4", "logging.wandb.mode=disabled", f"trainer.run_dir={run_dir}"]

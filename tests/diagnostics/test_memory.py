@@ -9,8 +9,9 @@ import torch
 
 from tests.diagnostics.helpers import LLAMA_8B, parse_md_tables, tiny_overrides, write_yaml
 from verl_ds import cli
-from verl_ds.config import load_config, render_ds_configs
+from verl_ds.config import load_config
 from verl_ds.diagnostics import memory as M
+from verl_ds.ds_config import render_ds_configs, resolve
 
 
 @pytest.fixture(scope="module")
@@ -19,18 +20,17 @@ def ppo_step(tmp_path_factory):
     from verl_ds.trainer.rl_trainer import RLTrainer
 
     cfg = load_config(None, tiny_overrides(tmp_path_factory.mktemp("ppo")) + ["algorithm.estimator=gae"])
-    trainer = RLTrainer(cfg)
-    trainer.track_activations = True
-    metrics = trainer.step()
-    yield cfg, trainer, metrics
-    trainer.logger.finish()
+    with RLTrainer(cfg) as trainer:
+        trainer.track_activations = True
+        metrics = trainer.step()
+        yield cfg, trainer, metrics
 
 
 def test_estimate_matches_tensor_bytes(ppo_step):
     cfg, trainer, metrics = ppo_step
     shape = M.ModelShape.from_hf_config(json.loads(Path(trainer.model_path, "config.json").read_text()))
     assert shape.params("lm") == sum(p.numel() for p in trainer.reference.module.parameters())
-    est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1)["update"]
+    est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1, resolve(cfg).rollout)["update"]
     measured = M.stages_from_metrics(metrics)["update"]
     for role, comps in {"actor": ("weights_fp32", "master", "grads", "optimizer"),
                         "critic": ("weights_fp32", "master", "grads", "optimizer"),
@@ -98,7 +98,7 @@ def test_llama8b_zero3_verdict(world, fits, capsys):
             "precision.reference_dtype=bf16", "precision.rollout_dtype=bf16",
             "roles.reference.ds_config=ref_zero3.json", "precision.enable_grad_checkpointing=true",
             "roles.actor.micro_batch_size=4", "roles.reference.micro_batch_size=4",
-            "data.max_prompt_length=512", "rollout.max_new_tokens=512"]
+            "data.max_prompt_length=512", "rollout.max_new_tokens=512", "rollout.max_model_len=1024"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert ("**Verdict: fits**" in out) == fits and "n/a" in out

@@ -10,7 +10,9 @@ from tests.e2e.helpers import read_metrics, run_train, run_until_step, wandb_his
 pytestmark = pytest.mark.e2e
 FAST = ["trainer.prompts_per_step=8", "rollout.n=8", "logging.sample_every=2", "roles.actor.micro_batch_size=16",
         "roles.critic.micro_batch_size=16", "roles.reference.micro_batch_size=16",
-        "data.reward_fn=tests.e2e.helpers:length_reward"]
+        "data.reward_fn=tests.e2e.helpers:length_reward",
+        # pinned: the fp32 rollout-vs-trainer bound below must not follow the CPU kind (`auto`)
+        *[f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "rollout", "buffer")]]
 KEYS = ["reward/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
         "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
         "timing_s/step", "perf/throughput", "precision/actor/loss_scale", "precision/actor/skipped_steps",

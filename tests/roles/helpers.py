@@ -1,15 +1,16 @@
 """Build real role engines from rendered configs for tests."""
 import torch
 
-from verl_ds.precision import LossScaling, PrecisionConfig, read_ds_json, render_role
+from verl_ds.config import AlgorithmConfig
+from verl_ds.ds_config import read_ds_json, render_role
+from verl_ds.precision import Hardware, LossScaling, PrecisionConfig, resolve_precision
 
-LOSS_CFG = dict(clip_low=0.2, clip_high=0.2, dual_clip_c=None, loss_agg_mode="token-mean", entropy_coef=0.0,
-                use_kl_loss=False, kl_coef=0.0, kl_estimator="k3", tis_cap=None, vf_clip=0.5, vf_coef=1.0)
+FP32_CPU = Hardware("cpu")   # `auto` -> fp32: the tests pin every dtype they assert on anyway
 
 
-class Cfg:
-    def __init__(self, **kw):
-        self.__dict__.update({**LOSS_CFG, **kw})
+def Cfg(**kw) -> AlgorithmConfig:
+    """The real loss config (AlgorithmConfig) with the role tests' defaults."""
+    return AlgorithmConfig(**{"use_kl_loss": False, "kl_coef": 0.0, **kw})
 
 
 def ds_config(role: str, stage: int, dtype: str, micro: int = 2, total: int = 4, hysteresis: int = 2) -> dict:
@@ -19,7 +20,8 @@ def ds_config(role: str, stage: int, dtype: str, micro: int = 2, total: int = 4,
     base.setdefault("zero_optimization", {})["stage"] = stage
     prec = PrecisionConfig(**{f"{role}_dtype": dtype},
                            **({f"{role}_loss_scaling": LossScaling(hysteresis=hysteresis)} if role in ("actor", "critic") else {}))
-    return render_role(role, base, files[role], prec, device="cpu", micro_batch_size=micro, train_batch_size=total,
+    return render_role(role, base, files[role], resolve_precision(prec, FP32_CPU), micro_batch_size=micro,
+                       train_batch_size=total,
                        world_size=1, max_grad_norm=1.0, optimizer_params={"lr": 1e-2, "weight_decay": 0.0,
                                                                           "betas": [0.9, 0.999]})
 

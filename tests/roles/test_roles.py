@@ -37,12 +37,6 @@ def test_trained_roles_forward_and_step(tiny_model_dir, stage, dtype):
     assert stats["skipped_steps"] == 0
 
 
-def test_frozen_roles_refuse_zero_stage_2():
-    from verl_ds.errors import ConfigError
-    with pytest.raises(ConfigError, match="inference-only"):
-        ds_config("reference", 2, "fp32")   # DeepSpeed asserts "zero stage 2 requires an optimizer"
-
-
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_frozen_roles_forward(tiny_model_dir, stage, dtype):

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tests.roles.helpers import Cfg, ds_config, make_batch
 from verl_ds.roles import Actor, iter_full_params, load_causal_lm
-from verl_ds.roles.dist import init_distributed
+from verl_ds.dist import init_distributed
 
 
 def digest(engine) -> str:

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from verl_ds.config import DataConfig, ModelConfig, TinyModelConfig, load_config, render_ds_configs
+from verl_ds.config import DataConfig, ModelConfig, TinyModelConfig, load_config
+from verl_ds.ds_config import render_ds_configs
 from verl_ds.errors import ConfigError
 from verl_ds.precision import PrecisionConfig
 
@@ -25,8 +26,11 @@ def test_yaml_and_python_paths_render_identical_ds_configs(tmp_path):
     assert api.render_ds_configs(world_size=1) == from_yaml
     assert from_yaml["actor"]["communication_data_type"] == "bf16"     # comm dtype reaches DeepSpeed
     assert from_yaml["critic"]["bf16"] == {"enabled": True}
-    with pytest.raises(ConfigError, match="unknown argument"):
+    with pytest.raises(TypeError, match="precison_config"):     # explicit keywords: a typo is caught
         PPOTrainer(precison_config=PrecisionConfig())
+    import inspect
+    assert {"model_config", "precision_config", "trainer_config", "reward_fn"} <= set(
+        inspect.signature(PPOTrainer).parameters)
 
 
 def test_ppo_trainer_fit_two_grpo_steps_in_one_process(tmp_path):

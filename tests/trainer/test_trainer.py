@@ -7,20 +7,22 @@ import torch
 from verl_ds.config import load_config
 from verl_ds.trainer.rl_trainer import RLTrainer
 
+FP32 = [f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "rollout", "buffer")]
+
 
 def test_lr_zero_on_policy_ratio_is_one(tmp_path):
     cfg = load_config(None, ["rollout.engine=hf", "trainer.steps=2", "trainer.prompts_per_step=4", "rollout.n=4",
-                             "roles.actor.lr=0.0", "precision.buffer_dtype=fp32", "algorithm.ppo_epochs=1", f"trainer.run_dir={tmp_path}",
+                             "roles.actor.lr=0.0", *FP32, "algorithm.ppo_epochs=1", f"trainer.run_dir={tmp_path}",
                              "logging.wandb.mode=disabled", "roles.actor.micro_batch_size=8",
                              "roles.reference.micro_batch_size=8", "model.tiny.hidden=32", "model.tiny.ffn=64"])
-    trainer = RLTrainer(cfg)
-    for _ in range(2):
-        m = trainer.step()
-        assert m["actor/pg_clipfrac"] == 0.0
-        assert abs(m["actor/ppo_kl"]) < 1e-6
-        assert m["rollout_corr/logprob_abs_diff_max"] < 1e-4   # HF rollout in fp32 = the trainer's weights
-        assert math.isfinite(m["actor/pg_loss"])
-    trainer.logger.finish()
+    with RLTrainer(cfg) as trainer:
+        for _ in range(2):
+            m = trainer.step()
+            assert m["actor/pg_clipfrac"] == 0.0
+            assert abs(m["actor/ppo_kl"]) < 1e-6
+            assert m["rollout_corr/logprob_abs_diff_max"] < 1e-4   # HF rollout in fp32 = the trainer's weights
+            assert math.isfinite(m["actor/pg_loss"])
+    assert trainer.logger is None and trainer.rollout is None      # closed on exit
 
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
@@ -30,24 +32,22 @@ def test_every_estimator_runs_a_step(tmp_path, estimator):
                              "logging.wandb.mode=disabled", "roles.actor.micro_batch_size=8",
                              "roles.critic.micro_batch_size=8", "roles.reference.micro_batch_size=8",
                              "model.tiny.hidden=32", "model.tiny.ffn=64"])
-    trainer = RLTrainer(cfg)
-    assert ("critic" in trainer.roles) == (estimator == "gae")     # no critic engine unless needed
-    m = trainer.step()
+    with RLTrainer(cfg) as trainer:
+        assert ("critic" in trainer.roles) == (estimator == "gae")     # no critic engine unless needed
+        m = trainer.step()
     assert math.isfinite(m["actor/pg_loss"])
     if estimator == "gae":
         assert math.isfinite(m["critic/vf_loss"]) and "critic/vf_explained_var" in m
-    trainer.logger.finish()
 
 
 def test_buffer_dtype_bf16_rounds_what_the_buffer_stores(tmp_path):
     cfg = load_config(None, ["rollout.engine=hf", "precision.buffer_dtype=bf16", f"trainer.run_dir={tmp_path}",
                              "logging.wandb.mode=disabled", "model.tiny.hidden=32", "model.tiny.ffn=64"])
-    trainer = RLTrainer(cfg)
-    x = torch.randn(4, 3, dtype=torch.float32)
-    stored = trainer._buffered(x)
+    with RLTrainer(cfg) as trainer:
+        x = torch.randn(4, 3, dtype=torch.float32)
+        stored = trainer._buffered(x)
     assert stored.dtype == torch.float32 and torch.equal(stored, x.to(torch.bfloat16).float())
     assert not torch.equal(stored, x)
-    trainer.logger.finish()
 
 
 def test_token_rewards_put_the_score_on_the_last_response_token():

@@ -27,19 +27,44 @@ def arithmetic_examples(size: int, seed: int, min_value: int = 0, max_value: int
 
 
 def file_examples(files: list[str], prompt_key: str, answer_key: str) -> list[dict]:
-    """Rows from local jsonl/parquet files through `datasets`, as {prompt, answer}."""
+    """Rows from local jsonl (read here, so a bad line is named) or parquet files, as {prompt, answer}."""
+    kinds = {Path(f).suffix for f in files}
+    kind = kinds.pop() if len(kinds) == 1 else ""
+    if kind not in (".jsonl", ".parquet"):
+        raise ConfigError("data.train_files", "use only .jsonl or only .parquet files")
+    rows = [r for f in files for r in (_jsonl_rows(f) if kind == ".jsonl" else _parquet_rows(f))]
+    out = []
+    for where, r in rows:
+        for key, name in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
+            if key not in r:
+                raise ConfigError(name, f"'{key}' missing in {where} (keys: {sorted(r)})")
+        out.append({"prompt": str(r[prompt_key]), "answer": str(r[answer_key])})
+    return out
+
+
+def _jsonl_rows(path: str):
+    import json
+
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{n}", f"malformed JSON line ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{n}", "each line must be a JSON object")
+            yield f"{path}:{n}", row
+
+
+def _parquet_rows(path: str):
     from datasets import load_dataset
 
-    for f in files:
-        if not Path(f).is_file():
-            raise ConfigError("data.train_files", f"file not found: {f}")
-    kinds = {Path(f).suffix for f in files}
-    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(kinds.pop() if len(kinds) == 1 else "")
-    if kind is None:
-        raise ConfigError("data.train_files", "use only .jsonl or only .parquet files")
-    ds = load_dataset(kind, data_files=list(files), split="train")
-    for key in (prompt_key, answer_key):
-        if key not in ds.column_names:
-            raise ConfigError("data.prompt_key" if key == prompt_key else "data.answer_key",
-                              f"column '{key}' not in {files} (columns: {ds.column_names})")
-    return [{"prompt": str(r[prompt_key]), "answer": str(r[answer_key])} for r in ds]
+    try:
+        ds = load_dataset("parquet", data_files=[path], split="train")
+    except Exception as e:  # pyarrow's many error types for a damaged or foreign file
+        raise ConfigError(path, f"not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
+            from None
+    for n, r in enumerate(ds):
+        yield f"{path} row {n}", r

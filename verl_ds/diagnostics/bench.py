@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from verl_ds.rollout.seeding import prompt_seeds
+
 
 def _model_dir(cfg, tmp: str) -> str:
     if cfg.model.path != "tiny":
@@ -38,10 +40,10 @@ def _prompts(model_path: str, count: int, length: int, seed: int) -> list[list[i
 def _time_gen(rollout, prompts, rc, reps: int) -> float:
     """Tokens/s over `reps` timed calls after one warm-up call."""
     kw = dict(n=rc.n, temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens)
-    rollout.generate(prompts, **kw, seed=0)
+    rollout.generate(prompts, **kw, seeds=prompt_seeds(0, 0, range(len(prompts))))
     tokens = seconds = 0.0
     for i in range(reps):
-        batch = rollout.generate(prompts, **kw, seed=i + 1)
+        batch = rollout.generate(prompts, **kw, seeds=prompt_seeds(0, i + 1, range(len(prompts))))
         tokens += float(batch.response_mask.sum())
         seconds += rollout.last_metrics["timing_s/gen"]
     return tokens / seconds
@@ -67,27 +69,26 @@ def _time_train_step(model_path: str, batch_size: int, seq_len: int, reps: int) 
 
 def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
     """Print and return tokens/s (vLLM, HF, ratio) and sync vs train-step seconds."""
+    from verl_ds.ds_config import resolve
     from verl_ds.rollout import HFRollout, VLLMRollout
-    from verl_ds.rollout.weights import resolve_dtype
 
     rc = cfg.rollout
-    dtype = resolve_dtype(cfg.precision.rollout_dtype)
+    dtype = resolve(cfg).rollout
     with tempfile.TemporaryDirectory(prefix="verl_ds_bench_") as tmp:
         path = _model_dir(cfg, tmp)
         plen = min(16, cfg.data.max_prompt_length)
         prompts = _prompts(path, cfg.trainer.prompts_per_step, plen, cfg.trainer.seed)
 
-        hf = HFRollout(path, dtype, seed=cfg.trainer.seed)
+        hf = HFRollout(path, dtype)
         hf_tps = _time_gen(hf, prompts, rc, reps)
         weights = [(n, p.detach().clone()) for n, p in hf.model.named_parameters()]
         hf.shutdown()
         train_s = _time_train_step(path, len(prompts) * rc.n, plen + rc.max_new_tokens, reps)
 
-        t0 = time.perf_counter()
         vl = VLLMRollout(path, dtype, max_model_len=rc.max_model_len, kv_cache_gb=rc.kv_cache_gb,
-                         enforce_eager=rc.enforce_eager, multiprocess=rc.multiprocess, bucket_mb=rc.bucket_mb,
-                         seed=cfg.trainer.seed, gpu_memory_utilization=rc.gpu_memory_utilization)
-        start_s = time.perf_counter() - t0
+                         enforce_eager=rc.enforce_eager, bucket_mb=rc.bucket_mb, seed=cfg.trainer.seed,
+                         gpu_memory_utilization=rc.gpu_memory_utilization, sleep=False)
+        start_s = vl.start_s
         try:
             vllm_tps = _time_gen(vl, prompts, rc, reps)
             sync_s = sum(vl.sync_weights(weights)["timing_s/update_weights"] for _ in range(reps)) / reps
@@ -101,7 +102,7 @@ def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
     print(f"model {cfg.model.path} ({n_params / 1e6:.2f}M params, {dtype}); {len(prompts)} prompts x n={rc.n}, "
           f"{plen} prompt tokens, up to {rc.max_new_tokens} new, T={rc.temperature}")
     print(f"generate  vLLM {vllm_tps:10.0f} tok/s   HF {hf_tps:10.0f} tok/s   ratio {vllm_tps / hf_tps:6.2f}x "
-          f"(vLLM start {start_s:.1f} s, {'multiprocess' if rc.multiprocess else 'in-process'})")
+          f"(vLLM start {start_s:.1f} s, in-process)")
     print(f"sync      {sync_s * 1e3:8.1f} ms   vs train step {train_s * 1e3:8.1f} ms "
           f"(plain torch AdamW fwd/bwd/step, {len(prompts) * rc.n} x {plen + rc.max_new_tokens} tokens)   "
           f"ratio {sync_s / train_s:.3f}")

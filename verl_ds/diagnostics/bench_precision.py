@@ -109,13 +109,8 @@ def _finite(x):
 
 
 def run_steps(make_trainer, cfg, steps: int) -> list[dict]:
-    trainer = make_trainer(cfg)
-    try:
+    with make_trainer(cfg) as trainer:
         return [trainer.step() for _ in range(steps)]
-    finally:
-        trainer.logger.finish()
-        if trainer.rollout is not None:
-            trainer.rollout.shutdown()
 
 
 def bench_precision(config_path: str | None, overrides: list[str], dtypes: list[str], steps: int,

@@ -12,8 +12,8 @@ import warnings
 
 import torch
 
-from verl_ds.precision import ds_dtype
-from verl_ds.roles.dist import all_reduce_sum, enable_cpu_fp16, init_distributed
+from verl_ds.ds_config import ds_dtype
+from verl_ds.dist import all_reduce_sum, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,21 @@ def summarize(sums: dict, n_micro: int, world: int, global_keys: tuple) -> dict:
     share of the mini-batch value, so x world makes the cross-rank mean the global value; the
     other metrics are per-micro-batch means."""
     return {k: v * world if k in global_keys else v / n_micro for k, v in sums.items()}
+
+
+def enable_cpu_fp16() -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 (is_fp16_supported() is None), although its fp16
+    optimizers and dynamic loss scaling work there. Applied only when a role asks for fp16 on CPU;
+    logged once. GPUs never need it."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" or acc.is_fp16_supported():
+        return
+    acc.is_fp16_supported = lambda: True
+    acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+    log.warning("fp16 on CPU: enabled DeepSpeed's fp16 path on the CPU accelerator (emulated, slow; "
+                "for correctness checks)")
 
 
 class AutocastWarning(UserWarning):

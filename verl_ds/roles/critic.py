@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from verl_ds import algos
+from verl_ds.config import AlgorithmConfig
 from verl_ds.roles.base import Role, micro_batches, model_inputs
 
 
@@ -35,9 +36,9 @@ def load_value_model(path: str, trust_remote_code: bool = False, grad_checkpoint
 
 
 class Critic(Role):
-    """`loss_cfg` carries vf_clip, vf_coef, loss_agg_mode."""
+    """Reads vf_clip, vf_coef, loss_agg_mode from `loss_cfg`."""
 
-    def __init__(self, model: ValueModel, ds_config: dict, loss_cfg):
+    def __init__(self, model: ValueModel, ds_config: dict, loss_cfg: AlgorithmConfig):
         super().__init__("critic", model, ds_config, trainable=True)
         self.cfg = loss_cfg
 

@@ -39,7 +39,7 @@ def export_hf(engine, out_dir: str | Path, dtype: str, tokenizer=None) -> Path:
     call it (ZeRO-3 gathers are collective); only rank 0 keeps tensors and writes. The new directory
     is written beside the old one and swapped in by renames, so a reader never sees a partial one."""
     from verl_ds.precision import TORCH_DTYPES
-    from verl_ds.roles.dist import barrier, rank
+    from verl_ds.dist import barrier, rank
 
     out = Path(out_dir)
     keep = rank() == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from verl_ds import algos
+from verl_ds.config import AlgorithmConfig
 from verl_ds.roles.base import Role, micro_batches, model_inputs
 
 
@@ -58,11 +59,11 @@ class Reference(PolicyRole):
 class Actor(PolicyRole):
     """Trains with the clipped PPO surrogate from `verl_ds.algos`, plus optional KL and entropy terms.
 
-    `loss_cfg` carries: clip_low, clip_high, dual_clip_c, loss_agg_mode, entropy_coef,
+    Reads from `loss_cfg`: clip_low, clip_high, dual_clip_c, loss_agg_mode, entropy_coef,
     use_kl_loss, kl_coef, kl_estimator, tis_cap.
     """
 
-    def __init__(self, model, ds_config: dict, loss_cfg, temperature: float = 1.0):
+    def __init__(self, model, ds_config: dict, loss_cfg: AlgorithmConfig, temperature: float = 1.0):
         super().__init__("actor", model, ds_config, trainable=True)
         self.cfg, self.temperature = loss_cfg, temperature
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)

@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 
 from .batch import RolloutBatch
-from .weights import DTYPES, ParamChecker, eos_token_ids, pad_token_id, resolve_dtype
+from .weights import DTYPES, ParamChecker, eos_token_ids, pad_token_id
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -28,24 +28,26 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
 
 
 class HFRollout:
-    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu", seed: int = 0,
-                 trust_remote_code: bool = False):
+    tp = 1   # one model per rank
+
+    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu", trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM
 
-        self.model_path, self.device, self.seed = str(model_path), device, seed
-        self.dtype = resolve_dtype(dtype)
+        self.model_path, self.device, self.dtype = str(model_path), device, dtype
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.dtype],
                                                           trust_remote_code=trust_remote_code).to(device).eval()
         self.checker = ParamChecker(model_path)
         self.eos_ids = eos_token_ids(model_path)
         self.pad_id = pad_token_id(model_path)
-        self.restarts = 0
+        self.start_s = 0.0
         self.last_metrics: dict[str, float] = {}
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int = 16, seed: int | None = None) -> RolloutBatch:
-        """Left-padded batched `generate`; responses end at (and include) the first eos."""
+                 top_p: float = 1.0, max_new_tokens: int = 16, seeds: list[int] | None = None) -> RolloutBatch:
+        """Left-padded batched `generate`; responses end at (and include) the first eos. `generate`
+        draws every sample from one generator: it is seeded from this call's prompt seeds (unique
+        per run, step and rank, see seeding.py), so calls never share a stream; None: the global RNG."""
         prompts = [list(map(int, p)) for p in prompt_token_ids for _ in range(n)]
         groups = [i for i in range(len(prompt_token_ids)) for _ in range(n)]
         if not prompts:
@@ -55,7 +57,9 @@ class HFRollout:
         greedy = temperature <= 0
         sample_kw = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature,
                                                            "top_p": top_p, "top_k": 0}
-        rng = torch.random.fork_rng(devices=[]) if seed is not None else nullcontext()
+        seed = None if not seeds else hash(tuple(int(s) for s in seeds)) & ((1 << 62) - 1)
+        rng = torch.random.fork_rng(devices=[torch.device(self.device)] if self.device.startswith("cuda") else []) \
+            if seed is not None else nullcontext()
         t0 = time.perf_counter()
         with rng:
             if seed is not None:
@@ -93,7 +97,10 @@ class HFRollout:
             if self.checker.check(name, tensor):
                 state[name].copy_(tensor.detach().to(state[name].device, state[name].dtype))
         self.checker.finish()
-        return {"timing_s/update_weights": time.perf_counter() - t0, "rollout/engine_restarts": 0.0}
+        return {"timing_s/update_weights": time.perf_counter() - t0}
+
+    def sleep(self) -> None:   # nothing to free: HF generate holds no cache between calls
+        pass
 
     def shutdown(self) -> None:
         self.model = None

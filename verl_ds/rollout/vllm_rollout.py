@@ -1,107 +1,112 @@
-"""`VLLMRollout`: sampling with vLLM, and in-place weight updates from a stream of HF tensors.
+"""`VLLMRollout`: an in-process vLLM engine in every rank, sharing the trainer's process group.
 
-Prompts go in as token ids (`skip_tokenizer_init`): the trainer owns the tokenizer. Logprobs are
-vLLM's *processed* logprobs (after temperature / top-p), i.e. the distribution actually sampled.
+Shape (TRL's colocate mode, verl's SPMD rollout): `distributed_executor_backend="external_launcher"`
+makes vLLM reuse the launcher's ranks; `tensor_parallel_size` consecutive ranks share one engine
+(each holds a shard and every member runs the same requests). Prompts go in as token ids
+(`skip_tokenizer_init`): the trainer owns the tokenizer. Logprobs are vLLM's *processed* logprobs
+(after temperature / top-p), i.e. the distribution actually sampled. Weights come in as
+`(name, tensor)` pairs on their own device and are loaded in byte-bounded buckets. On GPU the
+engine sleeps while the roles train (weights offloaded, KV cache freed) and wakes for the sync.
 """
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import time
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from .batch import RolloutBatch
-from .weights import DTYPES, TIED_HEAD, ParamChecker, eos_token_ids, layer_group, pad_token_id, resolve_dtype
+from .weights import DTYPES, TIED_HEAD, ParamChecker, eos_token_ids, layer_group, pad_token_id
 
 log = logging.getLogger(__name__)
-
-# Set by torchrun / the deepspeed launcher; vLLM's own worker must not join the trainer's world.
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "GROUP_RANK", "ROLE_RANK", "LOCAL_WORLD_SIZE", "CROSS_RANK", "CROSS_SIZE")
 _VLLM_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-@contextmanager
-def _env(set_: dict[str, str], scrub: tuple[str, ...] = ()):
-    """Temporarily set / remove environment variables (child processes copy them at spawn)."""
-    old = {k: os.environ.get(k) for k in (*set_, *scrub)}
-    os.environ.update(set_)
-    for k in scrub:
-        os.environ.pop(k, None)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _cpu_bind() -> str:
+    """This rank's share of the cores (by LOCAL_RANK): two in-process engines would otherwise both
+    pin core 0, and the engine's binding also applies to the trainer in the same process."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    local, size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_SIZE", os.environ.get(
+        "LOCAL_WORLD_SIZE", 1)))
+    per = max(1, len(cores) // max(size, 1))
+    mine = cores[local * per:(local + 1) * per] or cores[-1:]
+    return ",".join(map(str, mine))
 
 
 class VLLMRollout:
-    def __init__(self, model_path: str, dtype: str = "fp32", *, max_model_len: int = 256,
-                 kv_cache_gb: float = 0.25, enforce_eager: bool = True, multiprocess: bool = True,
-                 bucket_mb: int = 256, seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 cpu_threads_bind: str | None = None, trust_remote_code: bool = False):
-        self.model_path = str(model_path)
-        self.dtype = resolve_dtype(dtype)
-        self.multiprocess = multiprocess
+    def __init__(self, model_path: str, dtype: str = "fp32", *, tensor_parallel_size: int = 1,
+                 max_model_len: int = 256, kv_cache_gb: float = 0.25, gpu_memory_utilization: float = 0.5,
+                 enforce_eager: bool = True, bucket_mb: int = 256, seed: int = 0, sleep: bool = True,
+                 trust_remote_code: bool = False):
+        from verl_ds.dist import init_distributed
+
+        init_distributed()   # external_launcher joins the process group the roles use
+        if dtype not in _VLLM_DTYPE:
+            raise ValueError(f"rollout dtype {dtype!r}: expected one of {', '.join(_VLLM_DTYPE)}")
+        self.model_path, self.dtype, self.tp = str(model_path), dtype, tensor_parallel_size
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.checker = ParamChecker(model_path)   # names/shapes read once from the headers
         self.eos_ids = eos_token_ids(model_path)
         self.pad_id = pad_token_id(model_path)
-        self.restarts = 0
-        self.serves_all_ranks = False   # set by make_rollout in rank-0 mode
+        self.cuda = torch.cuda.is_available()
+        self.sleeps = sleep and self.cuda
+        if sleep and not self.cuda:
+            log.info("vLLM sleep mode is unavailable on CPU: the engine keeps its weights and KV cache")
+        self.asleep = False
         self.last_metrics: dict[str, float] = {}
-        self._llm_kwargs = dict(
-            model=self.model_path, dtype=_VLLM_DTYPE[self.dtype], skip_tokenizer_init=True,
-            trust_remote_code=trust_remote_code,
-            enforce_eager=enforce_eager, max_model_len=max_model_len, seed=seed,
-            kv_cache_memory_bytes=int(kv_cache_gb * 2**30), gpu_memory_utilization=gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="verl_ds.rollout.worker_ext.WeightSyncExtension",
-        )
-        self._threads_bind = cpu_threads_bind
-        self.llm = self._start()
+        kwargs = dict(
+            model=self.model_path, dtype=_VLLM_DTYPE[dtype], skip_tokenizer_init=True,
+            trust_remote_code=trust_remote_code, enforce_eager=enforce_eager, max_model_len=max_model_len,
+            seed=seed, tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher",
+            logprobs_mode="processed_logprobs", worker_extension_cls="verl_ds.rollout.worker_ext.WeightSyncExtension")
+        if self.cuda:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep)
+        else:
+            kwargs.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind())
+        self.start_s = 0.0
+        self.llm = self._start(kwargs, gpu_memory_utilization)
 
-    def _start(self):
+    def _start(self, kwargs: dict, gpu_util: float):
         import vllm.envs
         from vllm import LLM
 
-        # An in-process EngineCore freezes vllm.envs (enable_envs_cache): re-read them for this engine.
+        # An earlier in-process engine froze vllm.envs (enable_envs_cache): re-read them for this one.
         getattr(vllm.envs, "disable_envs_cache", lambda: None)()
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.multiprocess else "0"}
-        if self._threads_bind:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self._threads_bind
-        # In-process, vLLM reuses an existing default process group, so nothing to scrub there.
-        scrub = _LAUNCHER_VARS if self.multiprocess else ()
         t0 = time.perf_counter()
-        with _env(env, scrub):
-            llm = LLM(**self._llm_kwargs)
-        log.info("vLLM engine up in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype,
-                 "multiprocess" if self.multiprocess else "in-process")
+        try:
+            llm = LLM(**kwargs)
+        except (RuntimeError, ValueError) as e:
+            if self.cuda and "memory" in str(e).lower():
+                from verl_ds.errors import ConfigError
+                free, total = torch.cuda.mem_get_info()
+                raise ConfigError("rollout.gpu_memory_utilization",
+                                  f"vLLM could not get its memory: {free / 2**30:.1f} GiB free of "
+                                  f"{total / 2**30:.1f} GiB, it needs {gpu_util:.2f} x {total / 2**30:.1f} = "
+                                  f"{gpu_util * total / 2**30:.1f} GiB ({e})") from None
+            raise
+        self.start_s = time.perf_counter() - t0
+        log.info("vLLM engine up in %.1f s (%s, TP=%d, in-process)", self.start_s, self.dtype, self.tp)
         return llm
 
     # ---------------------------------------------------------------- generation
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int = 16, seed: int | None = None) -> RolloutBatch:
-        """`n` samples per prompt, contiguous per prompt. `seed` makes the call reproducible (prompt
-        i uses seed+i so prompts do not share a random stream); None: the engine's own RNG."""
+                 top_p: float = 1.0, max_new_tokens: int = 16, seeds: list[int] | None = None) -> RolloutBatch:
+        """`n` samples per prompt, contiguous per prompt (`group_ids` index the prompts). `seeds[i]`
+        seeds prompt i's samples (see seeding.py); None: the engine's own RNG. Every member of a
+        tensor-parallel group must call it with the same arguments."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self.wake_up()
         prompts = [list(map(int, p)) for p in prompt_token_ids]
         greedy = temperature <= 0     # vLLM refuses n > 1 when greedy: send n copies of n=1 instead
         reqs = [i for i in range(len(prompts)) for _ in range(n if greedy else 1)]
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=top_p,
                                  max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos_ids,
-                                 detokenize=False, seed=None if seed is None else seed + i) for i in reqs]
+                                 detokenize=False, seed=None if seeds is None else int(seeds[i])) for i in reqs]
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in reqs], params,
                                  use_tqdm=False) if reqs else []
@@ -120,79 +125,61 @@ class VLLMRollout:
         self.last_metrics = {"timing_s/gen": dt, "perf/rollout_tokens_per_s": ntok / max(dt, 1e-9)}
         return batch
 
+    # ---------------------------------------------------------------- GPU memory hand-off
+    def sleep(self) -> None:
+        """After generation (GPU): offload the weights, free the KV cache, for the roles to train."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            torch.cuda.empty_cache()
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+
     # ---------------------------------------------------------------- weight sync
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Load new weights in place, in buckets of ~bucket_mb (split only between layers).
-
-        Every tensor is checked (name, shape) before it joins a bucket, and missing names before the
-        last bucket is loaded: a model that fits one bucket is fully validated before the engine is
-        touched, and a ValueError leaves the engine serving. Loaded buckets are kept (in /dev/shm,
-        or as tensors in-process) until the sync ends, so an engine that dies mid-reload is rebuilt
-        from the original checkpoint and the whole update replayed into it: this process holds at
-        most one bucket, /dev/shm one copy of the update while the sync runs. A ValueError after
-        some buckets were loaded (models larger than one bucket) leaves a mix of old and new
-        weights serving until the next complete sync. `rollout/engine_restarts` counts since start.
-        """
+        """Load new weights in place, in buckets of ~bucket_mb (split only between layers), each
+        tensor cast on its own device. Every tensor is checked (name, shape) before it joins a
+        bucket, and missing names before the last bucket is loaded: a model that fits one bucket is
+        fully validated before the engine is touched. A ValueError after some buckets were loaded
+        (models larger than one bucket) leaves a mix of old and new weights until the next sync.
+        On GPU the weights wake first and the KV cache only after the load (peak memory)."""
         t0 = time.perf_counter()
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
         dt = DTYPES[self.dtype]
         self.checker.begin()
-        staged: list = []
-        stage_dir = None if not self.multiprocess else tempfile.mkdtemp(
-            prefix="verl_ds_sync_", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-        bucket, nbytes, group = [], 0, None
-        try:
-            for name, tensor in named_tensors:
-                if not self.checker.check(name, tensor):
-                    continue
-                size = tensor.numel() * dt.itemsize
-                g = layer_group(name)
-                if bucket and g != group and nbytes + size > self.bucket_bytes:
-                    self._flush(bucket, staged, stage_dir)
-                    bucket, nbytes = [], 0
-                cast = tensor.detach().to("cpu", dt).contiguous()
-                bucket.append((name, cast))
-                nbytes, group = nbytes + size, g
-                if self.checker.tied and name == self.checker.tied_source:
-                    # vLLM 0.32's layerwise reload restores each layer separately: a tied lm_head
-                    # that receives nothing keeps the OLD embedding. Send it, in the same bucket.
-                    bucket.append((TIED_HEAD, cast.clone()))
-                    nbytes += size
-            self.checker.finish()
-            if bucket:
-                self._flush(bucket, staged, stage_dir)
-            self.llm.reset_prefix_cache()   # cached KV blocks were computed with the old weights
-        finally:
-            if stage_dir:
-                shutil.rmtree(stage_dir, ignore_errors=True)
-        return {"timing_s/update_weights": time.perf_counter() - t0,
-                "rollout/engine_restarts": float(self.restarts),
-                "rollout/sync_buckets": float(len(staged))}
+        bucket, nbytes, group, n_buckets = [], 0, None, 0
+        for name, tensor in named_tensors:
+            if not self.checker.check(name, tensor):
+                continue
+            size = tensor.numel() * dt.itemsize
+            g = layer_group(name)
+            if bucket and g != group and nbytes + size > self.bucket_bytes:
+                self._load(bucket)
+                bucket, nbytes, n_buckets = [], 0, n_buckets + 1
+            cast = tensor.detach().to(dtype=dt).contiguous()
+            bucket.append((name, cast))
+            nbytes, group = nbytes + size, g
+            if self.checker.tied and name == self.checker.tied_source:
+                # vLLM 0.32's layerwise reload restores each layer separately: a tied lm_head
+                # that receives nothing keeps the OLD embedding. Send it, in the same bucket.
+                bucket.append((TIED_HEAD, cast))
+        self.checker.finish()
+        if bucket:
+            self._load(bucket)
+            n_buckets += 1
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()   # cached KV blocks were computed with the old weights
+        return {"timing_s/update_weights": time.perf_counter() - t0, "rollout/sync_buckets": float(n_buckets)}
 
-    def _flush(self, bucket: list, staged: list, stage_dir: str | None) -> None:
-        if stage_dir:
-            from safetensors.torch import save_file
-            payload = os.path.join(stage_dir, f"bucket{len(staged)}.safetensors")
-            save_file(dict(bucket), payload)
-        else:
-            payload = bucket
-        staged.append(payload)
-        try:
-            self._load(payload)
-        except Exception as e:   # EngineDeadError, or a half-reloaded model left on meta tensors
-            log.error("vLLM died while loading weights (%s: %s); restarting it from %s and "
-                      "replaying %d bucket(s)", type(e).__name__, e, self.model_path, len(staged))
-            self._restart()
-            for p in staged:
-                self._load(p)
-
-    def _load(self, payload) -> None:
-        method = "load_bucket_file" if isinstance(payload, str) else "load_named_tensors"
-        self.llm.collective_rpc(method, args=(payload,))
-
-    def _restart(self) -> None:
-        self.shutdown()
-        self.llm = self._start()
-        self.restarts += 1
+    def _load(self, bucket: list) -> None:
+        self.llm.collective_rpc("load_named_tensors", args=(bucket,))
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -15,16 +15,6 @@ from verl_ds.precision import TORCH_DTYPES as DTYPES  # one name -> torch dtype 
 TIED_HEAD = "lm_head.weight"
 
 
-def resolve_dtype(dtype: str) -> str:
-    """`auto` -> what the hardware prefers (precision.auto_dtype); others pass through, checked."""
-    if dtype == "auto":
-        from verl_ds.precision import auto_dtype
-        dtype = auto_dtype()
-    if dtype not in DTYPES:
-        raise ValueError(f"rollout dtype {dtype!r}: expected one of fp32, fp16, bf16, auto")
-    return dtype
-
-
 def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     """{hf_name: shape} over every *.safetensors file of an HF directory (headers only)."""
     from safetensors import safe_open

@@ -1,9 +1,9 @@
-"""Methods mixed into vLLM's worker (`worker_extension_cls`) to load new weights in place.
+"""A method mixed into vLLM's worker (`worker_extension_cls`) to load new weights in place.
 
-In multiprocess mode `collective_rpc` cannot carry tensors (they arrive as lists) nor functions,
-so the driver writes a safetensors bucket to /dev/shm and the worker reads it here. Both paths go
-through the worker's `reload_weights(..., is_checkpoint_format=True)`, which takes HF names and
-re-runs vLLM's own weight processing (fused qkv / gate_up, tied embeddings).
+The engine runs in this process (`external_launcher`), so `collective_rpc` hands the worker the
+tensors themselves, on their own device: no serialization, no file. `reload_weights(...,
+is_checkpoint_format=True)` takes HF names and re-runs vLLM's own weight processing (fused qkv /
+gate_up, tensor-parallel sharding, tied embeddings).
 """
 from __future__ import annotations
 
@@ -29,17 +29,8 @@ def _quiet_partial_reload():
 
 
 class WeightSyncExtension:
-    def load_bucket_file(self, path: str) -> int:
-        """Load one safetensors bucket written by the driver; returns the tensor count."""
-        from safetensors.torch import load_file
-
-        tensors = load_file(path)
-        with _quiet_partial_reload():
-            self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
-        return len(tensors)
-
     def load_named_tensors(self, named) -> int:
-        """In-process mode: the tensors themselves (no serialization)."""
+        """Load one bucket of `(hf_name, tensor)` pairs; returns the tensor count."""
         named = list(named)
         with _quiet_partial_reload():
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)

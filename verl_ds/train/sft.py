@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from verl_ds.errors import ConfigError
-from verl_ds.precision import LossScaling, auto_dtype, precision_blocks
+from verl_ds.ds_config import precision_blocks
+from verl_ds.precision import LossScaling, PrecisionConfig, detect_hardware, resolve_precision
 from verl_ds.roles.base import Role
 from verl_ds.roles.params import export_hf
 
@@ -55,12 +56,12 @@ class Trainer:
                  grad_scaler: bool | None = None, max_grad_norm: float = 1.0, lr: float = 1e-4,
                  weight_decay: float = 0.0, micro_batch_size: int = 8, batch_size: int | None = None,
                  tokenizer=None, trust_remote_code: bool = False):
-        from verl_ds.roles.dist import init_distributed, world_size
+        from verl_ds.dist import init_distributed, world_size
         from verl_ds.roles.policy import load_causal_lm
 
         init_distributed()
-        if precision == "auto":
-            precision = auto_dtype()
+        if precision == "auto":   # the same rule as the RL roles, resolved in one place
+            precision = resolve_precision(PrecisionConfig(actor_dtype="auto"), detect_hardware()).actor
         if isinstance(model, (str, Path)):
             from verl_ds.data.tiny import load_tokenizer
             tokenizer = tokenizer or load_tokenizer(model, trust_remote_code)
@@ -107,7 +108,7 @@ class Trainer:
 
     def fit(self, dataset, epochs: int = 1, max_steps: int | None = None, seed: int = 0) -> list[float]:
         """Train; returns the loss of every optimizer step (each rank takes its share of each batch)."""
-        from verl_ds.roles.dist import rank, world_size
+        from verl_ds.dist import rank, world_size
 
         g = torch.Generator().manual_seed(seed)
         micro = self.role.micro_batch_size

@@ -4,4 +4,5 @@
 def train(cfg, reward_fn=None) -> dict:
     from verl_ds.trainer.rl_trainer import RLTrainer
 
-    return RLTrainer(cfg, reward_fn=reward_fn).fit()
+    with RLTrainer(cfg, reward_fn=reward_fn) as trainer:
+        return trainer.fit()

@@ -5,28 +5,22 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from verl_ds.config import RunConfig, active_roles, render_ds_configs
+from verl_ds.config import RunConfig, active_roles, validate_paths
 from verl_ds.data.dataset import load_examples, tokenize_prompts
-from verl_ds.errors import ConfigError
 from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
-from verl_ds.precision import auto_dtype
+from verl_ds.ds_config import render_ds_configs
+from verl_ds.errors import ConfigError
+from verl_ds.precision import ResolvedPrecision
 from verl_ds.roles import (Actor, Critic, Reference, RewardModel, load_causal_lm, load_reward_model,
                            load_value_model)
-from verl_ds.roles.dist import barrier, rank
+from verl_ds.dist import barrier, rank
 
 log = logging.getLogger(__name__)
 
 
-def _check_dirs(cfg: RunConfig) -> None:
-    for key in ("path", "tokenizer_path", "critic_path", "reward_path"):
-        value = getattr(cfg.model, key)
-        if value and not (key == "path" and value == "tiny") and not Path(value).is_dir():
-            raise ConfigError(f"model.{key}", f"directory not found: {value}")
-
-
 def resolve_model_path(cfg: RunConfig) -> str:
     """`model.path: tiny` builds a random-init char-level Llama once, under the run dir."""
-    _check_dirs(cfg)
+    validate_paths(cfg)
     if cfg.model.path != "tiny":
         return cfg.model.path
     out = Path(cfg.trainer.run_dir) / "init_model"
@@ -46,9 +40,9 @@ def build_prompts(cfg: RunConfig, tokenizer) -> list[dict]:
     return prompts
 
 
-def build_roles(cfg: RunConfig, model_path: str) -> dict:
+def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -> dict:
     """One DeepSpeed engine per active role, each from its own rendered config."""
-    ds = render_ds_configs(cfg)
+    ds = render_ds_configs(cfg, precision=precision)
     p, m = cfg.precision, cfg.model
     gc = p.enable_grad_checkpointing
     roles = {"actor": Actor(load_causal_lm(model_path, m.trust_remote_code, gc), ds["actor"], cfg.algorithm,
@@ -59,10 +53,9 @@ def build_roles(cfg: RunConfig, model_path: str) -> dict:
     if "reference" in ds:
         roles["reference"] = Reference(load_causal_lm(model_path, m.trust_remote_code), ds["reference"])
     if "reward" in ds:
-        dtype = p.reward_dtype if p.reward_dtype != "auto" else auto_dtype(cfg.trainer.device)
-        act = p.reward_activation_dtype if p.reward_activation_dtype != "auto" else auto_dtype(cfg.trainer.device)
-        roles["reward"] = RewardModel(load_reward_model(m.reward_path, dtype, act, m.trust_remote_code),
-                                      ds["reward"], int8=dtype == "int8")
+        dtype = precision.reward
+        roles["reward"] = RewardModel(load_reward_model(m.reward_path, dtype, precision.reward_activation,
+                                                        m.trust_remote_code), ds["reward"], int8=dtype == "int8")
     return roles
 
 

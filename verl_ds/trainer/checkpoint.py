@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from verl_ds.roles.dist import barrier, rank
+from verl_ds.dist import barrier, rank
 
 _STEP = re.compile(r"^step_(\d+)$")
 

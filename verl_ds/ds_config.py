@@ -1,0 +1,161 @@
+"""Each role's final DeepSpeed config: its JSON file from ds_configs/ + the precision blocks of the
+resolved precision (fp16/bf16, loss scaling, grad-accum and communication dtypes) + the batch
+sizes, optimizer settings and gradient clipping the run config implies.
+
+`render_ds_configs(cfg, world, resolved)` is what `verl-ds config render` prints and what every role
+is built from. Static checks live in `config.validate`; what is left here are facts only the JSON
+files know (their fp16/bf16 blocks, ZeRO stage, batch keys), each a ConfigError naming the file.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from verl_ds.errors import ConfigError
+from verl_ds.precision import TRAINED_ROLES, LossScaling, ResolvedPrecision
+
+DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+
+
+def resolve_ds_path(name: str) -> Path:
+    p = Path(name)
+    if p.is_absolute() or p.exists():
+        return p
+    return DS_CONFIG_DIR / name
+
+
+def read_ds_json(name: str, key: str) -> dict:
+    path = resolve_ds_path(name)
+    if not name:
+        raise ConfigError(key, "no DeepSpeed JSON file given")
+    if not path.is_file():
+        raise ConfigError(key, f"DeepSpeed config file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(str(path), f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "a DeepSpeed config must be a JSON object")
+    return data
+
+
+def precision_blocks(dtype: str, scaling: LossScaling | None) -> dict:
+    """The fp16/bf16 blocks DeepSpeed reads for a compute dtype (fp32 and int8: neither)."""
+    if dtype == "fp16":
+        s = scaling or LossScaling()
+        return {"fp16": {"enabled": True, "auto_cast": False, "loss_scale": s.loss_scale,
+                         "initial_scale_power": s.initial_scale_power,
+                         "loss_scale_window": s.loss_scale_window, "hysteresis": s.hysteresis,
+                         "consecutive_hysteresis": s.consecutive_hysteresis,
+                         "min_loss_scale": s.min_loss_scale}}
+    if dtype == "bf16":
+        return {"bf16": {"enabled": True}}
+    return {}
+
+
+def render_role(role: str, base: dict, source: str, precision: ResolvedPrecision, *,
+                micro_batch_size: int, train_batch_size: int, world_size: int,
+                max_grad_norm: float, optimizer_params: dict | None, json_loss_scaling: bool = True) -> dict:
+    """Merge one role's DeepSpeed JSON with its resolved precision and batch settings.
+
+    Trained roles get an optimizer; frozen ones lose any optimizer block. `json_loss_scaling`: an
+    fp16 block in the JSON keeps its loss-scaling keys (the role's dtype was `auto`, deferring to
+    the file); an explicit dtype takes the PrecisionConfig's loss scaling.
+    """
+    ds = copy.deepcopy(base)
+    dtype = precision.role(role)
+    json_fp16 = ds.pop("fp16", {})
+    ds.pop("bf16", None)
+    # int8 is weight-only quantization applied by the reward role; DeepSpeed itself runs fp32.
+    ds.update(precision_blocks(dtype, getattr(precision, f"{role}_loss_scaling", None)))
+    if dtype == "fp16" and json_fp16.get("enabled") and json_loss_scaling:
+        ds["fp16"].update(json_fp16)      # the JSON's own loss-scaling keys
+    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+
+    trained = role in TRAINED_ROLES
+    if trained:
+        if precision.grad_accum:
+            if dtype == "bf16" and precision.grad_accum == "fp32" and stage == 0:
+                raise ConfigError("precision.grad_accum",
+                                  f"bf16 with fp32 grad accumulation at ZeRO stage 0 is rejected by DeepSpeed ({source}); use stage >= 1")
+            ds.setdefault("data_types", {})["grad_accum_dtype"] = precision.grad_accum
+        comm = getattr(precision, f"{role}_comm")
+        if comm:
+            ds["communication_data_type"] = comm
+        if ds.get("gradient_clipping", "auto") == "auto":
+            ds["gradient_clipping"] = float(max_grad_norm)
+        opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
+        params = opt.setdefault("params", {})
+        for k, v in (optimizer_params or {}).items():
+            if params.get(k, "auto") == "auto":
+                params[k] = v
+    else:
+        ds.pop("optimizer", None)
+        ds.pop("scheduler", None)
+        ds.pop("gradient_clipping", None)
+        train_batch_size = micro_batch_size * world_size
+
+    _fill_batch_sizes(ds, micro_batch_size, train_batch_size, world_size)
+    ds.setdefault("steps_per_print", 10**9)
+    ds.setdefault("wall_clock_breakdown", False)
+    return ds
+
+
+def _fill_batch_sizes(ds: dict, micro: int, total: int, world: int) -> None:
+    """Fill DeepSpeed's "auto" batch keys (config.validate checked that they are consistent)."""
+    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds["train_micro_batch_size_per_gpu"] = micro
+    ds["train_batch_size"] = total
+    if ds.get("gradient_accumulation_steps", "auto") == "auto":
+        ds["gradient_accumulation_steps"] = total // (ds["train_micro_batch_size_per_gpu"] * world)
+
+
+def ds_dtype(ds: dict) -> str:
+    """The compute dtype a rendered DeepSpeed config asks for."""
+    if ds.get("fp16", {}).get("enabled"):
+        return "fp16"
+    if ds.get("bf16", {}).get("enabled"):
+        return "bf16"
+    return "fp32"
+
+
+def json_dtypes(cfg) -> dict[str, str]:
+    """The compute dtype each active role's JSON file asks for (`auto` defers to it)."""
+    from verl_ds.config import active_roles
+    out = {}
+    for role in active_roles(cfg):
+        name = getattr(cfg.roles, role).ds_config
+        ds = read_ds_json(name, f"roles.{role}.ds_config")
+        if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
+            raise ConfigError(str(resolve_ds_path(name)), f"fp16 and bf16 are both enabled for the {role}")
+        out[role] = ds_dtype(ds)
+    return out
+
+
+def resolve(cfg, hw=None) -> ResolvedPrecision:
+    """The run's precision, resolved once against this machine's (or the injected) hardware."""
+    from verl_ds.precision import detect_hardware, resolve_precision
+    return resolve_precision(cfg.precision, hw or detect_hardware(cfg.trainer.device), json_dtypes(cfg))
+
+
+def render_ds_configs(cfg, world_size: int | None = None, precision: ResolvedPrecision | None = None
+                      ) -> dict[str, dict]:
+    """Every active role's final DeepSpeed config, as DeepSpeed will receive it."""
+    import os
+
+    from verl_ds.config import active_roles, validate
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    validate(cfg, world)
+    precision = precision or resolve(cfg)
+    mini = cfg.trainer.mini_batch_size or cfg.trainer.prompts_per_step * cfg.rollout.n
+    out = {}
+    for role in active_roles(cfg):
+        rc = getattr(cfg.roles, role)
+        out[role] = render_role(
+            role, read_ds_json(rc.ds_config, f"roles.{role}.ds_config"), rc.ds_config, precision,
+            micro_batch_size=rc.micro_batch_size, train_batch_size=mini, world_size=world,
+            max_grad_norm=cfg.trainer.max_grad_norm,
+            optimizer_params={"lr": rc.lr, "weight_decay": rc.weight_decay, "betas": list(rc.betas)},
+            json_loss_scaling=cfg.precision.role_dtype(role) == "auto")
+    return out
