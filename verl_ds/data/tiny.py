@@ -52,7 +52,7 @@ def build_tiny_llama(out_dir: str | Path, tokenizer=None, hidden: int = 128, lay
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """Load a saved tokenizer, keeping a char tokenizer's pre-tokenizer intact (see PLATFORM.md)."""
+    """Load a saved tokenizer, keeping a char tokenizer's pre-tokenizer intact (AutoTokenizer on a qwen2/llama config replaces a saved pre-tokenizer)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = Path(path)

@@ -79,7 +79,9 @@ def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
         plen = min(16, cfg.data.max_prompt_length)
         prompts = _prompts(path, cfg.trainer.prompts_per_step, plen, cfg.trainer.seed)
 
+        t0 = time.perf_counter()
         hf = HFRollout(path, dtype)
+        hf_start_s = time.perf_counter() - t0
         hf_tps = _time_gen(hf, prompts, rc, reps)
         weights = [(n, p.detach().clone()) for n, p in hf.model.named_parameters()]
         hf.shutdown()
@@ -96,14 +98,14 @@ def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
             vl.shutdown()
 
     out = {"bench/vllm_tokens_per_s": vllm_tps, "bench/hf_tokens_per_s": hf_tps,
-           "bench/vllm_over_hf": vllm_tps / hf_tps, "bench/vllm_start_s": start_s,
+           "bench/vllm_over_hf": vllm_tps / hf_tps, "bench/vllm_start_s": start_s, "bench/hf_start_s": hf_start_s,
            "bench/sync_s": sync_s, "bench/train_step_s": train_s, "bench/sync_over_train_step": sync_s / train_s}
     n_params = sum(t.numel() for _, t in weights)
     print(f"model {cfg.model.path} ({n_params / 1e6:.2f}M params, {dtype}); {len(prompts)} prompts x n={rc.n}, "
           f"{plen} prompt tokens, up to {rc.max_new_tokens} new, T={rc.temperature}")
     print(f"generate  vLLM {vllm_tps:10.0f} tok/s   HF {hf_tps:10.0f} tok/s   ratio {vllm_tps / hf_tps:6.2f}x "
-          f"(vLLM start {start_s:.1f} s, in-process)")
+          f"(start: vLLM {start_s:.1f} s in-process, HF {hf_start_s:.1f} s)")
     print(f"sync      {sync_s * 1e3:8.1f} ms   vs train step {train_s * 1e3:8.1f} ms "
           f"(plain torch AdamW fwd/bwd/step, {len(prompts) * rc.n} x {plen + rc.max_new_tokens} tokens)   "
-          f"ratio {sync_s / train_s:.3f}")
+          f"share {100 * sync_s / train_s:.1f}%")
     return out

@@ -1,6 +1,6 @@
 """The RL loop: PPO (GAE + critic), GRPO, Dr.GRPO, RLOO, REINFORCE++ on per-role DeepSpeed engines.
 
-`RLTrainer.step()` reads top to bottom as the data flow of one step (see DESIGN.md). It is the only
+`RLTrainer.step()` reads top to bottom as the data flow of one step (see docs/ARCHITECTURE.md). It is the only
 place that knows every role; each phase is one call into the layer that owns it.
 """
 from __future__ import annotations
