@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import yaml
 
-from verl_ds.algos import ADVANTAGE_ESTIMATORS, AGG_LOSS_MODES, ESTIMATORS_NEEDING_CRITIC, KL_KINDS
+from verl_ds.algos import ADVANTAGE_ESTIMATORS, AGG_LOSS_MODES, ESTIMATORS_NEEDING_CRITIC, KL_KINDS, POLICY_LOSSES
 from verl_ds.errors import ConfigError
 from verl_ds.precision import TRAINED_ROLES, PrecisionConfig
 
@@ -66,6 +66,21 @@ class DataConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop groups whose samples all scored alike, sample more prompts."""
+    enabled: bool = False
+    metric: str = "acc"                    # acc: the rule reward as returned | score: after shaping
+    max_rounds: int = 4                    # generation rounds per step at most
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO soft overlong punishment: linear penalty over the last `buffer_len` tokens."""
+    buffer_len: int = 0                    # 0: off
+    penalty: float = 1.0
+
+
+@dataclass
 class AlgorithmConfig:
     estimator: str = "grpo"                # gae | grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
     gamma: float = 1.0
@@ -86,6 +101,10 @@ class AlgorithmConfig:
     reward_normalization: str = "none"     # none | batch | running
     reward_clip: Optional[float] = None
     tis_cap: Optional[float] = None        # truncated IS against the rollout policy when set
+    policy_loss: str = "vanilla"           # vanilla (PPO clip) | gspo (sequence ratio) | cispo
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    mask_truncated: bool = False           # samples cut at max_new_tokens contribute no loss
 
 
 @dataclass
@@ -302,6 +321,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "algorithm.kl_estimator": (a.kl_estimator, KL_KINDS),
         "algorithm.loss_agg_mode": (a.loss_agg_mode, AGG_LOSS_MODES),
         "algorithm.reward_normalization": (a.reward_normalization, ("none", "batch", "running")),
+        "algorithm.policy_loss": (a.policy_loss, POLICY_LOSSES),
+        "algorithm.filter_groups.metric": (a.filter_groups.metric, ("acc", "score")),
         "rollout.engine": (r.engine, ("vllm", "hf")),
         "logging.wandb.mode": (cfg.logging.wandb.mode, ("online", "offline", "disabled")),
         "data.task": (d.task, ("arithmetic", "files")),
@@ -317,7 +338,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "rollout.n": r.n, "rollout.max_new_tokens": r.max_new_tokens, "rollout.tensor_parallel_size":
         r.tensor_parallel_size, "algorithm.ppo_epochs": a.ppo_epochs, "rollout.temperature": r.temperature,
         "algorithm.kl_horizon": a.kl_horizon, "data.max_prompt_length": d.max_prompt_length,
-        "rollout.bucket_mb": r.bucket_mb,
+        "rollout.bucket_mb": r.bucket_mb, "algorithm.filter_groups.max_rounds": a.filter_groups.max_rounds,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -333,6 +354,14 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         if a.use_kl_loss:
             raise ConfigError("algorithm.kl_target", "the adaptive KL controller acts on the in-reward KL; "
                                                      "set algorithm.use_kl_loss: false or drop kl_target")
+    if a.dual_clip_c is not None and a.policy_loss != "vanilla":
+        raise ConfigError("algorithm.dual_clip_c", f"dual clip applies to the vanilla PPO loss only, not "
+                                                   f"'{a.policy_loss}'")
+    if not 0 <= a.overlong.buffer_len <= r.max_new_tokens:
+        raise ConfigError("algorithm.overlong.buffer_len", f"must be in [0, rollout.max_new_tokens = "
+                                                           f"{r.max_new_tokens}], got {a.overlong.buffer_len}")
+    if a.filter_groups.enabled and r.n < 2:
+        raise ConfigError("algorithm.filter_groups.enabled", "filtering groups by reward variance needs rollout.n >= 2")
     if a.estimator in GROUP_ESTIMATORS and r.n < 2:
         raise ConfigError("rollout.n", f"estimator '{a.estimator}' compares samples of one prompt: needs n >= 2, "
                                        f"got {r.n}")

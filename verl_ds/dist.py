@@ -83,6 +83,16 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.cpu().tolist()
 
 
+def all_reduce_min(value: float) -> float:
+    """The smallest `value` over ranks (identity in a 1-rank world)."""
+    import torch.distributed as dist
+    if not is_distributed():
+        return value
+    t = device_tensor([value])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
 def all_gather_object(obj) -> list:
     """Every rank's `obj`, in rank order (`[obj]` in a 1-rank world). Off the hot path only."""
     import torch.distributed as dist

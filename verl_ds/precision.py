@@ -49,6 +49,7 @@ class PrecisionConfig:
     actor_comm_dtype: Optional[str] = None  # gradient all-reduce dtype; None: fp32 for fp16 roles
     critic_comm_dtype: Optional[str] = None
     enable_grad_checkpointing: bool = False
+    lm_head_fp32: bool = False             # logits + log-softmax in fp32 (actor, reference, rollout)
     actor_loss_scaling: LossScaling = field(default_factory=LossScaling)
     critic_loss_scaling: LossScaling = field(default_factory=LossScaling)
 
@@ -134,6 +135,7 @@ class ResolvedPrecision:
     critic_loss_scaling: LossScaling
     auto_choice: str                         # what `auto` meant on this hardware, and why
     auto_reason: str
+    lm_head_fp32: bool = False
 
     def role(self, name: str) -> str:
         return getattr(self, name)
@@ -166,4 +168,4 @@ def resolve_precision(p: PrecisionConfig, hw: Hardware, json_dtypes: dict[str, s
         **roles, reward_activation=pick(p.reward_activation_dtype),
         rollout=rollout, buffer=pick(p.buffer_dtype), grad_accum=p.grad_accum_dtype,
         actor_comm=comm["actor"], critic_comm=comm["critic"], actor_loss_scaling=p.actor_loss_scaling,
-        critic_loss_scaling=p.critic_loss_scaling, auto_choice=auto, auto_reason=why)
+        critic_loss_scaling=p.critic_loss_scaling, auto_choice=auto, auto_reason=why, lm_head_fp32=p.lm_head_fp32)

@@ -62,3 +62,27 @@ def test_kill_after_step_2_then_resume_auto(tmp_path):
     resumed = read_metrics(killed)[before:]
     assert [r["step"] for r in resumed] == [3]
     assert resumed[0]["data/position"] == want
+
+
+def test_dapo_features_gspo_in_the_loop(tmp_path):
+    """Dynamic sampling on the sparse arithmetic reward, overlong shaping, truncated samples masked,
+    the GSPO loss: 3 steps under the launcher."""
+    fast = [o for o in FAST if not o.startswith("data.reward_fn")]
+    run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=3", *fast, "algorithm.filter_groups.enabled=true",
+              "algorithm.filter_groups.max_rounds=2", "algorithm.overlong.buffer_len=1",
+              "algorithm.mask_truncated=true", "algorithm.policy_loss=gspo")
+    rows = _check_run(tmp_path, 3, ["filter/kept_groups", "filter/rounds", "filter/zero_variance_fraction",
+                                    "response/truncated_fraction", "filter/reward_mean_drawn"])
+    for r in rows:   # an untrained model mostly fails every sample: most groups carry no gradient
+        assert r["filter/rounds"] >= 1 and r["filter/kept_groups"] <= 8 and r["filter/zero_variance_fraction"] > 0
+
+
+def test_cispo_with_fp32_lm_head_in_bf16(tmp_path):
+    """CISPO loss and the fp32 LM head with a bf16 actor, reference and rollout."""
+    bf16 = [f"precision.{k}_dtype=bf16" for k in ("actor", "reference", "rollout")]
+    run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=2", *FAST, *bf16, "precision.lm_head_fp32=true",
+              "algorithm.policy_loss=cispo")
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert math.isfinite(r["actor/pg_loss"]) and r["rollout_corr/logprob_abs_diff_max"] < 0.5

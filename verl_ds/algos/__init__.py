@@ -14,6 +14,7 @@ from .advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from .logprobs import FP32LMHead, use_fp32_lm_head
 from .logprobs import entropy_from_logits, logprobs_from_logits, mismatch_metrics, tis_weights
 from .losses import (
     KL_KINDS,
@@ -62,5 +63,7 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "tis_weights",
+    "use_fp32_lm_head",
+    "FP32LMHead",
     "value_loss",
 ]

@@ -198,3 +198,21 @@ def mismatch_metrics(
             "k3_kl": masked_mean(kl_penalty(rollout_logprob, train_logprob, "k3"), mask),
             "prob_pearson": pearson,
         }
+
+
+class FP32LMHead(torch.nn.Linear):
+    """The output projection in fp32 from 16-bit hidden states and weights: the cheapest fix for the
+    rollout-vs-trainer probability gap under bf16. Swapped in by class (`use_fp32_lm_head`), so the
+    (possibly tied) parameter and any hooks on the module (DeepSpeed ZeRO-3) stay the original's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
+
+
+def use_fp32_lm_head(model: torch.nn.Module) -> None:
+    """Make an HF causal LM compute its logits in fp32 (`get_output_embeddings()` must be a Linear)."""
+    head = model.get_output_embeddings()
+    if type(head) not in (torch.nn.Linear, FP32LMHead):
+        raise ValueError(f"an fp32 LM head needs a plain Linear output layer, got {type(head).__name__}")
+    head.__class__ = FP32LMHead

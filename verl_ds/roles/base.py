@@ -35,6 +35,22 @@ def micro_batches(batch: dict, size: int):
         yield {k: (v[i:i + size] if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
+def split_even(batch: dict, parts: int) -> list[dict]:
+    """`parts` micro-batches of near-equal size. A part left empty (fewer rows than parts) gets the
+    first row with its response masked out: a zero loss, but DeepSpeed still sees `parts` backwards."""
+    n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+    out = []
+    for idx in torch.arange(n).tensor_split(parts):
+        if len(idx) == 0:
+            idx = torch.zeros(1, dtype=torch.long)
+            mb = {k: (v[idx] if torch.is_tensor(v) else v) for k, v in batch.items()}
+            mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+        else:
+            mb = {k: (v[idx.to(v.device)] if torch.is_tensor(v) else v) for k, v in batch.items()}
+        out.append(mb)
+    return out
+
+
 def summarize(sums: dict, n_micro: int, world: int, global_keys: tuple) -> dict:
     """Per-rank metrics of one mini-batch. Losses normalised by global counts sum to this rank's
     share of the mini-batch value, so x world makes the cross-rank mean the global value; the
@@ -124,8 +140,10 @@ class Role:
         `step()`. Losses use global counts, so the accumulated gradient equals the full mini-batch's."""
         gas = self.engine.gradient_accumulation_steps()
         scale = gas * self.engine.world_size            # undo DeepSpeed's 1/gas and rank averaging
-        mbs = list(micro_batches(self.to_device(batch), self.micro_batch_size))
-        assert len(mbs) == gas, "mini-batch != micro x accumulation"
+        batch = self.to_device(batch)
+        mbs = list(micro_batches(batch, self.micro_batch_size))
+        if len(mbs) != gas:   # a smaller mini-batch (dynamic sampling): as many micro-steps, smaller ones
+            mbs = split_even(batch, gas)
         counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):

@@ -8,10 +8,13 @@ from verl_ds.config import AlgorithmConfig
 from verl_ds.roles.base import Role, micro_batches, model_inputs
 
 
-def load_causal_lm(path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False):
+def load_causal_lm(path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False,
+                   lm_head_fp32: bool = False):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if lm_head_fp32:
+        algos.use_fp32_lm_head(model)
     if grad_checkpointing:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -60,13 +63,14 @@ class Actor(PolicyRole):
     """Trains with the clipped PPO surrogate from `verl_ds.algos`, plus optional KL and entropy terms.
 
     Reads from `loss_cfg`: clip_low, clip_high, dual_clip_c, loss_agg_mode, entropy_coef,
-    use_kl_loss, kl_coef, kl_estimator, tis_cap.
+    use_kl_loss, kl_coef, kl_estimator, tis_cap, policy_loss (vanilla | gspo | cispo).
     """
 
     def __init__(self, model, ds_config: dict, loss_cfg: AlgorithmConfig, temperature: float = 1.0):
         super().__init__("actor", model, ds_config, trainable=True)
         self.cfg, self.temperature = loss_cfg, temperature
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
+        self.policy_loss = algos.get_policy_loss(loss_cfg.policy_loss)
 
     global_metric_keys = ("pg_loss", "entropy", "kl_loss")
 
@@ -77,7 +81,7 @@ class Actor(PolicyRole):
         is_w = None
         if c.tis_cap and "rollout_logprobs" in mb:
             is_w = algos.tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=c.tis_cap)
-        pg_loss, m = algos.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask,
+        pg_loss, m = self.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask,
                                        clip_low=c.clip_low, clip_high=c.clip_high, dual_clip_c=c.dual_clip_c,
                                        agg_mode=c.loss_agg_mode, is_weights=is_w, **counts)
         loss = pg_loss

@@ -20,7 +20,8 @@ from .seeding import prompt_seeds
 log = logging.getLogger(__name__)
 
 
-def make_rollout(rollout_cfg, model_path: str, dtype: str, seed: int, trust_remote_code: bool = False):
+def make_rollout(rollout_cfg, model_path: str, dtype: str, seed: int, trust_remote_code: bool = False,
+                 lm_head_fp32: bool = False):
     """This rank's rollout engine (vLLM, or HF generate where vLLM is absent or asked for)."""
     from .hf_rollout import HFRollout
 
@@ -33,23 +34,27 @@ def make_rollout(rollout_cfg, model_path: str, dtype: str, seed: int, trust_remo
             engine = "hf"
     if engine == "hf":
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return HFRollout(model_path, dtype, device=device, trust_remote_code=trust_remote_code)
+        return HFRollout(model_path, dtype, device=device, trust_remote_code=trust_remote_code,
+                         lm_head_fp32=lm_head_fp32)
     from .vllm_rollout import VLLMRollout
 
     return VLLMRollout(
         model_path, dtype, tensor_parallel_size=rollout_cfg.tensor_parallel_size,
         max_model_len=rollout_cfg.max_model_len, kv_cache_gb=rollout_cfg.kv_cache_gb,
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization, enforce_eager=rollout_cfg.enforce_eager,
-        bucket_mb=rollout_cfg.bucket_mb, seed=seed, sleep=rollout_cfg.sleep, trust_remote_code=trust_remote_code)
+        bucket_mb=rollout_cfg.bucket_mb, seed=seed, sleep=rollout_cfg.sleep, trust_remote_code=trust_remote_code,
+        lm_head_fp32=lm_head_fp32)
 
 
 def generate_distributed(rollout, local_prompt_ids: list[list[int]], n: int, temperature: float,
-                         top_p: float, max_new_tokens: int, run_seed: int, step: int) -> RolloutBatch:
-    """Samples for this rank's prompts (`group_ids` index the local prompts). Prompt i of rank r
-    sits at global position r * len(local) + i of the step and is seeded from (run_seed, step,
-    position). Collective within a tensor-parallel group: every member must call it."""
+                         top_p: float, max_new_tokens: int, run_seed: int, step: int,
+                         round_: int = 0) -> RolloutBatch:
+    """Samples for this rank's prompts (`group_ids` index the local prompts). Prompt i of rank r in
+    generation round k of a step (dynamic sampling may need several) sits at global position
+    (k * world + r) * len(local) + i and is seeded from (run_seed, step, position). Collective
+    within a tensor-parallel group: every member must call it."""
     args = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
-    start = vdist.rank() * len(local_prompt_ids)
+    start = (round_ * vdist.world_size() + vdist.rank()) * len(local_prompt_ids)
     seeds = prompt_seeds(run_seed, step, range(start, start + len(local_prompt_ids)))
     tp = getattr(rollout, "tp", 1)
     if tp == 1:

@@ -30,12 +30,16 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
 class HFRollout:
     tp = 1   # one model per rank
 
-    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu", trust_remote_code: bool = False):
+    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu", trust_remote_code: bool = False,
+                 lm_head_fp32: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.model_path, self.device, self.dtype = str(model_path), device, dtype
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.dtype],
                                                           trust_remote_code=trust_remote_code).to(device).eval()
+        if lm_head_fp32:
+            from verl_ds.algos import use_fp32_lm_head
+            use_fp32_lm_head(self.model)
         self.checker = ParamChecker(model_path)
         self.eos_ids = eos_token_ids(model_path)
         self.pad_id = pad_token_id(model_path)

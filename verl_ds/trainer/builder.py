@@ -45,13 +45,15 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
     ds = render_ds_configs(cfg, precision=precision)
     p, m = cfg.precision, cfg.model
     gc = p.enable_grad_checkpointing
-    roles = {"actor": Actor(load_causal_lm(model_path, m.trust_remote_code, gc), ds["actor"], cfg.algorithm,
-                            temperature=cfg.rollout.temperature)}
+    fp32_head = precision.lm_head_fp32
+    roles = {"actor": Actor(load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head), ds["actor"],
+                            cfg.algorithm, temperature=cfg.rollout.temperature)}
     if "critic" in active_roles(cfg):
         roles["critic"] = Critic(load_value_model(m.critic_path or model_path, m.trust_remote_code, gc),
                                  ds["critic"], cfg.algorithm)
     if "reference" in ds:
-        roles["reference"] = Reference(load_causal_lm(model_path, m.trust_remote_code), ds["reference"])
+        roles["reference"] = Reference(load_causal_lm(model_path, m.trust_remote_code, lm_head_fp32=fp32_head),
+                                       ds["reference"])
     if "reward" in ds:
         dtype = precision.reward
         roles["reward"] = RewardModel(load_reward_model(m.reward_path, dtype, precision.reward_activation,

@@ -18,12 +18,12 @@ from verl_ds.data.dataset import PromptSampler
 from verl_ds.data.reward import get_reward_fn
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
-from verl_ds.dist import all_gather_object, all_reduce_sum, init_distributed, rank, world_size
+from verl_ds.dist import all_gather_object, all_reduce_min, all_reduce_sum, init_distributed, rank, world_size
 from verl_ds.ds_config import resolve
 from verl_ds.errors import ConfigError
 from verl_ds.roles import align_overflow, iter_full_params
 from verl_ds.roles.params import export_hf
-from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
+from verl_ds.rollout import RolloutBatch, generate_distributed, make_rollout, sync_distributed
 from verl_ds.trainer import builder
 from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
@@ -57,7 +57,8 @@ class RLTrainer:
         self.reward_stats = algos.RunningMeanStd()
         self.buffer_dtype = self.precision.torch_dtype("buffer")
         self.rollout = make_rollout(cfg.rollout, self.model_path, self.precision.rollout, cfg.trainer.seed,
-                                    trust_remote_code=cfg.model.trust_remote_code)
+                                    trust_remote_code=cfg.model.trust_remote_code,
+                                    lm_head_fp32=self.precision.lm_head_fp32)
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
@@ -71,22 +72,14 @@ class RLTrainer:
         # a Timer that also accounts each role's memory per stage (memory/<stage>/<role>/...)
         timer = MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations)
         with timer("step"):
-            # 1. prompts: every rank draws the same indices and keeps its own share
-            idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank::self.world]
-            examples = [self.prompts[i] for i in idx]
-            # 2. rollout (an engine per rank or TP group; samples of one prompt stay on one rank)
-            with timer("gen", stage="rollout", role="rollout"):
-                batch = generate_distributed(self.rollout, [e["prompt_ids"] for e in examples], r.n,
-                                             r.temperature, r.top_p, r.max_new_tokens,
-                                             run_seed=cfg.trainer.seed, step=self.global_step)
-                self.rollout.sleep()      # GPU: hand vLLM's memory to the roles until the sync
-            data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-                    "response_mask": batch.response_mask}
+            # 1-3. prompts -> rollout -> rewards (+ overlong shaping); more rounds when dynamic
+            # sampling drops groups whose samples all scored alike
+            batch, examples, raw_scores, shaped, sample_metrics = self._collect(timer)
+            self.rollout.sleep()          # GPU: hand vLLM's memory to the roles until the sync
+            scores = self._normalize(shaped)
             mask = batch.response_mask
-            # 3. rewards: rule function or reward model, then normalization and clipping
-            with timer("reward", stage="score", role="reward"):
-                raw_scores = self._score(batch, examples)
-                scores = self._normalize(raw_scores)
+            truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=mask.dtype)
+            data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": mask}
             # 4. old logprobs, reference logprobs, values — stored in the buffer dtype
             with timer("old_logprob", stage="score", role="actor"):
                 old_lp = self.actor.logprobs(data, r.temperature).cpu()
@@ -108,6 +101,8 @@ class RLTrainer:
                                               group_ids=batch.group_ids, gamma=a.gamma, lam=a.lam)
             train = {**data, **{k: v for k, v in buf.items() if v is not None},
                      "advantages": adv.float(), "returns": returns.float()}
+            if a.mask_truncated:          # samples cut at max_new_tokens teach nothing about endings
+                train["response_mask"] = mask * (1 - truncated)[:, None]
             # 7. ppo_epochs over mini-batches for the actor and the critic
             update_metrics = self._update(train, timer)
             # 8. sync the new actor weights into the rollout engine
@@ -121,6 +116,7 @@ class RLTrainer:
         metrics = reduce_metrics({
             **update_metrics, **sync_metrics, **timer.times, **timer.memory_metrics(),
             **self._batch_metrics(batch, raw_scores, scores, old_lp, kl_mean, timer.times["timing_s/step"]),
+            **sample_metrics, "response/truncated_fraction": float(truncated.mean()),
             **self._precision_metrics(),
         })
         self.logger.log(metrics, self.global_step)
@@ -129,6 +125,52 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------------ phases
+    def _collect(self, timer):
+        """Rollout and rewards for this rank's prompts: (batch, examples, raw scores, shaped scores,
+        metrics). With `algorithm.filter_groups`, groups with zero variance on the chosen metric are
+        dropped and more prompts are drawn until the step has `prompts_per_step` kept groups or
+        `max_rounds` rounds ran; every rank then keeps the same number of groups."""
+        cfg, r, fg = self.cfg, self.cfg.rollout, self.cfg.algorithm.filter_groups
+        parts, rounds, seen, dropped, drawn = [], 0, 0, 0, []
+        while True:
+            idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank::self.world]
+            examples = [self.prompts[i] for i in idx]
+            with timer("gen", stage="rollout", role="rollout"):
+                batch = generate_distributed(self.rollout, [e["prompt_ids"] for e in examples], r.n, r.temperature,
+                                             r.top_p, r.max_new_tokens, run_seed=cfg.trainer.seed,
+                                             step=self.global_step, round_=rounds)
+            with timer("reward", stage="score", role="reward"):
+                raw = self._score(batch, examples)
+                shaped = raw + self._overlong(batch)
+            rounds += 1
+            if not fg.enabled:
+                return batch, examples, raw, shaped, {}
+            last = (batch, examples, raw, shaped)
+            drawn.append(raw)
+            keep = _varied_groups(raw if fg.metric == "acc" else shaped, batch.group_ids, len(examples))
+            seen, dropped = seen + len(examples), dropped + len(examples) - len(keep)
+            parts.append(_select_groups(batch, examples, raw, shaped, keep))
+            kept = all_reduce_sum([float(sum(len(p[1]) for p in parts))])[0]
+            if kept >= cfg.trainer.prompts_per_step or rounds >= fg.max_rounds:
+                break
+        # the same number of groups on every rank (collectives and micro-batches must match)
+        merged = _merge_parts(parts)
+        k = int(all_reduce_min(float(min(len(merged[1]), cfg.trainer.prompts_per_step // self.world))))
+        # nothing varied on some rank: train on the last round as drawn (its advantages are zero)
+        out = _select_groups(*merged, list(range(k))) if k else last
+        drawn = torch.cat(drawn)
+        seen_all, dropped_all, drawn_sum, drawn_n = all_reduce_sum([float(seen), float(dropped),
+                                                                     float(drawn.sum()), float(len(drawn))])
+        return (*out, {"filter/kept_groups": float(k * self.world), "filter/rounds": float(rounds),
+                       "filter/zero_variance_fraction": dropped_all / max(seen_all, 1.0),
+                       "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0)})   # before filtering
+
+    def _overlong(self, batch) -> torch.Tensor:
+        o, r = self.cfg.algorithm.overlong, self.cfg.rollout
+        lengths = batch.response_mask.sum(-1)
+        return algos.overlong_penalty(lengths, r.max_new_tokens, o.buffer_len, o.penalty) if o.buffer_len \
+            else torch.zeros_like(lengths)
+
     def _score(self, batch, examples) -> torch.Tensor:
         if self.reward_model is not None:
             return self.reward_model.score({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
@@ -299,9 +341,37 @@ def _token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.T
 
 
 def _global_counts(mask: torch.Tensor) -> tuple[float, float]:
-    """Response tokens and sequences in the whole mini-batch, over every rank."""
+    """Response tokens and sequences in the whole mini-batch, over every rank (at least 1: a
+    mini-batch of only masked-out samples contributes a zero loss, not NaN)."""
     tokens, seqs = all_reduce_sum([float(mask.sum()), float(mask.shape[0])])
-    return tokens, seqs
+    return max(tokens, 1.0), seqs
+
+
+def _varied_groups(metric: torch.Tensor, group_ids: torch.Tensor, n_groups: int) -> list[int]:
+    """Groups whose samples did not all score alike (the only ones with a GRPO gradient)."""
+    return [g for g in range(n_groups) if metric[group_ids == g].unique().numel() > 1]
+
+
+def _select_groups(batch, examples, raw, shaped, groups: list[int]):
+    """The rows of `groups` (in that order), renumbered 0..len(groups)-1."""
+    rows = torch.cat([(batch.group_ids == g).nonzero().flatten() for g in groups]) if groups \
+        else torch.zeros(0, dtype=torch.long)
+    out = batch.select(rows)
+    remap = {g: i for i, g in enumerate(groups)}
+    out.group_ids = torch.tensor([remap[int(g)] for g in out.group_ids], dtype=torch.long)
+    return out, [examples[g] for g in groups], raw[rows], shaped[rows]
+
+
+def _merge_parts(parts):
+    """Concatenate (batch, examples, raw, shaped) parts, offsetting group ids."""
+    batches, offset = [], 0
+    for b, ex, _, _ in parts:
+        b.group_ids = b.group_ids + offset
+        batches.append(b)
+        offset += len(ex)
+    batch = RolloutBatch.cat([b for b in batches if len(b)]) if any(len(b) for b in batches) else batches[0]
+    return (batch, [e for p in parts for e in p[1]], torch.cat([p[2] for p in parts]),
+            torch.cat([p[3] for p in parts]))
 
 
 def _explained_var(returns, values, mask) -> float:
