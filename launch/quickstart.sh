@@ -9,10 +9,14 @@ run_dir="${RUN_DIR:-runs/quickstart}"
 bash launch/train.sh examples/grpo_cpu_tiny.yaml trainer.run_dir="$run_dir" "$@"
 python - "$run_dir" <<'PY'
 import json, sys
-rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
+allrows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
+rows = [r for r in allrows if "reward/mean" in r]
 first = sum(r["reward/mean"] for r in rows[:5]) / min(5, len(rows))
 last = sum(r["reward/mean"] for r in rows[-10:]) / min(10, len(rows))
 print(f"reward/mean: first 5 steps {first:.3f} -> last 10 steps {last:.3f} over {len(rows)} steps")
+val = [(r["step"], r[k]) for r in allrows for k in r if k.startswith("val/") and k.endswith("/accuracy")]
+if val:
+    print("validation accuracy (held-out prompts, greedy): " + ", ".join(f"step {s}: {v:.2f}" for s, v in val))
 print(f"metrics: {sys.argv[1]}/metrics.jsonl  curve: {sys.argv[1]}/reward_curve.png  "
       f"W&B offline run: {sys.argv[1]}/wandb  model: {sys.argv[1]}/final_model")
 PY

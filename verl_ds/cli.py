@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--compare", nargs=2, metavar=("A_YAML", "B_YAML"), help="Markdown delta of two configs")
     mem.add_argument("--metric", default="peak_memory", choices=("peak_memory", "rollout", "score", "update", "sync"))
     mem.add_argument("overrides", nargs="*")
+    prec = dsub.add_parser("precision", help="per role: value ranges and what fp32/bf16/fp16 would do; "
+                                             "a recommended precision: block")
+    prec.add_argument("--config", required=True)
+    prec.add_argument("--steps", type=int, default=3)
+    prec.add_argument("--out", default=None, help="output folder (default: <trainer.run_dir>/debug_precision)")
+    prec.add_argument("overrides", nargs="*")
     return p
 
 
@@ -122,6 +128,8 @@ def cmd_bench_precision(args) -> int:
 
 def cmd_debug(args) -> int:
     """`debug memory`: estimate (+ measured from one real step unless --model-config), or --compare."""
+    if args.debug_command == "precision":
+        return cmd_debug_precision(args)
     from pathlib import Path
 
     from verl_ds.config import load_config
@@ -158,6 +166,16 @@ def cmd_debug(args) -> int:
             measured = memory.stages_from_metrics(trainer.step())
         world = args.world_size or trainer.world
     print(memory.report(cfg, shape_of(cfg), world, args.stage, measured, args.gpu_memory_gb))
+    return 0
+
+
+def cmd_debug_precision(args) -> int:
+    """`debug precision`: N real steps with every role probed; table, recommendations, precision.yaml."""
+    from verl_ds.diagnostics.precision_advisor import debug_precision
+    from verl_ds.trainer.rl_trainer import RLTrainer
+
+    res = debug_precision(args.config, args.overrides, args.steps, args.out, RLTrainer)
+    print(res["report"])
     return 0
 
 

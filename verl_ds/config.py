@@ -55,6 +55,8 @@ class ArithmeticConfig:
 class DataConfig:
     task: str = "arithmetic"               # arithmetic | files
     train_files: list = field(default_factory=list)   # jsonl or parquet, for task: files
+    val_files: list = field(default_factory=list)     # held-out prompts, same keys (task: files)
+    val_fraction: float = 0.0              # built-in task: distinct prompts held out for validation
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     reward_fn: str = "arithmetic"          # a registry name or a dotted path module:function
@@ -176,6 +178,9 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     resume: str = "none"                   # none | auto | <checkpoint dir>
     device: str = "auto"                   # auto | cpu | cuda
+    val_every: int = 0                     # validate every K steps (0: never during training)
+    val_before_train: Optional[bool] = None  # None: yes when a validation set exists
+    val_n: int = 4                         # samples per validation prompt (mean@k, pass@k)
 
 
 @dataclass
@@ -337,7 +342,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "trainer.steps": t.steps, "trainer.prompts_per_step": t.prompts_per_step,
         "rollout.n": r.n, "rollout.max_new_tokens": r.max_new_tokens, "rollout.tensor_parallel_size":
         r.tensor_parallel_size, "algorithm.ppo_epochs": a.ppo_epochs, "rollout.temperature": r.temperature,
-        "algorithm.kl_horizon": a.kl_horizon, "data.max_prompt_length": d.max_prompt_length,
+        "algorithm.kl_horizon": a.kl_horizon, "trainer.val_n": t.val_n, "data.max_prompt_length": d.max_prompt_length,
         "rollout.bucket_mb": r.bucket_mb, "algorithm.filter_groups.max_rounds": a.filter_groups.max_rounds,
     }
     for key, value in positive.items():
@@ -354,6 +359,13 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         if a.use_kl_loss:
             raise ConfigError("algorithm.kl_target", "the adaptive KL controller acts on the in-reward KL; "
                                                      "set algorithm.use_kl_loss: false or drop kl_target")
+    if not 0 <= d.val_fraction < 1:
+        raise ConfigError("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    if t.val_every < 0:
+        raise ConfigError("trainer.val_every", f"must be >= 0, got {t.val_every}")
+    if d.val_files and d.task != "files":
+        raise ConfigError("data.val_files", "validation files go with task 'files' (the built-in task uses "
+                                            "data.val_fraction)")
     if a.dual_clip_c is not None and a.policy_loss != "vanilla":
         raise ConfigError("algorithm.dual_clip_c", f"dual clip applies to the vanilla PPO loss only, not "
                                                    f"'{a.policy_loss}'")
@@ -394,9 +406,10 @@ def validate_paths(cfg: RunConfig) -> None:
     """The model directories exist and hold an HF model (and a tokenizer). Separate from `validate`:
     a config may be rendered on a machine that lacks the model; a run checks them before anything
     is built."""
-    for i, f in enumerate(cfg.data.train_files):
-        if not Path(f).is_file():
-            raise ConfigError(f"data.train_files[{i}]", f"file not found: {f}")
+    for key in ("train_files", "val_files"):
+        for i, f in enumerate(getattr(cfg.data, key)):
+            if not Path(f).is_file():
+                raise ConfigError(f"data.{key}[{i}]", f"file not found: {f}")
     m = cfg.model
     for key in ("path", "tokenizer_path", "critic_path", "reward_path"):
         value = getattr(m, key)

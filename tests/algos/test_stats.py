@@ -68,3 +68,14 @@ def test_agg_loss_gradient_ignores_masked():
     loss = X.clone().requires_grad_(True)
     agg_loss(loss, M, "token-mean").backward()
     torch.testing.assert_close(loss.grad, M / 3)
+
+
+def test_pass_at_k_unbiased_estimator():
+    from math import comb
+
+    from verl_ds.algos import pass_at_k
+
+    for n, c, k in [(8, 0, 8), (8, 1, 8), (8, 3, 2), (10, 5, 1), (5, 5, 3)]:
+        want = 1.0 - comb(n - c, k) / comb(n, k)
+        assert abs(pass_at_k(n, c, k) - want) < 1e-12
+    assert pass_at_k(10, 5, 1) == 0.5

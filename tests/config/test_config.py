@@ -215,3 +215,14 @@ def test_train_with_malformed_jsonl_line_is_one_line(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {bad}:2: malformed JSON line"), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_train_with_a_validation_file_missing_the_prompt_key_is_one_line(tmp_path):
+    good = _write(tmp_path, "train.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
+    val = _write(tmp_path, "val.jsonl", '{"question": "2+2=", "answer": "4"}\n')
+    out = cli("train", "--config", str(CPU_GRPO), "data.task=files", f"data.train_files=[{good}]",
+              f"data.val_files=[{val}]", "data.val_fraction=0", f"trainer.run_dir={tmp_path / 'run'}",
+              "logging.wandb.mode=disabled", "rollout.engine=hf")
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: data.prompt_key: 'prompt' missing in {val}:1 (keys: ['answer', 'question'])"], out.stderr

@@ -54,3 +54,16 @@ def test_prompt_files_with_chat_free_tokenization(tmp_path, tokenizer):
     D.prompt_key = "missing"
     with pytest.raises(ConfigError, match="data.prompt_key"):
         load_examples(D)
+
+
+def test_held_out_split_is_disjoint_and_seeded():
+    from verl_ds.data.dataset import held_out_split
+
+    rows = arithmetic_examples(2000, seed=0)
+    train, val = held_out_split(rows, 0.2, seed=0)
+    held = {r["prompt"] for r in val}
+    assert len(held) == len(val) == 5                        # 20% of the 25 distinct a+b problems
+    assert not held & {r["prompt"] for r in train}            # validation prompts never train
+    assert len(train) + sum(r["prompt"] in held for r in rows) == len(rows)
+    assert held_out_split(rows, 0.2, seed=0)[1] == val and held_out_split(rows, 0.2, seed=1)[1] != val
+    assert held_out_split(rows, 0.0, seed=0) == (rows, [])

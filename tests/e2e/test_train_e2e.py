@@ -10,7 +10,7 @@ from tests.e2e.helpers import read_metrics, run_train, run_until_step, wandb_his
 pytestmark = pytest.mark.e2e
 FAST = ["trainer.prompts_per_step=8", "rollout.n=8", "logging.sample_every=2", "roles.actor.micro_batch_size=16",
         "roles.critic.micro_batch_size=16", "roles.reference.micro_batch_size=16",
-        "data.reward_fn=tests.e2e.helpers:length_reward",
+        "data.reward_fn=tests.e2e.helpers:length_reward", "trainer.val_every=0", "trainer.val_before_train=false",
         # pinned: the fp32 rollout-vs-trainer bound below must not follow the CPU kind (`auto`)
         *[f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "rollout", "buffer")]]
 KEYS = ["reward/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
@@ -86,3 +86,18 @@ def test_cispo_with_fp32_lm_head_in_bf16(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert math.isfinite(r["actor/pg_loss"]) and r["rollout_corr/logprob_abs_diff_max"] < 0.5
+
+
+def test_validation_before_and_every_k_steps(tmp_path):
+    """Held-out arithmetic prompts, validated at step 0 and every 2 steps on the rollout engine."""
+    fast = [o for o in FAST if not o.startswith(("trainer.val", "data.reward_fn"))]
+    run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=4", *fast, "data.val_fraction=0.2",
+              "trainer.val_every=2", "trainer.val_n=4")
+    rows = read_metrics(tmp_path)
+    val = {r["step"]: r for r in rows if "val/arithmetic/accuracy" in r}
+    assert sorted(val) == [0, 2, 4]
+    for r in val.values():
+        for key in ("val/arithmetic/accuracy", "val/arithmetic/mean@4", "val/arithmetic/pass@4",
+                    "val/response_length/mean"):
+            assert 0 <= r[key] <= 3 and math.isfinite(r[key])
+        assert r["val/arithmetic/pass@4"] >= r["val/arithmetic/mean@4"]

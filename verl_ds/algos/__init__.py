@@ -29,7 +29,7 @@ from .losses import (
     value_loss,
 )
 from .rewards import REWARD_NORM_MODES, RunningMeanStd, normalize_rewards, overlong_penalty
-from .stats import AGG_LOSS_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
+from .stats import AGG_LOSS_MODES, agg_loss, pass_at_k, masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -58,6 +58,7 @@ __all__ = [
     "mismatch_metrics",
     "normalize_rewards",
     "overlong_penalty",
+    "pass_at_k",
     "policy_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",

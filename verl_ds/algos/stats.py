@@ -105,3 +105,16 @@ def agg_loss(
 def _as_denom(count: Count, like: torch.Tensor) -> torch.Tensor:
     # A python number or tensor count; clamped so an empty micro-batch yields 0, not nan.
     return torch.as_tensor(count, dtype=torch.float32, device=like.device).clamp_min(1e-8)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021) from `n` samples of which `c` are correct: the chance that
+    at least one of `k` samples drawn without replacement is correct. Requires 1 <= k <= n."""
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong

@@ -31,7 +31,7 @@ def file_examples(files: list[str], prompt_key: str, answer_key: str) -> list[di
     kinds = {Path(f).suffix for f in files}
     kind = kinds.pop() if len(kinds) == 1 else ""
     if kind not in (".jsonl", ".parquet"):
-        raise ConfigError("data.train_files", "use only .jsonl or only .parquet files")
+        raise ConfigError(", ".join(files), "use only .jsonl or only .parquet files")
     rows = [r for f in files for r in (_jsonl_rows(f) if kind == ".jsonl" else _parquet_rows(f))]
     out = []
     for where, r in rows:

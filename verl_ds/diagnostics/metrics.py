@@ -80,12 +80,12 @@ class MetricsLogger:
         if self.run is not None:
             self.run.log({k: float(v) for k, v in metrics.items()}, step=step)
 
-    def log_samples(self, rows: list[tuple[str, str, float]], step: int) -> None:
+    def log_samples(self, rows: list[tuple[str, str, float]], step: int, key: str = "samples") -> None:
         """A W&B table of (prompt, response, reward) generations."""
         if self.enabled and self.run is not None:
             import wandb
 
-            self.run.log({"samples": wandb.Table(columns=["prompt", "response", "reward"], data=rows)}, step=step)
+            self.run.log({key: wandb.Table(columns=["prompt", "response", "reward"], data=rows)}, step=step)
 
     def finish(self) -> None:
         if not self.enabled:

@@ -35,8 +35,10 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path, keys=("reward/mea
     panels = []
     for key in keys:
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-        steps, vals = zip(*pts) if pts else ((), ())
+        if not pts:
+            continue
+        steps, vals = zip(*pts)
         smooth = [sum(vals[max(0, i - window + 1):i + 1]) / len(vals[max(0, i - window + 1):i + 1])
                   for i in range(len(vals))]
         panels.append((key, [(key, steps, vals, {"alpha": 0.3}), (f"{key} (avg {window})", steps, smooth, {})]))
-    return save_panels(panels, out_png)
+    return save_panels(panels or [("no data", [])], out_png)

@@ -32,12 +32,13 @@ def resolve_model_path(cfg: RunConfig) -> str:
     return str(out)
 
 
-def build_prompts(cfg: RunConfig, tokenizer) -> list[dict]:
-    prompts = tokenize_prompts(load_examples(cfg.data), tokenizer, cfg.data.max_prompt_length,
-                               cfg.data.apply_chat_template)
-    if not prompts:
+def build_prompts(cfg: RunConfig, tokenizer) -> tuple[list[dict], list[dict]]:
+    """Tokenized (train, validation) prompts."""
+    d = cfg.data
+    train, val = (tokenize_prompts(x, tokenizer, d.max_prompt_length, d.apply_chat_template) for x in load_examples(d))
+    if not train:
         raise ConfigError("data", "the prompt dataset is empty")
-    return prompts
+    return train, val
 
 
 def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -> dict:

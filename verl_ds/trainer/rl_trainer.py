@@ -44,7 +44,7 @@ class RLTrainer:
         self.run_dir = Path(cfg.trainer.run_dir)
         self.model_path = builder.resolve_model_path(cfg)
         self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
-        self.prompts = builder.build_prompts(cfg, self.tokenizer)
+        self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
         self.reward_fn = reward_fn or get_reward_fn(cfg.data.reward_fn)
         self.roles = builder.build_roles(cfg, self.model_path, self.precision)
@@ -119,6 +119,8 @@ class RLTrainer:
             **sample_metrics, "response/truncated_fraction": float(truncated.mean()),
             **self._precision_metrics(),
         })
+        if self.val_prompts and cfg.trainer.val_every and self.global_step % cfg.trainer.val_every == 0:
+            metrics.update(self.validate())
         self.logger.log(metrics, self.global_step)
         if self.cfg.logging.sample_every and self.global_step % self.cfg.logging.sample_every == 0:
             self._log_samples(batch, examples, raw_scores)
@@ -164,6 +166,32 @@ class RLTrainer:
         return (*out, {"filter/kept_groups": float(k * self.world), "filter/rounds": float(rounds),
                        "filter/zero_variance_fraction": dropped_all / max(seen_all, 1.0),
                        "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0)})   # before filtering
+
+    def validate(self) -> dict[str, float]:
+        """Held-out prompts on the rollout engine with the current weights: greedy accuracy (mean
+        reward at temperature 0) and, from `trainer.val_n` samples at the rollout temperature,
+        mean@k and unbiased pass@k (a sample passes with reward >= 1). Collective: every rank calls it."""
+        cfg, r = self.cfg, self.cfg.rollout
+        k, name = cfg.trainer.val_n, cfg.data.task
+        mine = self.val_prompts[self.rank::self.world]
+        ids = [e["prompt_ids"] for e in mine]
+        tag = f"val{self.global_step}"          # seeds apart from every training step's
+        greedy = generate_distributed(self.rollout, ids, 1, 0.0, 1.0, r.max_new_tokens, run_seed=cfg.trainer.seed,
+                                      step=tag)
+        sampled = generate_distributed(self.rollout, ids, k, r.temperature, r.top_p, r.max_new_tokens,
+                                       run_seed=cfg.trainer.seed, step=tag, round_=1)
+        self.rollout.sleep()
+        acc = self._score(greedy, mine)
+        scores = self._score(sampled, mine).view(len(mine), k) if mine else torch.zeros(0, k)
+        passed = [algos.pass_at_k(k, int((row >= 1).sum()), k) for row in scores]
+        tot = all_reduce_sum([float(acc.sum()), float(scores.mean(-1).sum()) if mine else 0.0, sum(passed),
+                              float(greedy.response_mask.sum()), float(len(mine))])
+        n = max(tot[4], 1.0)
+        if self.rank == 0 and mine:
+            rows = [(e["prompt"], text, float(s)) for e, text, s in zip(mine, self._decode(greedy), acc)][:16]
+            self.logger.log_samples(rows, self.global_step, key="val_samples")
+        return {f"val/{name}/accuracy": tot[0] / n, f"val/{name}/mean@{k}": tot[1] / n,
+                f"val/{name}/pass@{k}": tot[2] / n, "val/response_length/mean": tot[3] / n}
 
     def _overlong(self, batch) -> torch.Tensor:
         o, r = self.cfg.algorithm.overlong, self.cfg.rollout
@@ -297,6 +325,9 @@ class RLTrainer:
         cfg = self.cfg
         metrics: dict[str, float] = {}
         bar = tqdm(total=cfg.trainer.steps, initial=self.global_step, disable=self.rank != 0, desc="train")
+        before = cfg.trainer.val_before_train
+        if self.val_prompts and self.global_step == 0 and (before is None or before):
+            self.logger.log(self.validate(), 0)
         try:
             while self.global_step < cfg.trainer.steps:
                 metrics = self.step()
@@ -310,7 +341,8 @@ class RLTrainer:
             self.export(self.run_dir / "final_model", cfg.checkpoint.export_dtype)
             if self.rank == 0:
                 from verl_ds.diagnostics.plots import plot_curves
-                plot_curves(self.logger.path, self.run_dir / "reward_curve.png")
+                plot_curves(self.logger.path, self.run_dir / "reward_curve.png",
+                            keys=("reward/mean", f"val/{cfg.data.task}/accuracy"))
         finally:
             bar.close()
         return metrics

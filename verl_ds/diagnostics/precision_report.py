@@ -1,0 +1,183 @@
+"""Verdicts, tables and the `precision:` YAML block of `verl-ds debug precision` (pure: numbers in,
+text out). Measurements come from `precision_advisor.py`.
+
+A role is flagged when bf16 or fp16 would damage its numbers: output relative error above
+`REL_TOL`; reward score differences within a group erased above `VANISH_TOL`; values, weights or
+(unscaled) gradients beyond fp16's max; more than `UNDER_TOL` of the nonzero gradients below the
+dtype's smallest normal at the loss scale the dtype would run with (fp16: the role's loss scale
+when it runs fp16, else its configured 2**initial_scale_power; bf16/fp32: 1); skipped fp16 steps.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import yaml
+
+from verl_ds.diagnostics.memory import estimate_memory, fmt_bytes, load_shape, md_table
+from verl_ds.diagnostics.precision_advisor import EXP_BINS, EXP_OFFSET
+
+REL_TOL, VANISH_TOL, UNDER_TOL = 0.05, 0.05, 0.01
+FP16_MAX = 65504.0
+TINY_POW = {"fp16": -14, "bf16": -126, "fp32": -126}    # smallest normal = 2**TINY_POW
+MAX_POW = {"fp16": 16, "bf16": 128, "fp32": 128}        # overflow: |x| >= 2**MAX_POW (fp16: ~65504)
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def scale_power(m: dict, dtype: str) -> int:
+    """log2 of the loss scale `dtype` would run this role's gradients with."""
+    if dtype != "fp16":
+        return 0
+    return round(math.log2(m["loss_scale"][-1])) if m["dtype"] == "fp16" else int(m["init_scale_power"])
+
+
+def grad_fractions(m: dict, dtype: str, k: int) -> tuple[float, float]:
+    """(underflow, overflow) fractions of the nonzero gradient elements multiplied by 2**k."""
+    h, bad = m["grad_hist"], m["grad_nonfinite"]
+    n = sum(h) + bad
+    if not n:
+        return 0.0, 0.0
+    def idx(e):
+        return min(max(e + EXP_OFFSET, 0), EXP_BINS)
+    return sum(h[:idx(TINY_POW[dtype] - k + 1)]) / n, (sum(h[idx(MAX_POW[dtype] + 1 - k):]) + bad) / n
+
+
+def safe_scale_power(m: dict) -> int | None:
+    """The largest power of two <= fp16 max / max|grad| (unscaled): no overflow at the first step."""
+    return math.floor(math.log2(FP16_MAX / m["grad_max"])) if m.get("grad_max") else None
+
+
+def problems(m: dict, dtype: str) -> list[tuple[str, str]]:
+    """(kind, text) of what `dtype` would do wrong to this role; kinds: scale (fixable by the fp16
+    loss scale), other."""
+    out = []
+    rel = m["rel_err"][dtype]
+    if not rel <= REL_TOL:
+        out.append(("other", f"output relative error {rel:.1%} in {dtype}"))
+    lost = m.get("vanish", {}).get(dtype, 0.0)
+    if lost > VANISH_TOL:
+        out.append(("other", f"{lost:.0%} of within-group score differences vanish in {dtype}"))
+    big = max(m["act_max"], m["head_max"], m["weight_max"])
+    if not big <= (FP16_MAX if dtype == "fp16" else 2.0 ** MAX_POW[dtype]):
+        out.append(("other", f"activations/weights reach {big:.3g} > {dtype} max"))
+    if m["trainable"]:
+        k = scale_power(m, dtype)
+        under, _ = grad_fractions(m, dtype, k)
+        if under > UNDER_TOL:
+            out.append(("scale", f"{under:.0%} of gradients underflow {dtype} at loss scale 2^{k} "
+                                 f"(max |grad| {m['grad_max']:.2g})"))
+        if grad_fractions(m, dtype, 0)[1] > 0:
+            out.append(("other", f"gradients exceed {dtype} max even unscaled"))
+        if dtype == "fp16" == m["dtype"] and m["skipped_steps"] > 0:
+            out.append(("scale", f"{int(m['skipped_steps'])} of {len(m['loss_scale'])} steps skipped for overflow"))
+    return out
+
+
+def advise(name: str, m: dict, auto_dtype: str) -> dict:
+    """{dtype, scale_power, flagged, reason}: one recommendation per role."""
+    cur = m["dtype"]
+    if cur == "int8":
+        return {"dtype": cur, "scale_power": None, "flagged": False,
+                "reason": "int8: weight-only quantization, not analysed here (bf16/fp16 rows are the fp32 weights cast)"}
+    pb = {d: problems(m, d) for d in ("bf16", "fp16")}
+    if not any(pb.values()):
+        under = f", fp16 grad underflow {grad_fractions(m, 'fp16', scale_power(m, 'fp16'))[0]:.2%}" \
+            if m["trainable"] else ""
+        return {"dtype": cur, "scale_power": None, "flagged": False,
+                "reason": f"{cur}: no range problem (rel. error bf16 {m['rel_err']['bf16']:.2%}, "
+                          f"fp16 {m['rel_err']['fp16']:.2%}{under})"}
+    k = safe_scale_power(m) if m["trainable"] else None
+    fixable = bool(pb["fp16"]) and all(kind == "scale" for kind, _ in pb["fp16"]) and k is not None \
+        and grad_fractions(m, "fp16", k)[0] <= UNDER_TOL
+    fp16_text = f"fp16 with initial_scale_power {k}" if fixable else "fp16"
+
+    def rec(dtype, text, power=None):
+        return {"dtype": dtype, "scale_power": power, "flagged": True, "reason": f"{text}"}
+    if cur in pb and not pb[cur]:
+        other = "fp16" if cur == "bf16" else "bf16"
+        return rec(cur, f"{cur}: keep it; {other} would: {pb[other][0][1]}")
+    if fixable and (auto_dtype == "fp16" or pb["bf16"]):
+        return rec("fp16", f"{fp16_text}: {pb['fp16'][0][1]}; 2^{k} is the largest scale without early overflow", k)
+    if not pb["bf16"]:
+        return rec("bf16", f"bf16: {pb['fp16'][0][1]}")
+    if not pb["fp16"]:
+        return rec("fp16", f"fp16: {pb['bf16'][0][1]}")
+    return rec("fp32", f"fp32: {pb['bf16'][0][1]}")
+
+
+def weight_memory(cfg, role: str, shape, world: int, hw) -> dict[str, float]:
+    """Weight bytes of `role` per dtype from the analytic model (what `debug memory` prints)."""
+    from verl_ds.ds_config import json_dtypes, render_ds_configs
+    from verl_ds.precision import resolve_precision
+
+    out = {}
+    for dt in DTYPES:
+        c = copy.deepcopy(cfg)
+        setattr(c.precision, f"{role}_dtype", dt)
+        p = resolve_precision(c.precision, hw, json_dtypes(c), log_choice=False)
+        est = estimate_memory(c, shape, render_ds_configs(c, world, p), world, p.rollout)
+        out[dt] = sum(v for k, v in est["update"][role].items() if k.startswith("weights_"))
+    return out
+
+
+def _pct(x):
+    return f"{x:.2%}"
+
+
+def build_report(cfg, roles: dict, rows: list[dict], world: int, model_path: str, hw, steps: int,
+                 seconds: float) -> dict:
+    from pathlib import Path
+
+    from verl_ds.precision import auto_compute_dtype
+
+    shape = load_shape(str(Path(model_path) / "config.json"))
+    auto = auto_compute_dtype(hw)[0]
+    advice = {name: advise(name, m, auto) for name, m in roles.items()}
+    mem = {name: weight_memory(cfg, name, shape, world, hw) for name in roles}
+    table = []
+    for name, m in roles.items():
+        for dt in DTYPES:
+            k = scale_power(m, dt)
+            grads = [f"{x:.2%} @2^{k}" for x in grad_fractions(m, dt, k)] if m["trainable"] else ["-", "-"]
+            gap = f"{m['logprob_gap'][dt]:.3g}" if "logprob_gap" in m else "-"
+            table.append([name, dt, _pct(m["rel_err"][dt]), gap, *grads, fmt_bytes(mem[name][dt]),
+                          f"{m['fwd_s'][dt]:.3f}"])
+    ranges = []
+    for name, m in roles.items():
+        lost = m.get("vanish")
+        ranges.append([name, m["dtype"], f"{m['weight_max']:.3g}", f"{m['act_max']:.3g}",
+                       f"[{m['out_range'][0]:.4g}, {m['out_range'][1]:.4g}]",
+                       f"{m['grad_max']:.3g}" if m["trainable"] else "-",
+                       str(safe_scale_power(m)) if m["trainable"] and m["grad_max"] else "-",
+                       (f"{_pct(lost['bf16'])} / {_pct(lost['fp16'])} of {m['pairs']}" if lost else "-")])
+    lines = [f"## debug precision: {steps} steps, world size {world}, {hw.device}, `auto` = {auto}", "",
+             "What each dtype would do (rel. error: the role's output — logprobs, values or scores — vs fp32 on the "
+             "last batch; gradient fractions at the loss scale the dtype would run with; weights: analytic "
+             "estimate as in `debug memory`).", "",
+             md_table(["role", "dtype", "rel. error", "max |Δlogprob|", "grad underflow", "grad overflow",
+                       "weights (est.)", "forward (s)"], table), "",
+             md_table(["role", "run dtype", "max |weight|", "max |activation|", "output range",
+                       "max |grad| (unscaled)", "fp16 initial_scale_power (no early overflow)",
+                       "score diffs lost bf16 / fp16"], ranges), ""]
+    for name, m in roles.items():
+        if m["trainable"] and m["dtype"] == "fp16":
+            lines.append(f"{name} loss scale: {' → '.join(f'{s:g}' for s in m['loss_scale'])}; "
+                         f"skipped steps: {int(m['skipped_steps'])}")
+    gap = rows[-1].get("rollout_corr/logprob_abs_diff_max")
+    if gap is not None:
+        lines.append(f"rollout vs trainer in this run: max |Δlogprob| {gap:.3g}")
+    if hw.device == "cpu":
+        slow = "fp16 is emulated on CPU" + ("" if {"avx512_bf16", "amx_bf16"} & set(hw.cpu_flags)
+                                           else "; bf16 is emulated without avx512_bf16/AMX")
+        lines.append(f"note: forward timings are not representative here ({slow}); the numerics are.")
+    lines += ["", "### Recommendations"]
+    for name, a in advice.items():
+        lines.append(f"- {name}{' (flagged)' if a['flagged'] else ''}: {a['reason']}")
+    block = {f"{name}_dtype": a["dtype"] for name, a in advice.items()}
+    for name, a in advice.items():
+        if a["dtype"] == "fp16" and a["scale_power"] is not None:
+            block[f"{name}_loss_scaling"] = {"initial_scale_power": int(a["scale_power"])}
+    text = yaml.safe_dump({"precision": block}, sort_keys=False)
+    lines += ["", "```yaml", text.rstrip(), "```", "", f"debug precision took {seconds:.1f} s"]
+    return {"report": "\n".join(lines), "yaml": text, "recommendations": advice, "memory": mem,
+            "seconds": seconds}
