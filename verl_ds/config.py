@@ -33,6 +33,16 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    """A LoRA actor (peft): rank 0 = off. The reference is the base with adapters disabled."""
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"])
+
+
+@dataclass
 class ModelConfig:
     path: str = "tiny"                     # HF directory, or "tiny"
     tokenizer_path: Optional[str] = None   # defaults to `path`
@@ -40,6 +50,7 @@ class ModelConfig:
     critic_path: Optional[str] = None      # None: the critic starts from the actor's backbone
     reward_path: Optional[str] = None      # an HF sequence classifier; None: the task's rule reward
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -166,6 +177,7 @@ class CheckpointConfig:
     every: int = 0                         # 0: only at the end
     keep_last: int = 2
     export_dtype: str = "fp32"             # the final HF export of the actor
+    export: str = "merged"                 # LoRA: merged (an HF model) | adapter (peft format)
 
 
 @dataclass
@@ -206,8 +218,13 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
         if value is None:
             return True, None
         return _type_ok(value, args[0])
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return True, float(value)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        try:        # YAML 1.1 reads `5e-3` (no dot) as a string: accept what parses as a number
+            return isinstance(value, str), float(value)
+        except ValueError:
+            return False, value
     if tp is int and isinstance(value, bool):
         return False, value
     if tp in (int, str, bool):
@@ -334,6 +351,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "trainer.device": (t.device, ("auto", "cpu", "cuda")),
         "logging.level": (cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR")),
         "checkpoint.export_dtype": (cfg.checkpoint.export_dtype, ("fp32", "fp16", "bf16")),
+        "checkpoint.export": (cfg.checkpoint.export, ("merged", "adapter")),
     }
     for key, (value, allowed) in choices.items():
         if value not in allowed:
@@ -366,6 +384,10 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if d.val_files and d.task != "files":
         raise ConfigError("data.val_files", "validation files go with task 'files' (the built-in task uses "
                                             "data.val_fraction)")
+    if cfg.model.lora.rank < 0 or (cfg.model.lora.rank and not cfg.model.lora.target_modules):
+        raise ConfigError("model.lora", "rank must be >= 0 and target_modules non-empty")
+    if cfg.model.lora.rank and "critic" in active_roles(cfg):
+        raise ConfigError("model.lora.rank", "LoRA is for the actor of critic-free estimators here (grpo, rloo, ...)")
     if a.dual_clip_c is not None and a.policy_loss != "vanilla":
         raise ConfigError("algorithm.dual_clip_c", f"dual clip applies to the vanilla PPO loss only, not "
                                                    f"'{a.policy_loss}'")
@@ -464,7 +486,7 @@ def active_roles(cfg: RunConfig) -> list[str]:
     roles = ["actor"]
     if cfg.algorithm.estimator in ESTIMATORS_NEEDING_CRITIC:
         roles.append("critic")
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.rank:   # LoRA: the actor with adapters off
         roles.append("reference")
     if cfg.model.reward_path:
         roles.append("reward")

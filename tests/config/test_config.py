@@ -151,6 +151,7 @@ BAD_INPUTS = {
     "batch_not_divisible": ("trainer: {prompts_per_step: 3}\nrollout: {n: 4}\n", ["roles.actor.micro_batch_size=5"],
                             "not divisible"),
     "bad_override": ("{}\n", ["trainer.steps=abc"], "trainer.steps: expected int"),
+    "bad_float": ("{}\n", ["roles.actor.lr=fast"], "roles.actor.lr: expected float"),
     "zero_temperature": ("rollout: {temperature: 0}\n", [], "rollout.temperature: must be > 0"),
     "kl_target_with_kl_loss": ("algorithm: {kl_target: 0.1, use_kl_loss: true}\n", [], "algorithm.kl_target"),
     "explicit_train_batch": ("roles:\n  actor: {ds_config: TBS}\n", [], "train_batch_size 7 != the run's mini-batch"),

@@ -128,6 +128,7 @@ def _skeleton(m: torch.nn.Module) -> torch.nn.Module:
     from transformers.initialization import no_init_weights
     with no_init_weights():
         skel = type(m)(copy.deepcopy(m.config))
+    skel.tie_weights()                        # as from_pretrained does (tied embeddings / lm_head)
     if hasattr(m, "get_output_embeddings") and m.get_output_embeddings() is not None:
         skel.get_output_embeddings().__class__ = type(m.get_output_embeddings())   # e.g. FP32LMHead
     return skel
@@ -152,7 +153,7 @@ def role_output(role, module: torch.nn.Module, call: tuple) -> torch.Tensor:
     """The role's own scoring code (logprobs/values/scores) run on `module` instead of its engine."""
     r = copy.copy(role)
     r.engine = _PlainEngine(module, role.device)
-    fn = {"critic": r.values, "reward": r.score}.get(role.name, getattr(r, "logprobs", None))
+    fn = getattr(r, {"critic": "values", "reward": "score"}.get(role.name, "logprobs"))
     with torch.no_grad():
         return fn(*call).float().cpu()
 

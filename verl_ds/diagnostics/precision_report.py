@@ -26,7 +26,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 def scale_power(m: dict, dtype: str) -> int:
     """log2 of the loss scale `dtype` would run this role's gradients with."""
-    if dtype != "fp16":
+    if dtype != "fp16" or not m["trainable"]:
         return 0
     return round(math.log2(m["loss_scale"][-1])) if m["dtype"] == "fp16" else int(m["init_scale_power"])
 
@@ -154,10 +154,10 @@ def build_report(cfg, roles: dict, rows: list[dict], world: int, model_path: str
              "What each dtype would do (rel. error: the role's output — logprobs, values or scores — vs fp32 on the "
              "last batch; gradient fractions at the loss scale the dtype would run with; weights: analytic "
              "estimate as in `debug memory`).", "",
-             md_table(["role", "dtype", "rel. error", "max |Δlogprob|", "grad underflow", "grad overflow",
+             md_table(["role", "dtype", "rel. error", "max abs Δlogprob", "grad underflow", "grad overflow",
                        "weights (est.)", "forward (s)"], table), "",
-             md_table(["role", "run dtype", "max |weight|", "max |activation|", "output range",
-                       "max |grad| (unscaled)", "fp16 initial_scale_power (no early overflow)",
+             md_table(["role", "run dtype", "max abs weight", "max abs activation", "output range",
+                       "max abs grad (unscaled)", "fp16 initial_scale_power (no early overflow)",
                        "score diffs lost bf16 / fp16"], ranges), ""]
     for name, m in roles.items():
         if m["trainable"] and m["dtype"] == "fp16":

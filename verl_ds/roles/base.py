@@ -241,13 +241,18 @@ class Role:
         return stats
 
     # ------------------------------------------------------------ checkpoints
+    @property
+    def has_frozen_params(self) -> bool:   # a LoRA actor: only the adapters are checkpointed
+        return any(not p.requires_grad for p in self.module.parameters())
+
     def save(self, ckpt_dir: str, tag: str) -> None:
-        self.engine.save_checkpoint(ckpt_dir, tag=tag)
+        self.engine.save_checkpoint(ckpt_dir, tag=tag, exclude_frozen_parameters=self.has_frozen_params)
 
     def load(self, ckpt_dir: str, tag: str) -> None:
         load_opt = self.trainable
         path, _ = self.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=load_opt,
-                                              load_lr_scheduler_states=load_opt)
+                                              load_lr_scheduler_states=load_opt,
+                                              load_module_strict=not self.has_frozen_params)
         if path is None:
             raise FileNotFoundError(f"no {self.name} checkpoint '{tag}' in {ckpt_dir}")
 

@@ -8,6 +8,8 @@ from typing import Iterator
 
 import torch
 
+from verl_ds.dist import barrier, rank
+
 
 def iter_full_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full_tensor)` for every parameter, at any ZeRO stage.
@@ -19,7 +21,12 @@ def iter_full_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
     """
     import deepspeed
 
+    from verl_ds.roles.lora import is_lora_model, iter_merged_params
+
     module = getattr(engine_or_module, "module", engine_or_module)
+    if is_lora_model(module):     # a LoRA actor streams its merged weights under the base's names
+        yield from iter_merged_params(module)
+        return
     stage3 = any(hasattr(p, "ds_id") for p in module.parameters())
     seen: set[int] = set()
     for mod_name, mod in module.named_modules():
@@ -35,26 +42,50 @@ def iter_full_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def export_hf(engine, out_dir: str | Path, dtype: str, tokenizer=None) -> Path:
-    """Save the engine's model as an HF directory (safetensors, config dtype set). All ranks must
-    call it (ZeRO-3 gathers are collective); only rank 0 keeps tensors and writes. The new directory
-    is written beside the old one and swapped in by renames, so a reader never sees a partial one."""
+    """Save the engine's model (a LoRA actor: merged) as an HF directory (safetensors, config dtype
+    set). All ranks must call it (ZeRO-3 gathers are collective); only rank 0 keeps tensors and writes."""
     from verl_ds.precision import TORCH_DTYPES
-    from verl_ds.dist import barrier, rank
+    from verl_ds.roles.lora import is_lora_model
 
-    out = Path(out_dir)
     keep = rank() == 0
-    sd = {}
-    for name, t in iter_full_params(engine):
-        if keep:
-            sd[name] = t.to(device="cpu", dtype=TORCH_DTYPES[dtype])
-    if keep:
-        module = getattr(engine, "module", engine)
-        tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
-        shutil.rmtree(tmp, ignore_errors=True)
-        module.config.dtype = TORCH_DTYPES[dtype]   # transformers 5 name (was torch_dtype)
-        module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+    sd = {name: t.to(device="cpu", dtype=TORCH_DTYPES[dtype]) for name, t in iter_full_params(engine) if keep}
+    module = getattr(engine, "module", engine)
+    model = module.get_base_model() if is_lora_model(module) else module
+
+    def write(tmp: Path) -> None:
+        model.config.dtype = TORCH_DTYPES[dtype]   # transformers 5 name (was torch_dtype)
+        model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+    return write_dir_atomically(out_dir, write)
+
+
+def export_adapter(engine, out_dir: str | Path, tokenizer=None) -> Path:
+    """A LoRA actor's adapter in peft's format (adapter_config.json + adapter_model.safetensors)."""
+    from safetensors.torch import save_file
+
+    from verl_ds.roles.lora import adapter_state_dict
+
+    sd = adapter_state_dict(engine)
+    module = getattr(engine, "module", engine)
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        module.peft_config["default"].save_pretrained(str(tmp))
+        save_file(sd, str(tmp / "adapter_model.safetensors"))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return write_dir_atomically(out_dir, write)
+
+
+def write_dir_atomically(out_dir: str | Path, write) -> Path:
+    """Rank 0 runs `write(tmp)` beside `out_dir` and swaps it in by renames, so a reader never sees
+    a partial directory; every rank waits for it."""
+    out = Path(out_dir)
+    if rank() == 0:
+        tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+        shutil.rmtree(tmp, ignore_errors=True)
+        write(tmp)
         shutil.rmtree(old, ignore_errors=True)
         if out.exists():
             out.rename(old)

@@ -13,6 +13,7 @@ from verl_ds.errors import ConfigError
 from verl_ds.precision import ResolvedPrecision
 from verl_ds.roles import (Actor, Critic, Reference, RewardModel, load_causal_lm, load_reward_model,
                            load_value_model)
+from verl_ds.roles.lora import AdapterOffReference, apply_lora
 from verl_ds.dist import barrier, rank
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,13 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
     ds = render_ds_configs(cfg, precision=precision)
     p, m = cfg.precision, cfg.model
     gc = p.enable_grad_checkpointing
-    fp32_head = precision.lm_head_fp32
-    roles = {"actor": Actor(load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head), ds["actor"],
-                            cfg.algorithm, temperature=cfg.rollout.temperature)}
+    fp32_head, lora = precision.lm_head_fp32, m.lora
+    policy = load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head)
+    if lora.rank:
+        policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+    roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, temperature=cfg.rollout.temperature)}
+    if lora.rank and cfg.algorithm.kl_coef > 0:
+        roles["reference"] = AdapterOffReference(roles["actor"])
     if "critic" in active_roles(cfg):
         roles["critic"] = Critic(load_value_model(m.critic_path or model_path, m.trust_remote_code, gc),
                                  ds["critic"], cfg.algorithm)

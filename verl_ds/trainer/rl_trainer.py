@@ -22,7 +22,7 @@ from verl_ds.dist import all_gather_object, all_reduce_min, all_reduce_sum, init
 from verl_ds.ds_config import resolve
 from verl_ds.errors import ConfigError
 from verl_ds.roles import align_overflow, iter_full_params
-from verl_ds.roles.params import export_hf
+from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import RolloutBatch, generate_distributed, make_rollout, sync_distributed
 from verl_ds.trainer import builder
 from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
@@ -316,7 +316,10 @@ class RLTrainer:
 
     def export(self, out_dir: Path, dtype: str) -> None:
         """The actor as an HF model (safetensors) in `dtype`, written atomically."""
-        export_hf(self.actor.engine, out_dir, dtype, self.tokenizer)
+        if self.cfg.model.lora.rank and self.cfg.checkpoint.export == "adapter":
+            export_adapter(self.actor.engine, out_dir, self.tokenizer)
+        else:
+            export_hf(self.actor.engine, out_dir, dtype, self.tokenizer)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:

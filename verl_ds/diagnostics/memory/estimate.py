@@ -59,6 +59,13 @@ class ModelShape:
             return body + (0 if self.tied else self.vocab * self.hidden)
         return body + self.hidden + (1 if head == "value" else 0)
 
+    def lora_params(self, rank: int, targets) -> int:
+        """Adapter parameters of LoRA rank `rank` on the named projections of every layer."""
+        h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn
+        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+        return self.layers * sum(rank * (i + o) for t, (i, o) in dims.items() if t in set(targets))
+
     def largest_module(self) -> int:
         return max(self.vocab * self.hidden, self.layer_params())
 
@@ -83,16 +90,19 @@ def workload(cfg, world: int) -> Workload:
 
 
 def role_memory(shape: ModelShape, ds: dict, *, head: str, trainable: bool, w: Workload,
-                grad_checkpointing: bool = False, weight_dtype: str | None = None) -> dict[str, dict[str, float]]:
+                grad_checkpointing: bool = False, weight_dtype: str | None = None,
+                adapter_params: int = 0) -> dict[str, dict[str, float]]:
     """One DeepSpeed role's bytes per stage: {stage: {component: bytes}} (resident in every stage,
-    transient parts only in the stages that run this role)."""
+    transient parts only in the stages that run this role). `adapter_params` > 0: a LoRA role whose
+    frozen base adds only weights; masters, gradients and Adam states cover the adapters alone."""
     dtype = ds_dtype(ds)
     wdtype = weight_dtype or dtype
     b = BYTES[dtype]
     zero = ds.get("zero_optimization", {})
     stage, n = int(zero.get("stage", 0)), w.world
-    psi = shape.params(head)
+    psi = shape.params(head) + adapter_params
     resident = {f"weights_{wdtype}": psi * BYTES[wdtype] / (n if stage >= 3 else 1)}
+    base_psi, psi = psi, (adapter_params or psi)     # from here on: the trained parameters
     if trainable:
         opt_shard = n if stage >= 1 else 1
         grad_dtype = ds.get("data_types", {}).get("grad_accum_dtype") or dtype
@@ -105,7 +115,7 @@ def role_memory(shape: ModelShape, ds: dict, *, head: str, trainable: bool, w: W
     mb = int(ds.get("train_micro_batch_size_per_gpu", 1))
     t, r, h, v = w.seq_len, w.resp_len, shape.hidden, shape.vocab
     kvdim = shape.kv_heads * shape.head_dim
-    gathered = (shape.largest_module() + min(psi, int(zero.get("stage3_prefetch_bucket_size", 5e7)))) * b \
+    gathered = (shape.largest_module() + min(base_psi, int(zero.get("stage3_prefetch_bucket_size", 5e7)))) * b \
         if stage >= 3 else 0.0
     out_logits = mb * t * (v if head == "lm" else 1) * b
     # no-grad forward: one layer's intermediates live at a time; logits + fp32 log-softmax of the response
@@ -156,9 +166,11 @@ def estimate_memory(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: 
     per_role = {}
     for role, ds in ds_configs.items():
         wdt = "int8" if role == "reward" and cfg.precision.reward_dtype == "int8" else None
+        lora = cfg.model.lora
+        adapter = shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0
         per_role[role] = role_memory((reward_shape or shape) if role == "reward" else shape, ds, head=heads[role],
                                      trainable=role in ("actor", "critic"), w=w, grad_checkpointing=gc,
-                                     weight_dtype=wdt)
+                                     weight_dtype=wdt, adapter_params=adapter)
     rdt = rollout_dtype
     per_role["rollout"] = rollout_memory(shape, cfg.rollout, rdt, w, shape.largest_module() * 4, gpu_gib,
                                          shape.params("lm") * BYTES[rdt])

@@ -1,0 +1,92 @@
+"""LoRA actors through peft: only the adapters train (and are checkpointed); the rollout engine gets
+merged weights (base + scaled adapter) streamed one module at a time; the reference policy is the
+actor's own engine with its adapters disabled, so no second copy of the base model exists."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Iterator
+
+import torch
+
+_PREFIX = "base_model.model."
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str]):
+    """Wrap an HF causal LM with peft LoRA adapters; the base weights are frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                                            target_modules=list(target_modules), task_type="CAUSAL_LM"))
+
+
+def is_lora_model(module: torch.nn.Module) -> bool:
+    return hasattr(module, "peft_config")
+
+
+def hf_name(peft_name: str) -> str:
+    """`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> the base checkpoint's
+    `model.layers.0.self_attn.q_proj.weight`."""
+    name = peft_name[len(_PREFIX):] if peft_name.startswith(_PREFIX) else peft_name
+    return name.replace(".base_layer.", ".")
+
+
+def _gathered(params: list, stage3: bool):
+    import deepspeed
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None) if stage3 else nullcontext()
+
+
+def iter_merged_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(hf_name, tensor)` of the merged model (W + scaling * B @ A for every LoRA layer), one
+    module at a time: under ZeRO-3 only that module is gathered, and no merged model is ever built."""
+    module = getattr(engine_or_module, "module", engine_or_module)
+    stage3 = any(hasattr(p, "ds_id") for p in module.parameters())
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules():
+        if hasattr(mod, "lora_A") and hasattr(mod, "base_layer"):       # a peft LoRA layer
+            params = list(mod.parameters())
+            seen.update(id(p) for p in params)
+            with _gathered(params, stage3), torch.no_grad():
+                base = mod.base_layer
+                w = base.weight.detach().clone()
+                for key in mod.active_adapters:
+                    a, b = mod.lora_A[key].weight, mod.lora_B[key].weight
+                    w += (b.to(w.dtype) @ a.to(w.dtype)) * mod.scaling[key]
+                yield hf_name(f"{mod_name}.base_layer.weight"), w
+                if base.bias is not None:
+                    yield hf_name(f"{mod_name}.base_layer.bias"), base.bias.detach().clone()
+            continue
+        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+        if not own:
+            continue
+        seen.update(id(p) for _, p in own)
+        with _gathered([p for _, p in own], stage3):
+            for name, p in own:
+                yield hf_name(f"{mod_name}.{name}" if mod_name else name), p.data.detach().clone()
+
+
+def adapter_state_dict(engine_or_module) -> dict[str, torch.Tensor]:
+    """The adapter tensors in peft's saved format (every rank gathers; all get the tensors)."""
+    from peft import get_peft_model_state_dict
+
+    module = getattr(engine_or_module, "module", engine_or_module)
+    stage3 = any(hasattr(p, "ds_id") for p in module.parameters())
+    lora = [p for n, p in module.named_parameters() if "lora_" in n]
+    with _gathered(lora, stage3):
+        return {k: v.detach().clone().cpu() for k, v in get_peft_model_state_dict(module).items()}
+
+
+class AdapterOffReference:
+    """The reference policy of a LoRA actor: the actor's engine with its adapters disabled, i.e.
+    exactly the base weights, with no second model in memory."""
+    name, trainable = "reference", False
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
+        with self.actor.module.disable_adapter():
+            return self.actor.logprobs(batch, temperature, with_entropy)
+
+    def precision_stats(self) -> dict:
+        return {"shares_actor_weights": 1.0}
