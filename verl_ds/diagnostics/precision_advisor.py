@@ -15,12 +15,14 @@ Numbers are this rank's share (rank 0 prints and writes). Verdicts: `precision_r
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from pathlib import Path
 
 import torch
 
+from verl_ds.diagnostics.bench_precision import _finite
 from verl_ds.errors import ConfigError
 from verl_ds.precision import TORCH_DTYPES
 
@@ -51,13 +53,16 @@ class RoleProbe:
     def __init__(self, name: str, role):
         self.name, self.role = name, role
         self.act_max, self.head_max, self.out = 0.0, 0.0, [math.inf, -math.inf]
-        self.hist, self.nonfinite, self.grad_max, self.grad_tensor_max = torch.zeros(EXP_BINS, dtype=torch.long), 0, 0.0, []
+        self.hist = torch.zeros(EXP_BINS, dtype=torch.long)
+        self.nonfinite, self.grad_max, self.grad_tensor_max = 0, 0.0, []
+        self.opt_steps, self.overflow_scales, self._aligned = 0, [], getattr(role, "aligned_skips", 0)
         self.call: tuple = ()                 # the last scoring call's (batch, *args)
+        self.train_batch = None               # the last mini-batch trained on (trainable roles)
         layers = [m for m in role.module.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
         self.handles = [m.register_forward_hook(self._on_layer) for m in layers]
         self.handles.append(head_of(role.module).register_forward_hook(self._on_head))
         method = {"critic": "values", "reward": "score"}.get(name, "logprobs")
-        self.wrapped = [method] + (["step"] if role.trainable else [])
+        self.wrapped = [method] + (["step", "accumulate"] if role.trainable else [])
         orig = getattr(role, method)
 
         def scoring(batch, *args, **kw):
@@ -74,6 +79,12 @@ class RoleProbe:
                 self._on_step()
                 return orig_step()
             role.step = step
+            orig_acc = role.accumulate
+
+            def accumulate(batch, *args, **kw):
+                self.train_batch = batch
+                return orig_acc(batch, *args, **kw)
+            role.accumulate = accumulate
 
     @staticmethod
     def _first(out):
@@ -92,17 +103,25 @@ class RoleProbe:
         return float(self.role.precision_stats().get("loss_scale", 1.0)) if self.role.dtype == "fp16" else 1.0
 
     def _on_step(self):
-        scale = self.loss_scale()
+        """Before the optimizer step: the reduced gradients, unscaled. Non-finite elements (an fp16
+        overflow, or the inf a partner role's overflow planted: `aligned_skips`) are counted apart."""
+        scale, self.opt_steps = self.loss_scale(), self.opt_steps + 1
+        forced, self._aligned = self.role.aligned_skips > self._aligned, self.role.aligned_skips
+        bad_here = 0
         for i, g in enumerate(self.role._grad_partitions()):
             h, bad = exponent_hist(g, scale)
             self.hist += h
-            self.nonfinite += bad
+            bad_here += bad
             a = g.detach().float().abs()
-            m = float(a[torch.isfinite(a)].max()) / scale if a.numel() else 0.0
+            a = a[torch.isfinite(a)]
+            m = float(a.max()) / scale if a.numel() else 0.0
             if i >= len(self.grad_tensor_max):
                 self.grad_tensor_max.append(0.0)
             self.grad_tensor_max[i] = max(self.grad_tensor_max[i], m)
             self.grad_max = max(self.grad_max, m)
+        self.nonfinite += bad_here
+        if bad_here and not forced:
+            self.overflow_scales.append(scale)
 
     def close(self):
         for h in self.handles:
@@ -135,13 +154,15 @@ def _skeleton(m: torch.nn.Module) -> torch.nn.Module:
 
 
 def plain_fp32_copy(role, reward_path: str | None = None) -> torch.nn.Module:
-    """The role's current weights in a plain fp32 module (ZeRO-3 gathered one module at a time)."""
+    """The role's current weights in a plain fp32 module (ZeRO-3 gathered one module at a time; a
+    LoRA actor: its merged weights in the base architecture)."""
     from verl_ds.roles import iter_full_params, load_reward_model
     if getattr(role, "int8", False):          # quantized weights: the fp32 checkpoint instead
         return load_reward_model(reward_path, "fp32", "fp32").eval()
+    module = role.module.get_base_model() if hasattr(role.module, "peft_config") else role.module
     sd = {n: t.detach().float().cpu() for n, t in iter_full_params(role.engine)}
-    sd.update({n: b.detach().cpu() for n, b in role.module.named_buffers()})
-    skel = _skeleton(role.module).float()
+    sd.update({n: b.detach().cpu() for n, b in module.named_buffers()})
+    skel = _skeleton(module).float()
     missing, _ = skel.load_state_dict(sd, strict=False)
     tied = {n for n, p in skel.named_parameters(remove_duplicate=False) if n not in dict(skel.named_parameters())}
     if set(missing) - tied:
@@ -179,13 +200,23 @@ def vanish_fraction(scores: torch.Tensor, groups: torch.Tensor, dtype: str) -> t
     return (float(lost.float().mean()) if n else 0.0), n
 
 
-def measure_dtypes(probe: RoleProbe, groups, reward_path) -> dict:
-    """Weights, and the role's output under fp32/bf16/fp16 on the last scoring call's batch."""
+def scoring_call(probe: RoleProbe, probes: dict, temperature: float) -> tuple:
+    """The role's last scoring call; a role that scored nothing this run (an on-policy actor) gets
+    the batch another role scored, or the last mini-batch it trained on."""
+    if probe.call:
+        return probe.call
+    others = [p.call[0] for p in probes.values() if p.call and p.name != "reward"]
+    src = others[-1] if others else probe.train_batch
+    data = {k: src[k] for k in ("input_ids", "attention_mask", "response_mask")}
+    return (data, temperature) if probe.name in ("actor", "reference") else (data,)
+
+
+def measure_dtypes(probe: RoleProbe, call: tuple, groups, reward_path) -> dict:
+    """Weights, and the role's output under fp32/bf16/fp16 on the batch of `call`."""
     role = probe.role
     base = plain_fp32_copy(role, reward_path)
     w_max = {n: float(p.detach().abs().max()) for n, p in base.named_parameters()}
-    w_hist, _ = exponent_hist(torch.cat([p.detach().reshape(-1) for p in base.parameters()]))
-    batch, *args = probe.call
+    batch, *args = call
     mask = batch["response_mask"].float() if role.name != "reward" else None
     outs, secs = {}, {}
     for dt in ("fp32", "bf16", "fp16"):
@@ -194,7 +225,7 @@ def measure_dtypes(probe: RoleProbe, groups, reward_path) -> dict:
         outs[dt] = role_output(role, mod, (batch, *args))
         secs[dt] = time.perf_counter() - t0
         del mod
-    res = {"weight_max": max(w_max.values()), "weight_tensor_max": w_max, "weight_hist": w_hist.tolist(),
+    res = {"weight_max": max(w_max.values()), "weight_tensor_max": w_max,
            "rel_err": {dt: _rel(o, outs["fp32"], mask) for dt, o in outs.items()}, "fwd_s": secs}
     if role.name in ("actor", "reference"):
         res["logprob_gap"] = {dt: float(((o - outs["fp32"]).abs() * mask).max()) for dt, o in outs.items()}
@@ -221,7 +252,8 @@ def debug_precision(config_path: str | None, overrides: list[str], steps: int, o
         "logging.wandb.mode=disabled", "trainer.resume=none", f"trainer.steps={steps}", f"trainer.run_dir={out}"])
     rows, groups = [], {}
     with make_trainer(cfg) as trainer:
-        probes = {name: RoleProbe(name, role) for name, role in trainer.roles.items()}
+        # a role without its own engine (a LoRA actor's adapters-off reference) is the actor's numbers
+        probes = {name: RoleProbe(name, role) for name, role in trainer.roles.items() if hasattr(role, "engine")}
         orig_score = trainer._score            # the one call that sees the batch's group ids
 
         def score(batch, *args):
@@ -239,13 +271,16 @@ def debug_precision(config_path: str | None, overrides: list[str], steps: int, o
         for name, p in probes.items():
             roles[name] = {"dtype": trainer.precision.role(name), "trainable": p.role.trainable,
                            "act_max": p.act_max, "head_max": p.head_max, "out_range": p.out,
-                           **measure_dtypes(p, groups.get("ids"), cfg.model.reward_path)}
+                           **measure_dtypes(p, scoring_call(p, probes, cfg.rollout.temperature), groups.get("ids"),
+                                            cfg.model.reward_path)}
             if p.role.trainable:
                 ls = getattr(trainer.precision, f"{name}_loss_scaling")
                 roles[name].update(grad_hist=p.hist.tolist(), grad_nonfinite=p.nonfinite, grad_max=p.grad_max,
                                    grad_tensor_max=p.grad_tensor_max, init_scale_power=ls.initial_scale_power,
+                                   opt_steps=p.opt_steps, overflow_scales=p.overflow_scales,
                                    loss_scale=[r.get(f"precision/{name}/loss_scale", 1.0) for r in rows],
-                                   skipped_steps=rows[-1].get(f"precision/{name}/skipped_steps", 0.0))
+                                   skipped_steps=rows[-1].get(f"precision/{name}/skipped_steps", 0.0),
+                                   aligned_skips=rows[-1].get(f"precision/{name}/aligned_skips", 0.0))
         world, model_path = trainer.world, trainer.model_path
     result = R.build_report(cfg, roles, rows, world, model_path, detect_hardware(cfg.trainer.device),
                             steps, time.perf_counter() - t0)
@@ -253,5 +288,7 @@ def debug_precision(config_path: str | None, overrides: list[str], steps: int, o
         out.mkdir(parents=True, exist_ok=True)
         (out / "precision.yaml").write_text(result["yaml"])
         (out / "debug_precision.md").write_text(result["report"] + "\n")
-        result["report"] += f"\nwrote {out / 'precision.yaml'} (paste into the run config) and debug_precision.md"
+        (out / "debug_precision.json").write_text(json.dumps(_finite({"steps": steps, "roles": roles}), indent=1))
+        result["report"] += (f"\nwrote {out / 'precision.yaml'} (paste into the run config), debug_precision.md "
+                             "and .json (per-tensor maxima)")
     return {**result, "roles": roles, "out_dir": str(out)}

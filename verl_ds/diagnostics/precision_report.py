@@ -32,19 +32,24 @@ def scale_power(m: dict, dtype: str) -> int:
 
 
 def grad_fractions(m: dict, dtype: str, k: int) -> tuple[float, float]:
-    """(underflow, overflow) fractions of the nonzero gradient elements multiplied by 2**k."""
-    h, bad = m["grad_hist"], m["grad_nonfinite"]
-    n = sum(h) + bad
+    """(underflow, overflow) fractions of the finite nonzero gradient elements multiplied by 2**k."""
+    h = m["grad_hist"]
+    n = sum(h)
     if not n:
         return 0.0, 0.0
+
     def idx(e):
         return min(max(e + EXP_OFFSET, 0), EXP_BINS)
-    return sum(h[:idx(TINY_POW[dtype] - k + 1)]) / n, (sum(h[idx(MAX_POW[dtype] + 1 - k):]) + bad) / n
+    return sum(h[:idx(TINY_POW[dtype] - k + 1)]) / n, sum(h[idx(MAX_POW[dtype] + 1 - k):]) / n
 
 
 def safe_scale_power(m: dict) -> int | None:
-    """The largest power of two <= fp16 max / max|grad| (unscaled): no overflow at the first step."""
-    return math.floor(math.log2(FP16_MAX / m["grad_max"])) if m.get("grad_max") else None
+    """The largest power of two <= fp16 max / max|grad| (unscaled): no overflow at the first step;
+    below every scale at which an fp16 role's own gradients overflowed (their max is then unknown)."""
+    if not m.get("grad_max"):
+        return None
+    k = math.floor(math.log2(FP16_MAX / m["grad_max"]))
+    return min([k] + [math.floor(math.log2(s)) - 1 for s in m.get("overflow_scales", [])])
 
 
 def problems(m: dict, dtype: str) -> list[tuple[str, str]]:
@@ -68,8 +73,10 @@ def problems(m: dict, dtype: str) -> list[tuple[str, str]]:
                                  f"(max |grad| {m['grad_max']:.2g})"))
         if grad_fractions(m, dtype, 0)[1] > 0:
             out.append(("other", f"gradients exceed {dtype} max even unscaled"))
-        if dtype == "fp16" == m["dtype"] and m["skipped_steps"] > 0:
-            out.append(("scale", f"{int(m['skipped_steps'])} of {len(m['loss_scale'])} steps skipped for overflow"))
+        own = m.get("skipped_steps", 0) - m.get("aligned_skips", 0)    # not the partner role's overflow
+        if dtype == "fp16" == m["dtype"] and own > 0:
+            out.append(("scale", f"fp16 skipped {int(own)} of {m['opt_steps']} optimizer steps for overflow "
+                                 f"(initial_scale_power {safe_scale_power(m)} would avoid it)"))
     return out
 
 
@@ -78,7 +85,7 @@ def advise(name: str, m: dict, auto_dtype: str) -> dict:
     cur = m["dtype"]
     if cur == "int8":
         return {"dtype": cur, "scale_power": None, "flagged": False,
-                "reason": "int8: weight-only quantization, not analysed here (bf16/fp16 rows are the fp32 weights cast)"}
+                "reason": "int8: weight-only quantization, not analysed (the bf16/fp16 rows cast the fp32 weights)"}
     pb = {d: problems(m, d) for d in ("bf16", "fp16")}
     if not any(pb.values()):
         under = f", fp16 grad underflow {grad_fractions(m, 'fp16', scale_power(m, 'fp16'))[0]:.2%}" \
@@ -102,7 +109,7 @@ def advise(name: str, m: dict, auto_dtype: str) -> dict:
         return rec("bf16", f"bf16: {pb['fp16'][0][1]}")
     if not pb["fp16"]:
         return rec("fp16", f"fp16: {pb['bf16'][0][1]}")
-    return rec("fp32", f"fp32: {pb['bf16'][0][1]}")
+    return rec("fp32", f"fp32: {pb['bf16'][0][1]}; {pb['fp16'][0][1]}")
 
 
 def weight_memory(cfg, role: str, shape, world: int, hw) -> dict[str, float]:
@@ -118,6 +125,23 @@ def weight_memory(cfg, role: str, shape, world: int, hw) -> dict[str, float]:
         est = estimate_memory(c, shape, render_ds_configs(c, world, p), world, p.rollout)
         out[dt] = sum(v for k, v in est["update"][role].items() if k.startswith("weights_"))
     return out
+
+
+def precision_block(advice: dict) -> str:
+    """The `precision:` YAML block of the recommendations (fp16 ones with their initial_scale_power)."""
+    block = {f"{name}_dtype": a["dtype"] for name, a in advice.items()}
+    for name, a in advice.items():
+        if a["dtype"] == "fp16" and a["scale_power"] is not None:
+            block[f"{name}_loss_scaling"] = {"initial_scale_power": int(a["scale_power"])}
+    return yaml.safe_dump({"precision": block}, sort_keys=False)
+
+
+def _run_scale_fractions(m: dict) -> str:
+    """Gradient elements below fp16's smallest normal / above its max at the run's loss scale (1 if not fp16)."""
+    if not m["trainable"]:
+        return "-"
+    k = scale_power(m, "fp16") if m["dtype"] == "fp16" else 0
+    return " / ".join(_pct(x) for x in grad_fractions(m, "fp16", k)) + f" @2^{k}"
 
 
 def _pct(x):
@@ -148,21 +172,23 @@ def build_report(cfg, roles: dict, rows: list[dict], world: int, model_path: str
         ranges.append([name, m["dtype"], f"{m['weight_max']:.3g}", f"{m['act_max']:.3g}",
                        f"[{m['out_range'][0]:.4g}, {m['out_range'][1]:.4g}]",
                        f"{m['grad_max']:.3g}" if m["trainable"] else "-",
-                       str(safe_scale_power(m)) if m["trainable"] and m["grad_max"] else "-",
+                       _run_scale_fractions(m), str(safe_scale_power(m)) if m["trainable"] and m["grad_max"] else "-",
                        (f"{_pct(lost['bf16'])} / {_pct(lost['fp16'])} of {m['pairs']}" if lost else "-")])
     lines = [f"## debug precision: {steps} steps, world size {world}, {hw.device}, `auto` = {auto}", "",
-             "What each dtype would do (rel. error: the role's output — logprobs, values or scores — vs fp32 on the "
-             "last batch; gradient fractions at the loss scale the dtype would run with; weights: analytic "
+             "What each dtype would do (rel. error: the role's output — logprobs, values or scores — vs fp32 "
+             "on the last batch; gradient fractions at the loss scale the dtype would run with; weights: analytic "
              "estimate as in `debug memory`).", "",
              md_table(["role", "dtype", "rel. error", "max abs Δlogprob", "grad underflow", "grad overflow",
                        "weights (est.)", "forward (s)"], table), "",
              md_table(["role", "run dtype", "max abs weight", "max abs activation", "output range",
-                       "max abs grad (unscaled)", "fp16 initial_scale_power (no early overflow)",
+                       "max abs grad (unscaled)", "grad below fp16 normal / above fp16 max, at the run's scale",
+                       "fp16 initial_scale_power (no early overflow)",
                        "score diffs lost bf16 / fp16"], ranges), ""]
     for name, m in roles.items():
         if m["trainable"] and m["dtype"] == "fp16":
             lines.append(f"{name} loss scale: {' → '.join(f'{s:g}' for s in m['loss_scale'])}; "
-                         f"skipped steps: {int(m['skipped_steps'])}")
+                         f"skipped steps: {int(m['skipped_steps'])} "
+                         f"({int(m['aligned_skips'])} for the partner's overflow)")
     gap = rows[-1].get("rollout_corr/logprob_abs_diff_max")
     if gap is not None:
         lines.append(f"rollout vs trainer in this run: max |Δlogprob| {gap:.3g}")
@@ -173,11 +199,7 @@ def build_report(cfg, roles: dict, rows: list[dict], world: int, model_path: str
     lines += ["", "### Recommendations"]
     for name, a in advice.items():
         lines.append(f"- {name}{' (flagged)' if a['flagged'] else ''}: {a['reason']}")
-    block = {f"{name}_dtype": a["dtype"] for name, a in advice.items()}
-    for name, a in advice.items():
-        if a["dtype"] == "fp16" and a["scale_power"] is not None:
-            block[f"{name}_loss_scaling"] = {"initial_scale_power": int(a["scale_power"])}
-    text = yaml.safe_dump({"precision": block}, sort_keys=False)
+    text = precision_block(advice)
     lines += ["", "```yaml", text.rstrip(), "```", "", f"debug precision took {seconds:.1f} s"]
     return {"report": "\n".join(lines), "yaml": text, "recommendations": advice, "memory": mem,
             "seconds": seconds}
