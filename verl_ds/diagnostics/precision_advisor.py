@@ -282,8 +282,10 @@ def debug_precision(config_path: str | None, overrides: list[str], steps: int, o
                                    skipped_steps=rows[-1].get(f"precision/{name}/skipped_steps", 0.0),
                                    aligned_skips=rows[-1].get(f"precision/{name}/aligned_skips", 0.0))
         world, model_path = trainer.world, trainer.model_path
+        notes = [f"{n}: runs on the actor's engine (LoRA adapters off): no numbers of its own"
+                 for n in trainer.roles if n not in probes]
     result = R.build_report(cfg, roles, rows, world, model_path, detect_hardware(cfg.trainer.device),
-                            steps, time.perf_counter() - t0)
+                            steps, time.perf_counter() - t0, notes)
     if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "precision.yaml").write_text(result["yaml"])

@@ -89,7 +89,7 @@ def advise(name: str, m: dict, auto_dtype: str) -> dict:
     pb = {d: problems(m, d) for d in ("bf16", "fp16")}
     if not any(pb.values()):
         under = f", fp16 grad underflow {grad_fractions(m, 'fp16', scale_power(m, 'fp16'))[0]:.2%}" \
-            if m["trainable"] else ""
+            if _has_grads(m) else ""
         return {"dtype": cur, "scale_power": None, "flagged": False,
                 "reason": f"{cur}: no range problem (rel. error bf16 {m['rel_err']['bf16']:.2%}, "
                           f"fp16 {m['rel_err']['fp16']:.2%}{under})"}
@@ -136,9 +136,13 @@ def precision_block(advice: dict) -> str:
     return yaml.safe_dump({"precision": block}, sort_keys=False)
 
 
+def _has_grads(m: dict) -> bool:
+    return m["trainable"] and sum(m["grad_hist"]) > 0
+
+
 def _run_scale_fractions(m: dict) -> str:
     """Gradient elements below fp16's smallest normal / above its max at the run's loss scale (1 if not fp16)."""
-    if not m["trainable"]:
+    if not _has_grads(m):
         return "-"
     k = scale_power(m, "fp16") if m["dtype"] == "fp16" else 0
     return " / ".join(_pct(x) for x in grad_fractions(m, "fp16", k)) + f" @2^{k}"
@@ -149,7 +153,7 @@ def _pct(x):
 
 
 def build_report(cfg, roles: dict, rows: list[dict], world: int, model_path: str, hw, steps: int,
-                 seconds: float) -> dict:
+                 seconds: float, notes: list[str] = ()) -> dict:
     from pathlib import Path
 
     from verl_ds.precision import auto_compute_dtype
@@ -162,7 +166,8 @@ def build_report(cfg, roles: dict, rows: list[dict], world: int, model_path: str
     for name, m in roles.items():
         for dt in DTYPES:
             k = scale_power(m, dt)
-            grads = [f"{x:.2%} @2^{k}" for x in grad_fractions(m, dt, k)] if m["trainable"] else ["-", "-"]
+            grads = [f"{x:.2%} @2^{k}" for x in grad_fractions(m, dt, k)] if _has_grads(m) else \
+                ["no nonzero grads" if m["trainable"] else "-"] * 2
             gap = f"{m['logprob_gap'][dt]:.3g}" if "logprob_gap" in m else "-"
             table.append([name, dt, _pct(m["rel_err"][dt]), gap, *grads, fmt_bytes(mem[name][dt]),
                           f"{m['fwd_s'][dt]:.3f}"])
@@ -196,7 +201,7 @@ def build_report(cfg, roles: dict, rows: list[dict], world: int, model_path: str
         slow = "fp16 is emulated on CPU" + ("" if {"avx512_bf16", "amx_bf16"} & set(hw.cpu_flags)
                                            else "; bf16 is emulated without avx512_bf16/AMX")
         lines.append(f"note: forward timings are not representative here ({slow}); the numerics are.")
-    lines += ["", "### Recommendations"]
+    lines += list(notes) + ["", "### Recommendations"]
     for name, a in advice.items():
         lines.append(f"- {name}{' (flagged)' if a['flagged'] else ''}: {a['reason']}")
     text = precision_block(advice)
