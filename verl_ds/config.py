@@ -143,6 +143,7 @@ class RoleConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     micro_batch_size: int = 8              # per rank
+    zero_stage: Any = None                 # None: the JSON's | 0-3 | auto: the lowest stage that fits
 
 
 def _role(ds: str, lr: float = 1e-6) -> RoleConfig:
@@ -457,7 +458,9 @@ def _validate_ds_files(cfg: RunConfig, world: int, mini: int) -> None:
         rc: RoleConfig = getattr(cfg.roles, role)
         ds = read_ds_json(rc.ds_config, f"roles.{role}.ds_config")
         src = str(resolve_ds_path(rc.ds_config))
-        stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+        if rc.zero_stage not in (None, "auto", 0, 1, 2, 3):
+            raise ConfigError(f"roles.{role}.zero_stage", f"use 0, 1, 2, 3 or auto, got {rc.zero_stage!r}")
+        stage = rc.zero_stage if isinstance(rc.zero_stage, int) else int(ds.get("zero_optimization", {}).get("stage", 0))
         trained = role in TRAINED_ROLES
         if not trained and stage in (1, 2):
             raise ConfigError(src, f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO "

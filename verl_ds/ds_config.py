@@ -139,9 +139,11 @@ def resolve(cfg, hw=None) -> ResolvedPrecision:
     return resolve_precision(cfg.precision, hw or detect_hardware(cfg.trainer.device), json_dtypes(cfg))
 
 
-def render_ds_configs(cfg, world_size: int | None = None, precision: ResolvedPrecision | None = None
-                      ) -> dict[str, dict]:
-    """Every active role's final DeepSpeed config, as DeepSpeed will receive it."""
+def render_ds_configs(cfg, world_size: int | None = None, precision: ResolvedPrecision | None = None,
+                      zero_stages: dict[str, int] | None = None) -> dict[str, dict]:
+    """Every active role's final DeepSpeed config, as DeepSpeed will receive it. A role's ZeRO stage
+    is `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
+    see trainer/builder.py), else its JSON file's."""
     import os
 
     from verl_ds.config import active_roles, validate
@@ -152,8 +154,12 @@ def render_ds_configs(cfg, world_size: int | None = None, precision: ResolvedPre
     out = {}
     for role in active_roles(cfg):
         rc = getattr(cfg.roles, role)
+        base = read_ds_json(rc.ds_config, f"roles.{role}.ds_config")
+        stage = rc.zero_stage if isinstance(rc.zero_stage, int) else (zero_stages or {}).get(role)
+        if stage is not None:
+            base.setdefault("zero_optimization", {})["stage"] = stage
         out[role] = render_role(
-            role, read_ds_json(rc.ds_config, f"roles.{role}.ds_config"), rc.ds_config, precision,
+            role, base, rc.ds_config, precision,
             micro_batch_size=rc.micro_batch_size, train_batch_size=mini, world_size=world,
             max_grad_norm=cfg.trainer.max_grad_norm,
             optimizer_params={"lr": rc.lr, "weight_decay": rc.weight_decay, "betas": list(rc.betas)},

@@ -21,6 +21,8 @@ def test_lr_zero_on_policy_ratio_is_one(tmp_path):
             assert m["actor/pg_clipfrac"] == 0.0
             assert abs(m["actor/ppo_kl"]) < 1e-6
             assert m["rollout_corr/logprob_abs_diff_max"] < 1e-4   # HF rollout in fp32 = the trainer's weights
+            assert "timing_s/old_logprob" not in m                  # used once: no separate old-policy pass
+            assert "actor/kl_ref" in m and m["actor/kl_ref"] >= 0
             assert math.isfinite(m["actor/pg_loss"])
     assert trainer.logger is None and trainer.rollout is None      # closed on exit
 

@@ -156,10 +156,10 @@ def build_report(cfg, roles: dict, rows: list[dict], world: int, model_path: str
                  seconds: float, notes: list[str] = ()) -> dict:
     from pathlib import Path
 
-    from verl_ds.precision import auto_compute_dtype
+    from verl_ds.precision import PrecisionConfig, resolve_precision
 
     shape = load_shape(str(Path(model_path) / "config.json"))
-    auto = auto_compute_dtype(hw)[0]
+    auto = resolve_precision(PrecisionConfig(), hw, log_choice=False).auto_choice   # what `auto` means here
     advice = {name: advise(name, m, auto) for name, m in roles.items()}
     mem = {name: weight_memory(cfg, name, shape, world, hw) for name in roles}
     table = []

@@ -45,6 +45,7 @@ def split_even(batch: dict, parts: int) -> list[dict]:
             idx = torch.zeros(1, dtype=torch.long)
             mb = {k: (v[idx] if torch.is_tensor(v) else v) for k, v in batch.items()}
             mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+            mb["pad_row"] = True
         else:
             mb = {k: (v[idx.to(v.device)] if torch.is_tensor(v) else v) for k, v in batch.items()}
         out.append(mb)

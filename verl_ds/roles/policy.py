@@ -71,6 +71,7 @@ class Actor(PolicyRole):
         self.cfg, self.temperature = loss_cfg, temperature
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
         self.policy_loss = algos.get_policy_loss(loss_cfg.policy_loss)
+        self.collected: list[torch.Tensor] | None = None   # on-policy: this pass's logprobs, kept
 
     global_metric_keys = ("pg_loss", "entropy", "kl_loss")
 
@@ -78,10 +79,14 @@ class Actor(PolicyRole):
         """Clipped surrogate (+ entropy bonus, + KL to the reference when it is a loss term)."""
         c, mask = self.cfg, mb["response_mask"]
         logprob, entropy = self.forward(mb, self.temperature, with_entropy=True)
+        # a batch used once is on-policy: the old policy is this very forward (ratio 1, exact)
+        old = mb["old_logprobs"] if "old_logprobs" in mb else logprob.detach()
+        if self.collected is not None and not mb.get("pad_row"):
+            self.collected.append(logprob.detach())
         is_w = None
         if c.tis_cap and "rollout_logprobs" in mb:
-            is_w = algos.tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, cap=c.tis_cap)
-        pg_loss, m = self.policy_loss(mb["old_logprobs"], logprob, mb["advantages"], mask,
+            is_w = algos.tis_weights(old, mb["rollout_logprobs"], mask, cap=c.tis_cap)
+        pg_loss, m = self.policy_loss(old, logprob, mb["advantages"], mask,
                                        clip_low=c.clip_low, clip_high=c.clip_high, dual_clip_c=c.dual_clip_c,
                                        agg_mode=c.loss_agg_mode, is_weights=is_w, **counts)
         loss = pg_loss

@@ -42,9 +42,38 @@ def build_prompts(cfg: RunConfig, tokenizer) -> tuple[list[dict], list[dict]]:
     return train, val
 
 
+def zero_stages(cfg: RunConfig, model_path: str, precision: ResolvedPrecision, world: int) -> dict[str, int]:
+    """What `roles.<role>.zero_stage: auto` means here: the lowest stage whose analytic estimate (the
+    `debug memory` model) fits this rank's device (GPU memory, or RAM / ranks on this node)."""
+    import json
+
+    import torch
+
+    from verl_ds.diagnostics.memory import ModelShape, choose_zero_stages
+
+    auto = [r for r in active_roles(cfg) if getattr(cfg.roles, r).zero_stage == "auto"]
+    if not auto:
+        return {}
+    if torch.cuda.is_available():
+        budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if not cfg.rollout.sleep and cfg.rollout.engine == "vllm":
+            budget *= 1 - cfg.rollout.gpu_memory_utilization      # vLLM keeps its share while training
+    else:
+        import os
+
+        import psutil
+        budget = psutil.virtual_memory().total / int(os.environ.get("LOCAL_SIZE", world))
+    shape = ModelShape.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
+    chosen = choose_zero_stages(cfg, shape, render_ds_configs(cfg, world, precision), world, budget, auto)
+    log.info("zero_stage auto -> %s (budget %.1f GiB per rank)", chosen, budget / 2**30)
+    return chosen
+
+
 def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -> dict:
     """One DeepSpeed engine per active role, each from its own rendered config."""
-    ds = render_ds_configs(cfg, precision=precision)
+    from verl_ds.dist import world_size
+    ds = render_ds_configs(cfg, precision=precision,
+                           zero_stages=zero_stages(cfg, model_path, precision, world_size()))
     p, m = cfg.precision, cfg.model
     gc = p.enable_grad_checkpointing
     fp32_head, lora = precision.lm_head_fp32, m.lora

@@ -81,8 +81,13 @@ class RLTrainer:
             truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=mask.dtype)
             data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": mask}
             # 4. old logprobs, reference logprobs, values — stored in the buffer dtype
-            with timer("old_logprob", stage="score", role="actor"):
-                old_lp = self.actor.logprobs(data, r.temperature).cpu()
+            # used once (one epoch, one mini-batch, KL as a loss): the update's own forward is the
+            # old policy, so no separate pass; its logprobs feed the metrics below
+            on_policy = a.ppo_epochs == 1 and not cfg.trainer.mini_batch_size and (a.use_kl_loss or not self.reference)
+            old_lp = None
+            if not on_policy:
+                with timer("old_logprob", stage="score", role="actor"):
+                    old_lp = self.actor.logprobs(data, r.temperature).cpu()
             with timer("ref", stage="score", role="reference"):
                 ref_lp = self.reference.logprobs(data, r.temperature).cpu() if self.reference else None
             with timer("values", stage="score", role="critic"):
@@ -91,9 +96,9 @@ class RLTrainer:
                                                          old_values=values,
                                                          rollout_logprobs=batch.rollout_logprobs).items()}
             # 5. KL: in the reward (classic PPO), or later as a loss term (GRPO style)
-            kl = algos.kl_penalty(buf["old_logprobs"], buf["ref_logprobs"], a.kl_estimator) * mask \
-                if ref_lp is not None else torch.zeros_like(mask)
-            token_rewards = _token_rewards(scores, mask, kl * self.kl_ctl.value if not a.use_kl_loss else None)
+            kl_in_reward = self._kl(buf["old_logprobs"], buf["ref_logprobs"], mask) * self.kl_ctl.value \
+                if not a.use_kl_loss else None
+            token_rewards = _token_rewards(scores, mask, kl_in_reward)
             # 6. advantages (fp32)
             with timer("adv"):
                 adv, returns = self.estimator(token_rewards=token_rewards, scores=token_rewards.sum(-1),
@@ -104,11 +109,16 @@ class RLTrainer:
             if a.mask_truncated:          # samples cut at max_new_tokens teach nothing about endings
                 train["response_mask"] = mask * (1 - truncated)[:, None]
             # 7. ppo_epochs over mini-batches for the actor and the critic
-            update_metrics = self._update(train, timer)
+            self.actor.collected = [] if on_policy else None
+            update_metrics = self._update(train, timer, shuffle=not on_policy)
+            if on_policy:
+                old_lp = torch.cat(self.actor.collected).float().cpu()
+                buf["old_logprobs"], self.actor.collected = self._buffered(old_lp), None
             # 8. sync the new actor weights into the rollout engine
             with timer("update_weights", stage="sync", role="actor"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
         self.global_step += 1
+        kl = self._kl(buf["old_logprobs"], buf["ref_logprobs"], mask)
         kl_sum, n_tok, n_seq = all_reduce_sum([float((kl * mask).sum()), float(mask.sum()), float(len(batch))])
         kl_mean = kl_sum / max(n_tok, 1.0)
         self.kl_ctl.update(kl_mean, n_steps=int(n_seq))     # same value on every rank
@@ -223,13 +233,18 @@ class RLTrainer:
         """The rollout buffer keeps logprobs/values in `buffer_dtype`; the math upcasts to fp32."""
         return None if t is None else t.to(self.buffer_dtype).float()
 
-    def _update(self, train: dict, timer: Timer) -> dict[str, float]:
+    def _kl(self, logprobs, ref_logprobs, mask) -> torch.Tensor:
+        if ref_logprobs is None:
+            return torch.zeros_like(mask)
+        return algos.kl_penalty(logprobs, ref_logprobs, self.cfg.algorithm.kl_estimator) * mask
+
+    def _update(self, train: dict, timer: Timer, shuffle: bool = True) -> dict[str, float]:
         n = train["input_ids"].shape[0]
         mini = (self.cfg.trainer.mini_batch_size or n * self.world) // self.world
         sums: dict[str, float] = {}
         count = 0
         for _ in range(self.cfg.algorithm.ppo_epochs):
-            perm = torch.randperm(n)
+            perm = torch.randperm(n) if shuffle else torch.arange(n)
             for start in range(0, n, mini):
                 mb = {k: v[perm[start:start + mini]] for k, v in train.items()}
                 tokens, seqs = _global_counts(mb["response_mask"])

@@ -200,3 +200,36 @@ def peak_by_role(stages: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+
+
+def choose_zero_stages(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: int, budget_bytes: float,
+                       auto_roles: list[str], headroom: float = 0.8) -> dict[str, int]:
+    """`zero_stage: auto`: for each role in `auto_roles`, the lowest ZeRO stage (0-3; frozen roles
+    0 or 3) at which every role's peak estimate, summed, fits `headroom` x `budget_bytes`. Roles
+    not yet decided count at stage 3. ZeRO-3 when nothing fits."""
+    import copy
+
+    w = workload(cfg, world)
+    heads = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score"}
+    lora = cfg.model.lora
+    chosen = {r: 3 for r in auto_roles}
+
+    def peak(stages: dict[str, int]) -> float:
+        totals = {s: 0.0 for s in STAGES}
+        for role, ds in ds_configs.items():
+            ds = copy.deepcopy(ds)
+            if role in stages:
+                ds.setdefault("zero_optimization", {})["stage"] = stages[role]
+            adapter = shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0
+            mem = role_memory(shape, ds, head=heads[role], trainable=role in ("actor", "critic"), w=w,
+                              grad_checkpointing=cfg.precision.enable_grad_checkpointing, adapter_params=adapter)
+            for s in STAGES:
+                totals[s] += sum(mem[s].values())
+        return max(totals.values())
+
+    for role in auto_roles:
+        for stage in ((0, 1, 2, 3) if role in ("actor", "critic") else (0, 3)):
+            if peak({**chosen, role: stage}) <= headroom * budget_bytes:
+                chosen[role] = stage
+                break
+    return chosen
