@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     rollout = bsub.add_parser("rollout", help="vLLM vs HF generate tokens/s, and sync vs train-step time")
     rollout.add_argument("--config", required=True)
     rollout.add_argument("overrides", nargs="*")
+    step = bsub.add_parser("step", help="per-phase step time, tokens/s, MFU, and a plain-PyTorch floor")
+    step.add_argument("--config", required=True)
+    step.add_argument("--steps", type=int, default=5)
+    step.add_argument("overrides", nargs="*")
     prec = bsub.add_parser("precision", help="the same training under fp32/bf16/fp16: memory, speed, reward, loss scale")
     prec.add_argument("--config", required=True)
     prec.add_argument("--dtypes", default="fp32,bf16,fp16")
@@ -103,6 +107,16 @@ def cmd_bench(args) -> int:
 
     if args.bench_command == "precision":
         return cmd_bench_precision(args)
+    if args.bench_command == "step":
+        from verl_ds.diagnostics.bench_step import bench_step
+        from verl_ds.trainer.rl_trainer import RLTrainer
+
+        if args.steps <= 0:
+            raise ConfigError("--steps", f"must be > 0, got {args.steps}")
+        cfg = load_config(args.config, args.overrides + ["logging.wandb.mode=disabled", "trainer.val_every=0",
+                                                         "trainer.val_before_train=false"])
+        bench_step(cfg, RLTrainer, args.steps)
+        return 0
     from verl_ds.diagnostics.bench import bench_rollout
 
     bench_rollout(load_config(args.config, args.overrides))

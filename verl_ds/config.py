@@ -170,6 +170,7 @@ class WandbConfig:
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     sample_every: int = 10                 # a table of generations every K steps
+    memory_every: int = 1                  # memory/<stage>/<role>/* every K steps (0: never)
     level: str = "INFO"
 
 

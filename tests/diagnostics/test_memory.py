@@ -109,3 +109,32 @@ def test_missing_model_config_is_a_user_error(capsys):
     assert cli.main(["debug", "memory", "--config", "examples/grpo_cpu_tiny.yaml",
                      "--model-config", "nope/config.json"]) == 2
     assert "error: --model-config" in capsys.readouterr().err
+
+
+def test_zero_stage_auto_picks_the_lowest_stage_that_fits():
+    cfg = load_config("examples/grpo_cpu_tiny.yaml", ["roles.actor.zero_stage=auto", "roles.reference.zero_stage=auto",
+                                                      "rollout.max_model_len=1024", "data.max_prompt_length=256",
+                                                      "roles.actor.micro_batch_size=4", "roles.reference.micro_batch_size=4",
+                                                      "precision.actor_dtype=bf16", "precision.reference_dtype=bf16"])
+    shape = M.load_shape(str(LLAMA_8B))
+    ds = render_ds_configs(cfg, 8)
+    roomy = M.choose_zero_stages(cfg, shape, ds, 8, 1e15, ["actor", "reference"])
+    tight = M.choose_zero_stages(cfg, shape, ds, 8, 80 * 2**30, ["actor", "reference"])
+    hopeless = M.choose_zero_stages(cfg, shape, ds, 8, 2**30, ["actor", "reference"])
+    assert roomy == {"actor": 0, "reference": 0}
+    assert tight["actor"] >= 1                                           # an 8B model on 80 GB needs sharding
+    assert hopeless == {"actor": 3, "reference": 3}                      # nothing fits: ZeRO-3
+    rendered = render_ds_configs(cfg, 8, zero_stages=tight)
+    assert rendered["actor"]["zero_optimization"]["stage"] == tight["actor"]
+
+
+def test_bench_step_prints_phases_and_floor(tmp_path, capsys):
+    assert cli.main(["bench", "step", "--config", "examples/grpo_cpu_tiny.yaml", "--steps", "1",
+                     "rollout.engine=hf", "trainer.prompts_per_step=4", "rollout.n=4", "model.tiny.hidden=32",
+                     "model.tiny.ffn=64", f"trainer.run_dir={tmp_path}", "roles.actor.micro_batch_size=16",
+                     "roles.reference.micro_batch_size=16"]) == 0
+    out = capsys.readouterr().out
+    tables = parse_md_tables(out)
+    phases = {row[0] for row in tables[0][1:]}
+    assert {"update_actor", "gen", "**step**"} <= phases
+    assert "verl-ds / floor =" in out and "training MFU" in out

@@ -44,13 +44,17 @@ class Timer:
         self.times: dict[str, float] = {}
 
     @contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str, stage: str | None = None, role: str | None = None):
+        """Time phase `name` (`stage`/`role` are for MemoryTimer, which also accounts memory)."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
             key = f"timing_s/{name}"
             self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - t0
+
+    def memory_metrics(self) -> dict[str, float]:
+        return {}
 
 
 class MetricsLogger:

@@ -69,8 +69,10 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
-        # a Timer that also accounts each role's memory per stage (memory/<stage>/<role>/...)
-        timer = MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations)
+        # a Timer that, every logging.memory_every steps, also accounts each role's memory per stage
+        every = cfg.logging.memory_every
+        timer = MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations) \
+            if self.track_activations or (every and self.global_step % every == 0) else Timer()
         with timer("step"):
             # 1-3. prompts -> rollout -> rewards (+ overlong shaping); more rounds when dynamic
             # sampling drops groups whose samples all scored alike

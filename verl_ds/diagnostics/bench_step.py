@@ -1,0 +1,119 @@
+"""`verl-ds bench step`: where one training step's time goes, and how far it is from a floor.
+
+Measured in one run, in this process's world (1 rank; under the launcher, this rank's share):
+- verl-ds: median per-phase seconds over `steps` steps after one warm-up step, tokens/s;
+- training MFU: the actor update's model FLOPs (6 x params x tokens x epochs, plus 2 x params x
+  tokens for each extra forward) against the matmul rate of the actor's dtype measured here;
+- a plain-PyTorch floor for the same job: the same HF model, batch, sampling and loss (group
+  advantages, PPO clip, k3 KL to a frozen copy, AdamW), no DeepSpeed, no vLLM, no bookkeeping.
+Printed as ratios. The trainer class is passed in (diagnostics sit below the trainer layer).
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+
+from verl_ds import algos
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def matmul_rate(dtype: str, n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of an n x n matmul in `dtype` on this machine (CPU or the current GPU)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(n, n, device=dev).to(_DTYPES[dtype])
+    a @ a
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    return reps * 2 * n ** 3 / (time.perf_counter() - t0)
+
+
+def floor_step_s(model_path: str, prompts: list[list[int]], cfg, dtype: str, steps: int, pad_id: int,
+                 eos_ids: list[int]) -> float:
+    """Median seconds of a minimal GRPO step in plain PyTorch on the same job."""
+    from transformers import AutoModelForCausalLM
+
+    a, r = cfg.algorithm, cfg.rollout
+    dt = _DTYPES[dtype]
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dt)
+    ref = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.roles.actor.lr, weight_decay=0.0)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts for _ in range(r.n)])
+    attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts for _ in range(r.n)])[:, None]).long()
+    groups = torch.arange(len(prompts)).repeat_interleave(r.n)
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = policy.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=r.temperature,
+                                  top_k=0, max_new_tokens=r.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids)
+        seq = out[:, width:]
+        mask = torch.ones_like(seq, dtype=torch.float32)
+        full_attn = torch.cat([attn, torch.ones_like(seq)], 1)
+        scores = torch.rand(len(seq))                     # reward cost is not the framework's
+        adv = algos.grpo_advantages(scores=scores, response_mask=mask, group_ids=groups)
+
+        def logprobs(model):
+            logits = model(input_ids=out, attention_mask=full_attn).logits[:, width - 1:-1].float() / r.temperature
+            return torch.log_softmax(logits, -1).gather(-1, seq[..., None])[..., 0]
+        with torch.no_grad():
+            old = logprobs(policy) if a.ppo_epochs > 1 else None
+            ref_lp = logprobs(ref) if ref is not None else None
+        for _ in range(a.ppo_epochs):
+            lp = logprobs(policy)
+            loss, _ = algos.policy_loss(old if old is not None else lp.detach(), lp, adv, mask,
+                                        clip_low=a.clip_low, clip_high=a.clip_high)
+            if ref_lp is not None:
+                loss = loss + a.kl_coef * algos.masked_mean(algos.kl_penalty(lp, ref_lp, a.kl_estimator), mask)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.trainer.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
+    """Run `steps` (+1 warm-up) verl-ds steps and the plain-PyTorch floor; print and return ratios."""
+    with make_trainer(cfg) as trainer:
+        trainer.step()
+        rows = [trainer.step() for _ in range(steps)]
+        dtype = trainer.precision.actor
+        prompts = [e["prompt_ids"] for e in trainer.prompts[:cfg.trainer.prompts_per_step // trainer.world]]
+        model_path, pad = trainer.model_path, trainer.tokenizer.pad_token_id
+        eos = [trainer.tokenizer.eos_token_id]
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.actor.module.parameters())
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.startswith("timing_s/")}
+    step_s = med["timing_s/step"]
+    tokens = statistics.median(r["perf/throughput"] for r in rows) * step_s / trainer.world   # this rank's
+    rate = matmul_rate(dtype)
+    passes = cfg.algorithm.ppo_epochs * 3 + (1 if "timing_s/old_logprob" in med else 0) + \
+        (1 if "timing_s/ref" in med else 0)                # fwd+bwd = 3 forward-equivalents per epoch
+    mfu = 2 * params * tokens * passes / max(med.get("timing_s/update_actor", 0) + med.get("timing_s/old_logprob", 0)
+                                             + med.get("timing_s/ref", 0), 1e-9) / rate
+    floor = floor_step_s(model_path, prompts, cfg, dtype, steps, pad, eos)
+    out = {"bench/step_s": step_s, "bench/floor_step_s": floor, "bench/over_floor": step_s / floor,
+           "bench/tokens_per_s": tokens / step_s, "bench/train_mfu": mfu, "bench/matmul_flops": rate,
+           **{f"bench/{k}": v for k, v in med.items()}}
+    print(f"model {params / 1e6:.2f}M params ({dtype}), {len(prompts)} prompts x n={cfg.rollout.n} per rank, "
+          f"{steps} steps after a warm-up, world size {trainer.world}")
+    print("| phase | seconds | share of step |\n|---|---|---|")
+    for k, v in sorted(med.items(), key=lambda kv: -kv[1]):
+        if k != "timing_s/step":
+            print(f"| {k[len('timing_s/'):]} | {v:.3f} | {100 * v / step_s:.1f}% |")
+    print(f"| **step** | {step_s:.3f} | 100% |")
+    print(f"\ntokens/s {tokens / step_s:.0f}; training MFU {100 * mfu:.1f}% of the measured {dtype} matmul rate "
+          f"({rate / 1e9:.0f} GFLOP/s)")
+    print(f"plain-PyTorch floor (same model, batch, loss; HF generate): {floor:.3f} s/step -> verl-ds / floor = "
+          f"{step_s / floor:.2f}x")
+    return out
