@@ -44,12 +44,15 @@ def test_prompt_files_with_chat_free_tokenization(tmp_path, tokenizer):
     f = tmp_path / "p.jsonl"
     f.write_text("\n".join(json.dumps({"q": f"{i}+1=", "a": str(i + 1)}) for i in range(3)))
 
-    class D:
-        task, train_files, prompt_key, answer_key = "files", [str(f)], "q", "a"
-    rows = tokenize_prompts(load_examples(D), tokenizer, max_prompt_length=5, apply_chat_template=False)
+    from verl_ds.config import DataConfig
+
+    D = DataConfig(task="files", train_files=[str(f)], prompt_key="q", answer_key="a")
+    train, val = load_examples(D)
+    assert val == []
+    rows = tokenize_prompts(train, tokenizer, max_prompt_length=5, apply_chat_template=False)
     assert [r["answer"] for r in rows] == ["1", "2", "3"]
     assert rows[0]["prompt_ids"][0] == tokenizer.bos_token_id and len(rows[0]["prompt_ids"]) == 5
-    short = tokenize_prompts(load_examples(D), tokenizer, max_prompt_length=4, apply_chat_template=False)
+    short = tokenize_prompts(load_examples(D)[0], tokenizer, max_prompt_length=4, apply_chat_template=False)
     assert short[0]["prompt_ids"] == rows[0]["prompt_ids"][1:]     # over-long prompts keep their tail
     D.prompt_key = "missing"
     with pytest.raises(ConfigError, match="data.prompt_key"):
