@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -33,6 +34,19 @@ def _cpu_bind() -> str:
     per = max(1, len(cores) // max(size, 1))
     mine = cores[local * per:(local + 1) * per] or cores[-1:]
     return ",".join(map(str, mine))
+
+
+def _remove_stale_tp_shm(tp: int) -> None:
+    """vLLM's CPU tensor-parallel group creates /dev/shm/<...>-[<ranks>]-cpushm_<i> with O_EXCL and a
+    name that does not change between runs; a killed run's file would make the next start fail
+    (errno 17). Each rank removes its own stale one before the engine starts."""
+    from verl_ds.dist import rank
+
+    r = rank()
+    ranks = "-".join(str(x) for x in range(r // tp * tp, r // tp * tp + tp))
+    for f in Path("/dev/shm").glob(f"*-[[]{ranks}[]]-cpushm_{r % tp}"):
+        log.info("removing a stale vLLM CPU shm segment %s", f)
+        f.unlink(missing_ok=True)
 
 
 class VLLMRollout:
@@ -68,6 +82,8 @@ class VLLMRollout:
         else:
             kwargs.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind())
+            if tensor_parallel_size > 1:
+                _remove_stale_tp_shm(tensor_parallel_size)
         self.start_s = 0.0
         self.llm = self._start(kwargs, gpu_memory_utilization)
 
