@@ -40,6 +40,7 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                           "up_proj", "down_proj"])
+    modules_to_save: list = field(default_factory=list)   # trained in full besides the adapters (e.g. norm)
 
 
 @dataclass

@@ -75,3 +75,30 @@ def test_memory_estimate_accounts_lora(trained):
         assert abs(e - m) <= 0.05 * m, f"actor/{c}: estimate {e} vs measured {m}"
     assert est["actor"]["optimizer"] == 8 * adapters                    # Adam states for the adapters only
     assert "reference" not in est and not measured.get("reference")    # no reference copy
+
+
+def test_peft_names_map_to_the_base_checkpoint():
+    from verl_ds.roles.lora import hf_name
+
+    assert hf_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    assert hf_name("base_model.model.model.norm.modules_to_save.default.weight") == "model.norm.weight"
+    assert hf_name("base_model.model.lm_head.weight") == "lm_head.weight"
+
+
+def test_modules_to_save_sync_into_a_plain_model(tiny_model_dir):
+    """A LoRA model with a fully trained norm streams merged weights a plain HF model accepts whole."""
+    from verl_ds.roles.lora import apply_lora, iter_merged_params
+    from verl_ds.roles.policy import load_causal_lm
+
+    model = apply_lora(load_causal_lm(tiny_model_dir), 4, 8.0, 0.0, ["q_proj", "v_proj"], ["norm"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "modules_to_save" in n:
+                p.add_(0.5)
+    plain = load_causal_lm(tiny_model_dir)
+    sd = dict(iter_merged_params(model))
+    assert set(sd) == set(plain.state_dict()) - ({"lm_head.weight"} if plain.config.tie_word_embeddings else set())
+    plain.load_state_dict(sd, strict=False)
+    ids = torch.tensor([[1, 5, 6, 13]])
+    assert torch.allclose(plain(ids).logits, model(input_ids=ids).logits, atol=1e-5)

@@ -3,6 +3,7 @@ merged weights (base + scaled adapter) streamed one module at a time; the refere
 actor's own engine with its adapters disabled, so no second copy of the base model exists."""
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 from typing import Iterator
 
@@ -11,12 +12,15 @@ import torch
 _PREFIX = "base_model.model."
 
 
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str]):
-    """Wrap an HF causal LM with peft LoRA adapters; the base weights are frozen."""
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str],
+               modules_to_save: list[str] = ()):
+    """Wrap an HF causal LM with peft LoRA adapters; the base weights are frozen except
+    `modules_to_save` (trained in full, e.g. the norms)."""
     from peft import LoraConfig, get_peft_model
 
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                                            target_modules=list(target_modules), task_type="CAUSAL_LM"))
+                                            target_modules=list(target_modules),
+                                            modules_to_save=list(modules_to_save) or None, task_type="CAUSAL_LM"))
 
 
 def is_lora_model(module: torch.nn.Module) -> bool:
@@ -27,6 +31,7 @@ def hf_name(peft_name: str) -> str:
     """`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> the base checkpoint's
     `model.layers.0.self_attn.q_proj.weight`."""
     name = peft_name[len(_PREFIX):] if peft_name.startswith(_PREFIX) else peft_name
+    name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)      # a trained copy of a saved module
     return name.replace(".base_layer.", ".")
 
 
@@ -54,6 +59,9 @@ def iter_merged_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield hf_name(f"{mod_name}.base_layer.weight"), w
                 if base.bias is not None:
                     yield hf_name(f"{mod_name}.base_layer.bias"), base.bias.detach().clone()
+            continue
+        if hasattr(mod, "original_module") and hasattr(mod, "modules_to_save"):   # modules_to_save wrapper
+            seen.update(id(p) for p in mod.original_module.parameters())          # the frozen original: not sent
             continue
         own = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
         if not own:

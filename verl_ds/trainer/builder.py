@@ -79,7 +79,7 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
     fp32_head, lora = precision.lm_head_fp32, m.lora
     policy = load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head)
     if lora.rank:
-        policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+        policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules, lora.modules_to_save)
     roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, temperature=cfg.rollout.temperature)}
     if lora.rank and cfg.algorithm.kl_coef > 0:
         roles["reference"] = AdapterOffReference(roles["actor"])
