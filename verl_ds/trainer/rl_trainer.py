@@ -23,8 +23,9 @@ from verl_ds.ds_config import resolve
 from verl_ds.errors import ConfigError
 from verl_ds.roles import align_overflow, iter_full_params
 from verl_ds.roles.params import export_adapter, export_hf
-from verl_ds.rollout import RolloutBatch, generate_distributed, make_rollout, sync_distributed
+from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
 from verl_ds.trainer import builder
+from verl_ds.trainer.groups import merge_parts, select_groups, varied_groups
 from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
 log = logging.getLogger(__name__)
@@ -161,17 +162,17 @@ class RLTrainer:
                 return batch, examples, raw, shaped, {}
             last = (batch, examples, raw, shaped)
             drawn.append(raw)
-            keep = _varied_groups(raw if fg.metric == "acc" else shaped, batch.group_ids, len(examples))
+            keep = varied_groups(raw if fg.metric == "acc" else shaped, batch.group_ids, len(examples))
             seen, dropped = seen + len(examples), dropped + len(examples) - len(keep)
-            parts.append(_select_groups(batch, examples, raw, shaped, keep))
+            parts.append(select_groups(batch, examples, raw, shaped, keep))
             kept = all_reduce_sum([float(sum(len(p[1]) for p in parts))])[0]
             if kept >= cfg.trainer.prompts_per_step or rounds >= fg.max_rounds:
                 break
         # the same number of groups on every rank (collectives and micro-batches must match)
-        merged = _merge_parts(parts)
+        merged = merge_parts(parts)
         k = int(all_reduce_min(float(min(len(merged[1]), cfg.trainer.prompts_per_step // self.world))))
         # nothing varied on some rank: train on the last round as drawn (its advantages are zero)
-        out = _select_groups(*merged, list(range(k))) if k else last
+        out = select_groups(*merged, list(range(k))) if k else last
         drawn = torch.cat(drawn)
         seen_all, dropped_all, drawn_sum, drawn_n = all_reduce_sum([float(seen), float(dropped),
                                                                      float(drawn.sum()), float(len(drawn))])
@@ -397,33 +398,6 @@ def _global_counts(mask: torch.Tensor) -> tuple[float, float]:
     mini-batch of only masked-out samples contributes a zero loss, not NaN)."""
     tokens, seqs = all_reduce_sum([float(mask.sum()), float(mask.shape[0])])
     return max(tokens, 1.0), seqs
-
-
-def _varied_groups(metric: torch.Tensor, group_ids: torch.Tensor, n_groups: int) -> list[int]:
-    """Groups whose samples did not all score alike (the only ones with a GRPO gradient)."""
-    return [g for g in range(n_groups) if metric[group_ids == g].unique().numel() > 1]
-
-
-def _select_groups(batch, examples, raw, shaped, groups: list[int]):
-    """The rows of `groups` (in that order), renumbered 0..len(groups)-1."""
-    rows = torch.cat([(batch.group_ids == g).nonzero().flatten() for g in groups]) if groups \
-        else torch.zeros(0, dtype=torch.long)
-    out = batch.select(rows)
-    remap = {g: i for i, g in enumerate(groups)}
-    out.group_ids = torch.tensor([remap[int(g)] for g in out.group_ids], dtype=torch.long)
-    return out, [examples[g] for g in groups], raw[rows], shaped[rows]
-
-
-def _merge_parts(parts):
-    """Concatenate (batch, examples, raw, shaped) parts, offsetting group ids."""
-    batches, offset = [], 0
-    for b, ex, _, _ in parts:
-        b.group_ids = b.group_ids + offset
-        batches.append(b)
-        offset += len(ex)
-    batch = RolloutBatch.cat([b for b in batches if len(b)]) if any(len(b) for b in batches) else batches[0]
-    return (batch, [e for p in parts for e in p[1]], torch.cat([p[2] for p in parts]),
-            torch.cat([p[3] for p in parts]))
 
 
 def _explained_var(returns, values, mask) -> float:
