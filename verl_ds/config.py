@@ -64,6 +64,18 @@ class ArithmeticConfig:
 
 
 @dataclass
+class ReasoningGymConfig:
+    """`data.task: reasoning_gym`: a generator of the reasoning-gym package (offline)."""
+    name: str = "basic_arithmetic"
+    size: int = 2000
+    seed: int = 0
+    val_size: int = 64                     # validation: another seed, questions seen in training removed
+    val_seed: int = 100003
+    config: dict = field(default_factory=dict)   # the generator's own options
+    reward_threshold: Optional[float] = None     # partial credit -> 1 if >= threshold else 0
+
+
+@dataclass
 class DataConfig:
     task: str = "arithmetic"               # arithmetic | files
     train_files: list = field(default_factory=list)   # jsonl or parquet, for task: files
@@ -77,6 +89,7 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 0
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
 
 
 @dataclass
@@ -350,7 +363,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "algorithm.filter_groups.metric": (a.filter_groups.metric, ("acc", "score")),
         "rollout.engine": (r.engine, ("vllm", "hf")),
         "logging.wandb.mode": (cfg.logging.wandb.mode, ("online", "offline", "disabled")),
-        "data.task": (d.task, ("arithmetic", "files")),
+        "data.task": (d.task, ("arithmetic", "files", "reasoning_gym")),
         "trainer.device": (t.device, ("auto", "cpu", "cuda")),
         "logging.level": (cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR")),
         "checkpoint.export_dtype": (cfg.checkpoint.export_dtype, ("fp32", "fp16", "bf16")),

@@ -70,3 +70,27 @@ def test_held_out_split_is_disjoint_and_seeded():
     assert len(train) + sum(r["prompt"] in held for r in rows) == len(rows)
     assert held_out_split(rows, 0.2, seed=0)[1] == val and held_out_split(rows, 0.2, seed=1)[1] != val
     assert held_out_split(rows, 0.0, seed=0) == (rows, [])
+
+
+def test_reasoning_gym_task_split_and_own_scorer():
+    from verl_ds.config import DataConfig
+    from verl_ds.data.reasoning_gym import final_answer
+    from verl_ds.data.reward import task_reward_fn
+
+    d = DataConfig(task="reasoning_gym", reward_fn="reasoning_gym")
+    d.reasoning_gym.size, d.reasoning_gym.val_size = 50, 20
+    train, val = load_examples(d)
+    assert len(train) == 50 and 0 < len(val) <= 20
+    assert not {e["prompt"] for e in val} & {e["prompt"] for e in train}    # disjoint questions
+    reward = task_reward_fn(d)
+    gold = json.loads(train[0]["answer"])["answer"]
+    assert reward(f"Let me think.\nAnswer: {gold}", train[0]["answer"]) == 1.0
+    assert reward("Answer: definitely not a number", train[0]["answer"]) == 0.0
+    assert reward("", "not json") == 0.0                                     # never raises
+    assert final_answer("x\nAnswer: 12\n") == "12" and final_answer("just 7") == "just 7"
+    d.reasoning_gym.name = "products"
+    d.reasoning_gym.reward_threshold = 1.0
+    products = load_examples(d)[0]
+    entry = json.loads(products[0]["answer"])
+    assert task_reward_fn(d)("Answer: 1", products[0]["answer"]) in (0.0, 1.0)   # partial credit -> 0/1
+    assert task_reward_fn(d)(f"Answer: {entry['answer']}", products[0]["answer"]) == 1.0

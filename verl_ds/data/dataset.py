@@ -13,6 +13,13 @@ def load_examples(data_cfg) -> tuple[list[dict], list[dict]]:
         a = data_cfg.arithmetic
         rows = arithmetic_examples(a.size, data_cfg.seed, a.min_value, a.max_value, a.num_operands, a.ops)
         return held_out_split(rows, data_cfg.val_fraction, data_cfg.seed)
+    if data_cfg.task == "reasoning_gym":
+        from verl_ds.data.reasoning_gym import reasoning_gym_examples
+        g = data_cfg.reasoning_gym
+        train = reasoning_gym_examples(g.name, g.size, g.seed, g.config)
+        seen = {e["prompt"] for e in train}
+        val = [e for e in reasoning_gym_examples(g.name, g.val_size, g.val_seed, g.config) if e["prompt"] not in seen]
+        return train, val
     train = file_examples(data_cfg.train_files, data_cfg.prompt_key, data_cfg.answer_key)
     val = file_examples(data_cfg.val_files, data_cfg.prompt_key, data_cfg.answer_key) if data_cfg.val_files else []
     return train, val

@@ -67,6 +67,23 @@ def register_reward_fn(name: str, fn: RewardFn) -> None:
     REWARD_FNS[name] = fn
 
 
+def reasoning_gym_reward(response: str, answer: str) -> float:
+    from verl_ds.data.reasoning_gym import reasoning_gym_reward as fn   # the package imports on first use
+    return fn(response, answer)
+
+
+REWARD_FNS["reasoning_gym"] = reasoning_gym_reward
+
+
+def task_reward_fn(data_cfg) -> RewardFn:
+    """`data.reward_fn`, with reasoning-gym's `reward_threshold` applied when set."""
+    threshold = data_cfg.reasoning_gym.reward_threshold
+    if data_cfg.reward_fn == "reasoning_gym" and threshold is not None:
+        from verl_ds.data.reasoning_gym import reasoning_gym_reward as fn
+        return lambda response, answer: fn(response, answer, threshold)
+    return get_reward_fn(data_cfg.reward_fn)
+
+
 def get_reward_fn(name: str, key: str = "data.reward_fn") -> RewardFn:
     """A registered name, or a dotted path `module:function` / `module.function`."""
     if name in REWARD_FNS:

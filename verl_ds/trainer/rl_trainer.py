@@ -15,7 +15,7 @@ import torch
 from verl_ds import algos
 from verl_ds.config import RunConfig
 from verl_ds.data.dataset import PromptSampler
-from verl_ds.data.reward import get_reward_fn
+from verl_ds.data.reward import task_reward_fn
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.dist import all_gather_object, all_reduce_min, all_reduce_sum, init_distributed, rank, world_size
@@ -47,7 +47,7 @@ class RLTrainer:
         self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
         self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
-        self.reward_fn = reward_fn or get_reward_fn(cfg.data.reward_fn)
+        self.reward_fn = reward_fn or task_reward_fn(cfg.data)
         self.roles = builder.build_roles(cfg, self.model_path, self.precision)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
         self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")

@@ -1,0 +1,49 @@
+"""Procedural reasoning tasks from the `reasoning-gym` package (offline), scored by its own
+`score_answer`. An example's `answer` carries the whole generator entry (JSON), so the reward
+function can call the right scorer; `reward_threshold` turns partial credit into 0/1."""
+from __future__ import annotations
+
+import json
+import re
+
+from verl_ds.errors import ConfigError
+
+INSTRUCTION = "\nGive only the final answer on the last line, as: Answer: <answer>"
+_ANSWER = re.compile(r"answer\s*[:：]\s*(.+)", re.IGNORECASE)
+
+
+def _rg():
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ConfigError("data.task", "task 'reasoning_gym' needs the reasoning-gym package "
+                                       "(pip install reasoning-gym, or bash launch/demo.sh)") from None
+    return reasoning_gym
+
+
+def reasoning_gym_examples(name: str, size: int, seed: int, config: dict) -> list[dict]:
+    """`size` generated problems as {prompt, answer (the entry as JSON)}."""
+    try:
+        ds = _rg().create_dataset(name, size=size, seed=seed, **(config or {}))
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError("data.reasoning_gym", f"cannot create '{name}' with {config or {}}: {e}") from None
+    return [{"prompt": e["question"] + INSTRUCTION, "answer": json.dumps(e, default=str)} for e in ds]
+
+
+def final_answer(response: str) -> str:
+    """What follows the last `Answer:`; else the last non-empty line."""
+    hits = _ANSWER.findall(response)
+    if hits:
+        return hits[-1].strip()
+    lines = [ln.strip() for ln in response.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def reasoning_gym_reward(response: str, answer: str, threshold: float | None = None) -> float:
+    """The generator's own score of the response's final answer (0 on any failure)."""
+    try:
+        entry = json.loads(answer)
+        score = float(_rg().get_score_answer_fn(entry["metadata"]["source_dataset"])(final_answer(response), entry))
+    except Exception:   # a malformed response must never stop training
+        return 0.0
+    return float(score >= threshold) if threshold is not None else score
