@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import yaml
 
-from verl_ds.algos import ADVANTAGE_ESTIMATORS, AGG_LOSS_MODES, ESTIMATORS_NEEDING_CRITIC, KL_KINDS, POLICY_LOSSES
+from verl_ds.algos import (ADVANTAGE_ESTIMATORS, AGG_LOSS_MODES, ESTIMATORS_NEEDING_CRITIC, GROUP_ESTIMATORS,
+                           KL_KINDS, POLICY_LOSSES)
 from verl_ds.errors import ConfigError
 from verl_ds.precision import TRAINED_ROLES, PrecisionConfig
 
@@ -435,9 +436,6 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError("trainer.prompts_per_step", f"{t.prompts_per_step} prompts do not split "
                                                       f"evenly over {world} ranks")
     _validate_ds_files(cfg, world, mini)
-
-
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
 def validate_paths(cfg: RunConfig) -> None:

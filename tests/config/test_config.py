@@ -1,12 +1,12 @@
 """Run config, PrecisionConfig rendering, and the one-line exit-2 errors for bad input."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.subprocess_env import child_env
 from verl_ds.config import load_config
 from verl_ds.ds_config import render_ds_configs
 from verl_ds.errors import ConfigError
@@ -19,10 +19,8 @@ CPU_PPO = ROOT / "examples" / "ppo_cpu_tiny.yaml"
 
 def cli(*args, cwd=ROOT):
     # no process-group env inherited from an in-process test (its MASTER_PORT is taken)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     return subprocess.run([sys.executable, "-m", "verl_ds.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env)
+                          env=child_env())
 
 
 def test_examples_load_and_render_with_every_role():

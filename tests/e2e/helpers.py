@@ -6,17 +6,15 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.subprocess_env import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def train_cmd(config: str, run_dir, *overrides, ranks: int = 2):
     # the launcher picks a free port; don't inherit this test process's own process-group env
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
     return ["bash", str(ROOT / "launch" / "train.sh"), str(ROOT / "examples" / config),
-            f"trainer.run_dir={run_dir}", *overrides], {**env, "NUM_RANKS": str(ranks)}
+            f"trainer.run_dir={run_dir}", *overrides], child_env(NUM_RANKS=str(ranks))
 
 
 def run_train(config: str, run_dir, *overrides, timeout: int = 600) -> subprocess.CompletedProcess:

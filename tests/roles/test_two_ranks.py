@@ -1,10 +1,11 @@
 """2 ranks under the real deepspeed launcher: identical ZeRO-3 gathers, and a step keeps ranks in sync."""
-import os
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.subprocess_env import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,9 +19,7 @@ def _port() -> int:
 @pytest.mark.e2e
 @pytest.mark.parametrize("stage", [3])
 def test_zero3_gather_identical_and_step_in_sync_on_two_ranks(tiny_model_dir, stage):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_port()),
            str(ROOT / "tests" / "roles" / "two_rank_script.py"), tiny_model_dir, str(stage)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)

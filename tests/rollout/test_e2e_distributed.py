@@ -3,7 +3,6 @@ TP=1 (two engines) and TP=2 (one engine shared by both ranks). ZeRO-3 weights sy
 checked against HF; samples checked against a standalone engine with the same seeds; sampling
 independence; 500 syncs with flat memory."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,16 +10,12 @@ from pathlib import Path
 import pytest
 
 from tests.rollout.helpers import free_port
+from tests.subprocess_env import child_env
 
 pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[2]
-_DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def _env():
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-    return env
+    return child_env(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ masks float 0/1 of that shape, sequence scores and group ids ``[batch]``.
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
     ESTIMATORS_NEEDING_CRITIC,
+    GROUP_ESTIMATORS,
     compute_gae,
     get_advantage_estimator,
     grpo_advantages,
@@ -35,6 +36,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_LOSS_MODES",
     "ESTIMATORS_NEEDING_CRITIC",
+    "GROUP_ESTIMATORS",
     "KL_KINDS",
     "POLICY_LOSSES",
     "REWARD_NORM_MODES",

@@ -15,6 +15,7 @@ from .stats import masked_whiten
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 ESTIMATORS_NEEDING_CRITIC = {"gae"}
+GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo"}   # compare samples of one prompt: need n >= 2
 
 
 def compute_gae(

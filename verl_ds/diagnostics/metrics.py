@@ -10,7 +10,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 
 
 SUMMED = {"perf/throughput"}   # per-rank tokens/s add up to the job's

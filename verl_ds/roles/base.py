@@ -141,10 +141,8 @@ class Role:
         `step()`. Losses use global counts, so the accumulated gradient equals the full mini-batch's."""
         gas = self.engine.gradient_accumulation_steps()
         scale = gas * self.engine.world_size            # undo DeepSpeed's 1/gas and rank averaging
-        batch = self.to_device(batch)
-        mbs = list(micro_batches(batch, self.micro_batch_size))
-        if len(mbs) != gas:   # a smaller mini-batch (dynamic sampling): as many micro-steps, smaller ones
-            mbs = split_even(batch, gas)
+        # `gas` micro-steps: of micro_batch_size rows, or fewer when dynamic sampling shrank the batch
+        mbs = split_even(self.to_device(batch), gas)
         counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):

@@ -47,7 +47,7 @@ def make_rollout(rollout_cfg, model_path: str, dtype: str, seed: int, trust_remo
 
 
 def generate_distributed(rollout, local_prompt_ids: list[list[int]], n: int, temperature: float,
-                         top_p: float, max_new_tokens: int, run_seed: int, step: int,
+                         top_p: float, max_new_tokens: int, run_seed: int, step: int | str,
                          round_: int = 0) -> RolloutBatch:
     """Samples for this rank's prompts (`group_ids` index the local prompts). Prompt i of rank r in
     generation round k of a step (dynamic sampling may need several) sits at global position

@@ -50,8 +50,8 @@ class HFRollout:
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int = 16, seeds: list[int] | None = None) -> RolloutBatch:
         """Left-padded batched `generate`; responses end at (and include) the first eos. `generate`
-        draws every sample from one generator: it is seeded from this call's prompt seeds (unique
-        per run, step and rank, see seeding.py), so calls never share a stream; None: the global RNG."""
+        draws every sample from one generator, seeded with this call's first prompt seed (unique per
+        run, step, round and rank, see seeding.py), so calls never share a stream; None: the global RNG."""
         prompts = [list(map(int, p)) for p in prompt_token_ids for _ in range(n)]
         groups = [i for i in range(len(prompt_token_ids)) for _ in range(n)]
         if not prompts:
@@ -61,7 +61,7 @@ class HFRollout:
         greedy = temperature <= 0
         sample_kw = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature,
                                                            "top_p": top_p, "top_k": 0}
-        seed = None if not seeds else hash(tuple(int(s) for s in seeds)) & ((1 << 62) - 1)
+        seed = int(seeds[0]) if seeds else None   # the first prompt's seed: unique per run, step, rank
         rng = torch.random.fork_rng(devices=[torch.device(self.device)] if self.device.startswith("cuda") else []) \
             if seed is not None else nullcontext()
         t0 = time.perf_counter()

@@ -13,12 +13,12 @@ import hashlib
 _MASK = (1 << 62) - 1
 
 
-def prompt_seed(run_seed: int, step: int, position: int) -> int:
+def prompt_seed(run_seed: int, step: int | str, position: int) -> int:
     """The seed of the prompt at global `position` of `step`'s batch (positions are unique per step,
     across ranks: a repeated prompt at two positions gets two streams)."""
     digest = hashlib.blake2b(f"{run_seed}:{step}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _MASK
 
 
-def prompt_seeds(run_seed: int, step: int, positions) -> list[int]:
+def prompt_seeds(run_seed: int, step: int | str, positions) -> list[int]:
     return [prompt_seed(run_seed, step, int(p)) for p in positions]

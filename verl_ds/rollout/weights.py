@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from verl_ds.precision import TORCH_DTYPES as DTYPES  # one name -> torch dtype map
+from verl_ds.precision import TORCH_DTYPES as DTYPES  # noqa: F401  (re-exported: one name -> torch dtype map)
 TIED_HEAD = "lm_head.weight"
 
 

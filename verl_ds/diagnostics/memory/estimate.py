@@ -156,21 +156,26 @@ def rollout_memory(shape: ModelShape, rcfg, dtype: str, w: Workload, actor_modul
     return stages
 
 
+HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score"}
+
+
+def run_role_memory(cfg, shape: ModelShape, role: str, ds: dict, w: Workload) -> dict[str, dict[str, float]]:
+    """`role_memory` with what the run config says about this role (head, int8 reward, LoRA)."""
+    lora = cfg.model.lora
+    return role_memory(shape, ds, head=HEADS[role], trainable=role in ("actor", "critic"), w=w,
+                       grad_checkpointing=cfg.precision.enable_grad_checkpointing,
+                       weight_dtype="int8" if role == "reward" and cfg.precision.reward_dtype == "int8" else None,
+                       adapter_params=shape.lora_params(lora.rank, lora.target_modules)
+                       if role == "actor" and lora.rank else 0)
+
+
 def estimate_memory(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: int, rollout_dtype: str,
                     gpu_gib: float | None = None, reward_shape: ModelShape | None = None
                     ) -> dict[str, dict[str, dict[str, float]]]:
     """{stage: {role: {component: bytes}}} per GPU (rank 0, which also hosts the rollout engine)."""
     w = workload(cfg, world)
-    gc = cfg.precision.enable_grad_checkpointing
-    heads = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score"}
-    per_role = {}
-    for role, ds in ds_configs.items():
-        wdt = "int8" if role == "reward" and cfg.precision.reward_dtype == "int8" else None
-        lora = cfg.model.lora
-        adapter = shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0
-        per_role[role] = role_memory((reward_shape or shape) if role == "reward" else shape, ds, head=heads[role],
-                                     trainable=role in ("actor", "critic"), w=w, grad_checkpointing=gc,
-                                     weight_dtype=wdt, adapter_params=adapter)
+    per_role = {role: run_role_memory(cfg, (reward_shape or shape) if role == "reward" else shape, role, ds, w)
+                for role, ds in ds_configs.items()}
     rdt = rollout_dtype
     per_role["rollout"] = rollout_memory(shape, cfg.rollout, rdt, w, shape.largest_module() * 4, gpu_gib,
                                          shape.params("lm") * BYTES[rdt])
@@ -200,8 +205,6 @@ def peak_by_role(stages: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-
-
 def choose_zero_stages(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: int, budget_bytes: float,
                        auto_roles: list[str], headroom: float = 0.8) -> dict[str, int]:
     """`zero_stage: auto`: for each role in `auto_roles`, the lowest ZeRO stage (0-3; frozen roles
@@ -210,8 +213,6 @@ def choose_zero_stages(cfg, shape: ModelShape, ds_configs: dict[str, dict], worl
     import copy
 
     w = workload(cfg, world)
-    heads = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score"}
-    lora = cfg.model.lora
     chosen = {r: 3 for r in auto_roles}
 
     def peak(stages: dict[str, int]) -> float:
@@ -220,9 +221,7 @@ def choose_zero_stages(cfg, shape: ModelShape, ds_configs: dict[str, dict], worl
             ds = copy.deepcopy(ds)
             if role in stages:
                 ds.setdefault("zero_optimization", {})["stage"] = stages[role]
-            adapter = shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0
-            mem = role_memory(shape, ds, head=heads[role], trainable=role in ("actor", "critic"), w=w,
-                              grad_checkpointing=cfg.precision.enable_grad_checkpointing, adapter_params=adapter)
+            mem = run_role_memory(cfg, shape, role, ds, w)
             for s in STAGES:
                 totals[s] += sum(mem[s].values())
         return max(totals.values())
