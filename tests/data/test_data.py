@@ -88,6 +88,12 @@ def test_reasoning_gym_task_split_and_own_scorer():
     assert reward("Answer: definitely not a number", train[0]["answer"]) == 0.0
     assert reward("", "not json") == 0.0                                     # never raises
     assert final_answer("x\nAnswer: 12\n") == "12" and final_answer("just 7") == "just 7"
+    # numeric tasks: the last number of the Answer line, else of the whole response
+    assert final_answer("Answer: 3 + 4 = 7.", numeric=True) == "7"
+    assert final_answer("93 - 95 = -2\nDone.", numeric=True) == "-2"
+    assert final_answer("no digits here", numeric=True) == ""
+    assert reward(f"{gold} is it, I think" if gold.lstrip("-").isdigit() else f"Answer: {gold}",
+                  train[0]["answer"]) == 1.0
     d.reasoning_gym.name = "products"
     d.reasoning_gym.reward_threshold = 1.0
     products = load_examples(d)[0]

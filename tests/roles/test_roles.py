@@ -145,3 +145,24 @@ def test_checkpoint_roundtrip(tiny_model_dir, tmp_path):
     other.load(str(tmp_path), "step1")
     for n, t in iter_full_params(other.engine):
         assert torch.equal(t, want[n]), n
+
+
+def test_frozen_head_does_not_expand_its_weight_per_sequence(tiny_model_dir):
+    """With `logits_to_keep`, a frozen LM head gets a strided slice; without the contiguity hook
+    torch.matmul expands the [V, H] weight per sequence (a bmm over B weight copies)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    from verl_ds.roles.policy import load_causal_lm
+
+    ids = torch.randint(3, 10, (4, 12))
+
+    def bmm_calls(model) -> int:
+        model.requires_grad_(False)
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(input_ids=ids, use_cache=False, logits_to_keep=5)
+        return sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert bmm_calls(plain) > 0            # the slow path exists (or this test proves nothing)
+    assert bmm_calls(load_causal_lm(tiny_model_dir)) == 0

@@ -91,3 +91,11 @@ def test_weights_are_sent_as_tensors_no_files(engine, hf_pair):
     assert not {f for f in after - before if "verl_ds" in f}
     batch = engine.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=6)
     assert max_logprob_diff(hf_pair[1], batch, temperature=0.0) <= 1e-5
+
+
+def test_seeded_requests_beyond_one_prefill_step(engine):
+    """80 seeded prompts x 60 tokens exceed one step's token budget (4096): with chunked prefill
+    vLLM rewinds a split request's generator, which CPU generators cannot do (RuntimeError)."""
+    prompts = [[3 + (i + j) % 9 for j in range(60)] for i in range(80)]
+    out = engine.generate(prompts, n=2, temperature=1.0, max_new_tokens=3, seeds=list(range(80)))
+    assert out.response_ids.shape[0] == 160 and out.response_mask.sum() > 0

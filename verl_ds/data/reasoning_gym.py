@@ -10,6 +10,7 @@ from verl_ds.errors import ConfigError
 
 INSTRUCTION = "\nGive only the final answer on the last line, as: Answer: <answer>"
 _ANSWER = re.compile(r"answer\s*[:：]\s*(.+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def _rg():
@@ -30,20 +31,28 @@ def reasoning_gym_examples(name: str, size: int, seed: int, config: dict) -> lis
     return [{"prompt": e["question"] + INSTRUCTION, "answer": json.dumps(e, default=str)} for e in ds]
 
 
-def final_answer(response: str) -> str:
-    """What follows the last `Answer:`; else the last non-empty line."""
+def final_answer(response: str, numeric: bool = False) -> str:
+    """What follows the last `Answer:`, else the last non-empty line; for a numeric task the last
+    number in that text (a "flexible extract": `Answer: 3 + 4 = 7` and `3 + 4 = 7` both give 7)."""
     hits = _ANSWER.findall(response)
-    if hits:
-        return hits[-1].strip()
     lines = [ln.strip() for ln in response.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
+    text = hits[-1].strip() if hits else (response if numeric else (lines[-1] if lines else ""))
+    if numeric:
+        nums = _NUMBER.findall(text)
+        return nums[-1] if nums else ""
+    return text
+
+
+def _is_number(text) -> bool:
+    return bool(_NUMBER.fullmatch(str(text).strip()))
 
 
 def reasoning_gym_reward(response: str, answer: str, threshold: float | None = None) -> float:
     """The generator's own score of the response's final answer (0 on any failure)."""
     try:
         entry = json.loads(answer)
-        score = float(_rg().get_score_answer_fn(entry["metadata"]["source_dataset"])(final_answer(response), entry))
+        score = float(_rg().get_score_answer_fn(entry["metadata"]["source_dataset"])(
+            final_answer(response, numeric=_is_number(entry["answer"])), entry))
     except Exception:   # a malformed response must never stop training
         return 0.0
     return float(score >= threshold) if threshold is not None else score

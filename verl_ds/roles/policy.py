@@ -15,10 +15,21 @@ def load_causal_lm(path: str, trust_remote_code: bool = False, grad_checkpointin
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     if lm_head_fp32:
         algos.use_fp32_lm_head(model)
+    _contiguous_head_input(model)
     if grad_checkpointing:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _contiguous_head_input(model) -> None:
+    """`logits_to_keep` hands the LM head a strided slice of the hidden states. With a frozen head
+    (the reference, a LoRA actor) torch.matmul cannot fold that into one mm and expands the
+    [V, H] weight per sequence instead (measured: SmolLM2-135M reference pass, 64 x 76 tokens, bf16: 7.5 s -> 1.5 s).
+    A contiguous [B, R+1, H] input costs one small copy."""
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.register_forward_pre_hook(lambda _m, args: (args[0].contiguous(), *args[1:]))
 
 
 class PolicyRole(Role):

@@ -80,7 +80,11 @@ class VLLMRollout:
         if self.cuda:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep)
         else:
-            kwargs.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
+            # No chunked prefill on CPU: vLLM rewinds a seeded request's generator when it discards
+            # a partial prefill's sample, and CPU generators have no offset (RuntimeError as soon as
+            # one step's prompts pass max_num_batched_tokens).
+            kwargs.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(max_model_len, 4096))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind())
             if tensor_parallel_size > 1:
                 _remove_stale_tp_shm(tensor_parallel_size)
