@@ -102,3 +102,21 @@ def test_modules_to_save_sync_into_a_plain_model(tiny_model_dir):
     plain.load_state_dict(sd, strict=False)
     ids = torch.tensor([[1, 5, 6, 13]])
     assert torch.allclose(plain(ids).logits, model(input_ids=ids).logits, atol=1e-5)
+
+
+def test_lora_on_a_tied_embedding_is_refused(tiny_model_dir, tmp_path):
+    """The tiny model ties its embeddings: a trained copy of either side would make the actor
+    differ from the rollout engine (which keeps one matrix), so the run stops with one line."""
+    import subprocess
+    import sys
+
+    from tests.subprocess_env import child_env
+    from verl_ds.roles.lora import tied_embedding_targets
+    from verl_ds.roles.policy import load_causal_lm
+
+    model = load_causal_lm(tiny_model_dir)
+    assert tied_embedding_targets(model, ["q_proj", "embed_tokens", "lm_head", "norm"]) == ["embed_tokens", "lm_head"]
+    out = subprocess.run([sys.executable, "-m", "verl_ds.cli", "train", "--config", "examples/grpo_cpu_tiny.yaml",
+                          f"trainer.run_dir={tmp_path}", "model.lora.rank=4", "model.lora.modules_to_save=[embed_tokens]",
+                          "rollout.engine=hf"], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "model.lora" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -23,6 +23,16 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
                                             modules_to_save=list(modules_to_save) or None, task_type="CAUSAL_LM"))
 
 
+def tied_embedding_targets(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """The `names` (LoRA targets, modules_to_save) that hit a tied input/output embedding: training
+    one side unties them in the trainer while the rollout engine keeps one shared matrix."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return []
+    ends = {n for n, mod in model.named_modules()
+            if mod is model.get_input_embeddings() or mod is model.get_output_embeddings()}
+    return [k for k in names if any(n == k or n.endswith("." + k) for n in ends)]
+
+
 def is_lora_model(module: torch.nn.Module) -> bool:
     return hasattr(module, "peft_config")
 

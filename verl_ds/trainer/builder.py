@@ -13,7 +13,7 @@ from verl_ds.errors import ConfigError
 from verl_ds.precision import ResolvedPrecision
 from verl_ds.roles import (Actor, Critic, Reference, RewardModel, load_causal_lm, load_reward_model,
                            load_value_model)
-from verl_ds.roles.lora import AdapterOffReference, apply_lora
+from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.dist import barrier, rank
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,10 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
     fp32_head, lora = precision.lm_head_fp32, m.lora
     policy = load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head)
     if lora.rank:
+        tied = tied_embedding_targets(policy, [*lora.target_modules, *lora.modules_to_save])
+        if tied:
+            raise ConfigError("model.lora", f"{tied} share one matrix with the tied input/output embedding "
+                                            "of this model: training it would make the rollout differ from the actor")
         policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules, lora.modules_to_save)
     roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, temperature=cfg.rollout.temperature)}
     if lora.rank and cfg.algorithm.kl_coef > 0:
