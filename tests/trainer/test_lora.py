@@ -87,11 +87,12 @@ def test_peft_names_map_to_the_base_checkpoint():
 
 
 def test_modules_to_save_sync_into_a_plain_model(tiny_model_dir):
-    """A LoRA model with a fully trained norm streams merged weights a plain HF model accepts whole."""
+    """A LoRA model with a fully trained norm and (tied) embedding streams merged weights a plain HF
+    model accepts whole: the trained embedding copy stays tied to the head, as in the engine."""
     from verl_ds.roles.lora import apply_lora, iter_merged_params
     from verl_ds.roles.policy import load_causal_lm
 
-    model = apply_lora(load_causal_lm(tiny_model_dir), 4, 8.0, 0.0, ["q_proj", "v_proj"], ["norm"])
+    model = apply_lora(load_causal_lm(tiny_model_dir), 4, 8.0, 0.0, ["q_proj", "v_proj"], ["norm", "embed_tokens"])
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n or "modules_to_save" in n:
@@ -104,9 +105,9 @@ def test_modules_to_save_sync_into_a_plain_model(tiny_model_dir):
     assert torch.allclose(plain(ids).logits, model(input_ids=ids).logits, atol=1e-5)
 
 
-def test_lora_on_a_tied_embedding_is_refused(tiny_model_dir, tmp_path):
-    """The tiny model ties its embeddings: a trained copy of either side would make the actor
-    differ from the rollout engine (which keeps one matrix), so the run stops with one line."""
+def test_lora_adapters_on_a_tied_embedding_are_refused(tiny_model_dir, tmp_path):
+    """The tiny model ties its embeddings: an adapter on either side cannot be merged into the
+    engine's one matrix, so the run stops with one line (modules_to_save keeps them tied)."""
     import subprocess
     import sys
 
@@ -117,6 +118,7 @@ def test_lora_on_a_tied_embedding_is_refused(tiny_model_dir, tmp_path):
     model = load_causal_lm(tiny_model_dir)
     assert tied_embedding_targets(model, ["q_proj", "embed_tokens", "lm_head", "norm"]) == ["embed_tokens", "lm_head"]
     out = subprocess.run([sys.executable, "-m", "verl_ds.cli", "train", "--config", "examples/grpo_cpu_tiny.yaml",
-                          f"trainer.run_dir={tmp_path}", "model.lora.rank=4", "model.lora.modules_to_save=[embed_tokens]",
+                          f"trainer.run_dir={tmp_path}", "model.lora.rank=4", "model.lora.target_modules=[q_proj,lm_head]",
                           "rollout.engine=hf"], env=child_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and "model.lora" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.returncode == 2 and "model.lora.target_modules" in out.stderr and "Traceback" not in out.stderr, \
+        out.stderr[-2000:]

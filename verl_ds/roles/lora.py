@@ -18,14 +18,16 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
     `modules_to_save` (trained in full, e.g. the norms)."""
     from peft import LoraConfig, get_peft_model
 
+    # a tied model keeps a trained embedding copy tied to its head, as the rollout engine does
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
                                             target_modules=list(target_modules),
-                                            modules_to_save=list(modules_to_save) or None, task_type="CAUSAL_LM"))
+                                            modules_to_save=list(modules_to_save) or None, task_type="CAUSAL_LM",
+                                            ensure_weight_tying=tied))
 
 
 def tied_embedding_targets(model: torch.nn.Module, names: list[str]) -> list[str]:
-    """The `names` (LoRA targets, modules_to_save) that hit a tied input/output embedding: training
-    one side unties them in the trainer while the rollout engine keeps one shared matrix."""
+    """The `names` that hit a tied input/output embedding (the rollout engine keeps one matrix)."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return []
     ends = {n for n, mod in model.named_modules()

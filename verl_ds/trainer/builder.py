@@ -79,10 +79,10 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
     fp32_head, lora = precision.lm_head_fp32, m.lora
     policy = load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head)
     if lora.rank:
-        tied = tied_embedding_targets(policy, [*lora.target_modules, *lora.modules_to_save])
-        if tied:
-            raise ConfigError("model.lora", f"{tied} share one matrix with the tied input/output embedding "
-                                            "of this model: training it would make the rollout differ from the actor")
+        tied = tied_embedding_targets(policy, lora.target_modules)
+        if tied:   # adapters on a tied embedding cannot be merged into the engine's one matrix
+            raise ConfigError("model.lora.target_modules", f"{tied} is this model's tied input/output "
+                                                           "embedding: train it in full with modules_to_save instead")
         policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules, lora.modules_to_save)
     roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, temperature=cfg.rollout.temperature)}
     if lora.rank and cfg.algorithm.kl_coef > 0:
