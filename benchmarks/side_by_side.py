@@ -1,0 +1,138 @@
+"""verl-ds vs TRL's GRPOTrainer on the same jobs, measured in one run; prints a Markdown table.
+
+    source launch/env.sh && python benchmarks/side_by_side.py                       # both jobs, full length
+    python benchmarks/side_by_side.py --jobs quickstart --steps quickstart=10        # a short check
+
+Runs in the project's .venv. For each job (benchmarks/trl_grpo.py JOBS: the example YAML plus the same
+overrides on both sides): `bash launch/train.sh` (whole-process wall time; s/step = median
+timing_s/step after the first step, rewards from the run's metrics.jsonl), then trl_grpo.py inside
+benchmarks/.venv-trl (made by benchmarks/setup_trl.sh, called here; idempotent) once per TRL thread
+count. Writes <out>/results.json. Settings that differ between the sides: trl_grpo.py's docstring.
+Ratio = TRL s/step / verl-ds s/step (> 1: verl-ds is faster). Both sides share the machine's cores:
+run nothing else meanwhile, or the numbers say more about the neighbours than about the trainers.
+TRL with more than one OpenMP thread is the most fragile: on a 2-core box shared with a 2-rank job,
+OpenMP's active spin-wait made it 10 s/step on the quickstart instead of 0.39 s with
+OMP_WAIT_POLICY=PASSIVE (set in the environment, it reaches both sides) or 0.32 s with one thread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trl_grpo import JOBS  # noqa: E402  (module-level: no TRL import)
+
+TRL_PY = ROOT / "benchmarks" / ".venv-trl" / "bin" / "python"
+
+
+def _mean(xs):
+    return statistics.mean(xs) if xs else None
+
+
+def run_verl_ds(job: str, steps: int, run_dir: Path, extra: list[str], log) -> dict:
+    yaml, overrides, _ = JOBS[job]
+    shutil.rmtree(run_dir, ignore_errors=True)       # a fresh run: builds its init model, no resume
+    cmd = ["bash", "launch/train.sh", yaml, *overrides, f"trainer.steps={steps}",
+           f"trainer.run_dir={run_dir}", *extra]
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    if rc:
+        raise SystemExit(f"verl-ds {job} failed (exit {rc}); see {log.name}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    step_s = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    return {"side": "verl-ds", "job": job, "steps": len(step_s),
+            "s_per_step": statistics.median(step_s[1:] or step_s), "first_step_s": step_s[0], "wall_s": wall,
+            "reward_first5": _mean(rewards[:5]), "reward_last10": _mean(rewards[-10:]),
+            "num_ranks": int(os.environ.get("NUM_RANKS", "2")), "threads": int(os.environ.get("OMP_NUM_THREADS", "1"))}
+
+
+def run_trl(job: str, steps: int, threads: int, extra: list[str], log) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [str(TRL_PY), "benchmarks/trl_grpo.py", "--job", job, "--steps", str(steps), *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    log.write(proc.stdout)
+    log.flush()
+    lines = [x for x in proc.stdout.splitlines() if x.startswith('{"side": "trl"')]
+    if proc.returncode or not lines:
+        raise SystemExit(f"TRL {job} failed (exit {proc.returncode}); see {log.name}")
+    return {**json.loads(lines[-1]), "wall_s": wall, "wall_s_in_process": json.loads(lines[-1])["wall_s"]}
+
+
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + "s" * (n > 1)
+
+
+def table(rows: list[tuple[dict, dict]]) -> str:
+    out = ["| job | verl-ds s/step | TRL s/step | ratio (TRL/verl-ds) | verl-ds wall s | TRL wall s "
+           "| verl-ds reward last10 | TRL reward last10 |",
+           "|---|---|---|---|---|---|---|---|"]
+    for v, t in rows:
+        name = (f"{v['job']} ({v['steps']} steps; verl-ds {v['num_ranks']} ranks x {_threads(v['threads'])}, "
+                f"TRL 1 process x {_threads(t['threads'])})")
+        out.append(f"| {name} | {_f(v['s_per_step'])} | {_f(t['s_per_step'])} | "
+                   f"{_f(t['s_per_step'] / v['s_per_step'], '{:.2f}x')} | {_f(v['wall_s'], '{:.1f}')} | "
+                   f"{_f(t['wall_s'], '{:.1f}')} | {_f(v['reward_last10'])} | {_f(t['reward_last10'])} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {sorted(JOBS)}")
+    ap.add_argument("--steps", action="append", default=[], metavar="JOB=N",
+                    help="rollout steps for a job (default: "
+                         + ", ".join(f"{j}={s}" for j, (_, _, s) in JOBS.items()) + ")")
+    ap.add_argument("--trl-threads", default=f"1,{os.cpu_count()}",
+                    help="TRL runs, one per OpenMP thread count (default: 1 and all cores)")
+    ap.add_argument("--out", default="runs/bench_trl", help="run dirs, logs and results.json")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides, passed to both sides")
+    args = ap.parse_args()
+
+    jobs = [j for j in args.jobs.split(",") if j]
+    bad = set(jobs) - set(JOBS)
+    if bad:
+        ap.error(f"unknown job(s) {sorted(bad)}; known: {sorted(JOBS)}")
+    steps = {j: s for j, (_, _, s) in JOBS.items()}
+    for item in args.steps:
+        j, _, n = item.partition("=")
+        if j not in JOBS or not n.isdigit():
+            ap.error(f"--steps wants JOB=N, got {item!r}")
+        steps[j] = int(n)
+    threads = sorted({int(x) for x in args.trl_threads.split(",") if x})
+
+    subprocess.run(["bash", "benchmarks/setup_trl.sh"], cwd=ROOT, check=True)
+    out = (ROOT / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for job in jobs:
+        with open(out / f"{job}.verl-ds.log", "w") as log:
+            print(f"[side_by_side] verl-ds {job}: {steps[job]} steps ...", file=sys.stderr, flush=True)
+            v = run_verl_ds(job, steps[job], out / job, args.overrides, log)
+        print(f"[side_by_side]   {json.dumps(v)}", file=sys.stderr, flush=True)
+        for k in threads:
+            with open(out / f"{job}.trl-{k}t.log", "w") as log:
+                print(f"[side_by_side] TRL {job}: {steps[job]} steps, {k} thread(s) ...", file=sys.stderr, flush=True)
+                t = run_trl(job, steps[job], k, args.overrides, log)
+            print(f"[side_by_side]   {json.dumps(t)}", file=sys.stderr, flush=True)
+            rows.append((v, t))
+    (out / "results.json").write_text(json.dumps([{"verl_ds": v, "trl": t} for v, t in rows], indent=1) + "\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
