@@ -30,7 +30,7 @@ def save_panels(panels: list[tuple[str, list[tuple[str, list, list, dict]]]], ou
 
 
 def plot_curves(metrics_path: str | Path, out_png: str | Path, keys=("reward/mean",), window: int = 10) -> Path:
-    """Plot each key against the step, raw and as a trailing moving average."""
+    """Plot each key against the step, raw and as a trailing moving average (sparse keys: points)."""
     rows = read_metrics(metrics_path)
     panels = []
     for key in keys:
@@ -40,5 +40,8 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path, keys=("reward/mea
         steps, vals = zip(*pts)
         smooth = [sum(vals[max(0, i - window + 1):i + 1]) / len(vals[max(0, i - window + 1):i + 1])
                   for i in range(len(vals))]
+        if len(vals) < 2 * window:   # sparse (e.g. validation every k steps): the points themselves
+            panels.append((key, [(key, steps, vals, {"marker": "o"})]))
+            continue
         panels.append((key, [(key, steps, vals, {"alpha": 0.3}), (f"{key} (avg {window})", steps, smooth, {})]))
     return save_panels(panels or [("no data", [])], out_png)
