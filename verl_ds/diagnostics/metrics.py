@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,6 +74,19 @@ class MetricsLogger:
 
             self.run = wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, entity=wandb_cfg.entity,
                                   name=wandb_cfg.run_name, dir=str(run_dir), config=config, reinit="finish_previous")
+
+    def rewind(self, last_step: int) -> None:
+        """Keep only the rows up to `last_step` (-1: none): a fresh run in an old run dir starts a
+        new file, and a resumed run drops the rows the interrupted run wrote after its checkpoint."""
+        if not self.enabled:
+            return
+        self._fh.close()
+        rows = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= last_step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in rows))
+        os.replace(tmp, self.path)
+        self._fh = self.path.open("a")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:

@@ -65,7 +65,7 @@ class RLTrainer:
         random.seed(cfg.trainer.seed + self.rank)
         self.global_step = 0
         self.logger = MetricsLogger(self.run_dir, cfg.logging.wandb, asdict(cfg), enabled=self.rank == 0)
-        self._maybe_resume()
+        self.logger.rewind(self.global_step if self._maybe_resume() else -1)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -312,15 +312,15 @@ class RLTrainer:
         return save_checkpoint(self.run_dir / "checkpoints", self.global_step, self._trained_roles(), state,
                                self.cfg.checkpoint.keep_last)
 
-    def _maybe_resume(self) -> None:
+    def _maybe_resume(self) -> bool:
         resume = self.cfg.trainer.resume
         if resume == "none":
-            return
+            return False
         found = list_checkpoints(self.run_dir / "checkpoints")
         path = found[-1] if resume == "auto" and found else (Path(resume) if resume != "auto" else None)
         if path is None:
             log.info("resume: auto found no checkpoint in %s; starting fresh", self.run_dir / "checkpoints")
-            return
+            return False
         if not path.is_dir():
             raise ConfigError("trainer.resume", f"checkpoint directory not found: {path}")
         state = load_checkpoint(path, self._trained_roles())
@@ -331,6 +331,7 @@ class RLTrainer:
         sync_distributed(self.rollout, iter_full_params(self.actor.engine))  # the engine started from step 0
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.global_step)
+        return True
 
     def export(self, out_dir: Path, dtype: str) -> None:
         """The actor as an HF model (safetensors) in `dtype`, written atomically."""
