@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import JOBS  # noqa: E402  (module-level: no TRL import)
+from verl_ds.diagnostics.plots import read_metrics  # noqa: E402
 
 TRL_PY = ROOT / "benchmarks" / ".venv-trl" / "bin" / "python"
 
@@ -47,7 +48,7 @@ def run_verl_ds(job: str, steps: int, run_dir: Path, extra: list[str], log) -> d
     wall = time.perf_counter() - t0
     if rc:
         raise SystemExit(f"verl-ds {job} failed (exit {rc}); see {log.name}")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_metrics(run_dir / "metrics.jsonl")
     step_s = [r["timing_s/step"] for r in rows if "timing_s/step" in r]
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     return {"side": "verl-ds", "job": job, "steps": len(step_s),

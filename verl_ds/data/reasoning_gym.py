@@ -35,12 +35,13 @@ def final_answer(response: str, numeric: bool = False) -> str:
     """What follows the last `Answer:`, else the last non-empty line; for a numeric task the last
     number in that text (a "flexible extract": `Answer: 3 + 4 = 7` and `3 + 4 = 7` both give 7)."""
     hits = _ANSWER.findall(response)
-    lines = [ln.strip() for ln in response.strip().splitlines() if ln.strip()]
-    text = hits[-1].strip() if hits else (response if numeric else (lines[-1] if lines else ""))
     if numeric:
-        nums = _NUMBER.findall(text)
+        nums = _NUMBER.findall(hits[-1] if hits else response)
         return nums[-1] if nums else ""
-    return text
+    if hits:
+        return hits[-1].strip()
+    lines = [ln.strip() for ln in response.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
 
 
 def _is_number(text) -> bool:
