@@ -99,3 +99,22 @@ def test_mismatch_metrics_hand():
     assert same["logprob_abs_diff_max"].item() == 0.0 and same["k3_kl"].item() == 0.0
     assert same["prob_pearson"].item() == pytest.approx(1.0)
     assert all(v.dim() == 0 for v in m.values())
+
+
+def test_chunked_sliced_logits_take_few_blocks_not_one_per_sequence():
+    # logits[:, :-1] of 64 short sequences fit in one 1024-row chunk: one logsumexp, not 64
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is torch.ops.aten.logsumexp.default
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(64, 9, 20)
+    labels = torch.randint(0, 20, (64, 8))
+    with Count():
+        lp = logprobs_from_logits(x[:, :-1], labels, chunk_size=1024)
+    assert Count.n == 1
+    torch.testing.assert_close(lp, logprobs_from_logits(x[:, :-1], labels))

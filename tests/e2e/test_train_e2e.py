@@ -9,6 +9,7 @@ from tests.e2e.helpers import read_metrics, run_train, run_until_step, wandb_his
 
 pytestmark = pytest.mark.e2e
 FAST = ["trainer.prompts_per_step=8", "rollout.n=8", "logging.sample_every=2", "roles.actor.micro_batch_size=16",
+        "roles.actor.zero_stage=3",   # the ZeRO-3 gather into vLLM (the example picks auto -> 0 at this size)
         "roles.critic.micro_batch_size=16", "roles.reference.micro_batch_size=16",
         "data.reward_fn=tests.e2e.helpers:length_reward", "trainer.val_every=0", "trainer.val_before_train=false",
         # pinned: the fp32 rollout-vs-trainer bound below must not follow the CPU kind (`auto`)

@@ -58,10 +58,12 @@ def _entropy(x: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def _row_blocks(x: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
-    """Yield (first flattened row, [rows, V] view) covering ``x`` ``[..., V]`` in row-major order.
+def _row_blocks(x: torch.Tensor, max_rows: int) -> Iterator[Tuple[int, torch.Tensor]]:
+    """Yield (first flattened row, [rows, V] tensor) covering ``x`` ``[..., V]`` in row-major order.
 
-    Avoids the full copy ``reshape`` would make for non-viewable inputs such as ``logits[:, :-1]``.
+    A viewable ``x`` is one block, no copy. A non-viewable one (such as ``logits[:, :-1]``) is copied
+    a few leading-dim slices at a time, at most ``max_rows`` rows per copy (one slice if it alone is
+    bigger, recursing into it): never a full copy, and not one small op chain per sequence either.
     """
     if x.dim() <= 2:
         yield 0, x.reshape(-1, x.shape[-1])
@@ -72,9 +74,14 @@ def _row_blocks(x: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
     except RuntimeError:
         pass
     rows_per = x[0].numel() // x.shape[-1]
-    for i in range(x.shape[0]):
-        for start, block in _row_blocks(x[i]):
-            yield i * rows_per + start, block
+    if rows_per > max_rows:
+        for i in range(x.shape[0]):
+            for start, block in _row_blocks(x[i], max_rows):
+                yield i * rows_per + start, block
+        return
+    step = max_rows // rows_per
+    for i in range(0, x.shape[0], step):
+        yield i * rows_per, x[i : i + step].reshape(-1, x.shape[-1])
 
 
 def _chunks(x: torch.Tensor, chunk_size: int) -> Iterator[Tuple[int, torch.Tensor]]:
@@ -82,7 +89,7 @@ def _chunks(x: torch.Tensor, chunk_size: int) -> Iterator[Tuple[int, torch.Tenso
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
     dtype = _compute_dtype(x.dtype)
-    for offset, block in _row_blocks(x):
+    for offset, block in _row_blocks(x, chunk_size):
         for s in range(0, block.shape[0], chunk_size):
             yield offset + s, block[s : s + chunk_size].to(dtype)
 

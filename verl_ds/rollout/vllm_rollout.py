@@ -86,6 +86,11 @@ class VLLMRollout:
             kwargs.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enable_chunked_prefill=False,
                           max_num_batched_tokens=max(max_model_len, 4096))
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind())
+            if enforce_eager:
+                # eager on CPU, yet vLLM's sampler still torch.compiles one logprob-rank helper at the
+                # first generation: 1.3 s per rank of tracing and codegen for a one-line op (3.5 s of
+                # the quickstart's first step). Nothing else in the process is compiled on CPU.
+                torch._dynamo.config.disable = True
             if tensor_parallel_size > 1:
                 _remove_stale_tp_shm(tensor_parallel_size)
         self.start_s = 0.0
