@@ -169,6 +169,9 @@ class Role:
     def step(self) -> None:
         if self.dtype == "fp16":
             self._last_underflow = self._underflow_fraction()
+        # DeepSpeed clips a plain fp32 ZeRO-0 optimizer's gradients but keeps no norm: measure it here
+        plain = not hasattr(self.engine.optimizer, "_global_grad_norm")
+        self._plain_grad_norm = _grad_norm(self.module) if plain else None
         self.engine.step()
 
     def has_overflow(self) -> bool:
@@ -224,6 +227,7 @@ class Role:
         opt = self.engine.optimizer
         master = self._master_params()[0]
         norm = self.engine.get_global_grad_norm()
+        norm = getattr(self, "_plain_grad_norm", None) if norm is None else norm
         norm = float(norm) if norm is not None else float("nan")
         stats.update({
             "master_dtype": str(master.dtype).replace("torch.", ""),
@@ -254,6 +258,12 @@ class Role:
                                               load_module_strict=not self.has_frozen_params)
         if path is None:
             raise FileNotFoundError(f"no {self.name} checkpoint '{tag}' in {ckpt_dir}")
+
+
+def _grad_norm(module: torch.nn.Module) -> float | None:
+    """2-norm of the (already all-reduced) gradients of a module whose parameters are whole (ZeRO-0)."""
+    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else None
 
 
 def align_overflow(*roles: Role) -> bool:
