@@ -158,6 +158,7 @@ class RoleConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     micro_batch_size: int = 8              # per rank
+    max_tokens_per_micro_batch: int = 0    # > 0: micro-batches by padded tokens instead (dynamic size)
     zero_stage: Any = None                 # None: the JSON's | 0-3 | auto: the lowest stage that fits
 
 
@@ -386,6 +387,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     for role in ("actor", "critic", "reference", "reward"):
         if getattr(cfg.roles, role).micro_batch_size <= 0:
             raise ConfigError(f"roles.{role}.micro_batch_size", "must be > 0")
+        if getattr(cfg.roles, role).max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"roles.{role}.max_tokens_per_micro_batch", "must be >= 0 (0: off)")
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         raise ConfigError("algorithm.dual_clip_c", f"must be > 1, got {a.dual_clip_c}")
     if a.kl_target is not None:

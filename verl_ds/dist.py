@@ -93,6 +93,11 @@ def all_reduce_min(value: float) -> float:
     return float(t.item())
 
 
+def all_reduce_max(value: float) -> float:
+    """The largest `value` over ranks (identity in a 1-rank world)."""
+    return -all_reduce_min(-value)
+
+
 def all_gather_object(obj) -> list:
     """Every rank's `obj`, in rank order (`[obj]` in a 1-rank world). Off the hot path only."""
     import torch.distributed as dist

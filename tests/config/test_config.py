@@ -159,6 +159,7 @@ BAD_INPUTS = {
     "grpo_single_sample": ("algorithm: {estimator: grpo}\nrollout: {n: 1}\n", [], "rollout.n: estimator 'grpo'"),
     "tp_not_dividing": ("rollout: {tensor_parallel_size: 3}\n", ["--world-size", "2"], "rollout.tensor_parallel_size"),
     "micro_batch_zero": ("roles:\n  actor: {micro_batch_size: 0}\n", [], "roles.actor.micro_batch_size"),
+    "max_tokens_negative": ("roles:\n  critic: {max_tokens_per_micro_batch: -1}\n", [], "roles.critic.max_tokens_per_micro_batch"),
     "model_without_config": ("model: {path: EMPTYDIR}\n", [], "has no config.json"),
     "model_without_tokenizer": ("model: {path: NOTOKDIR}\n", [], "has no tokenizer"),
 }

@@ -168,3 +168,24 @@ def test_frozen_head_does_not_expand_its_weight_per_sequence(tiny_model_dir):
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert bmm_calls(plain) > 0            # the slow path exists (or this test proves nothing)
     assert bmm_calls(load_causal_lm(tiny_model_dir)) == 0
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, stage):
+    """max_tokens_per_micro_batch: 8 rows x 8 tokens under a 16-token budget run as 4 micro-batches
+    of 2 rows (the config says 4 rows, gas 2), and the step equals the row-sized path's."""
+    torch.manual_seed(0)
+    cfg = ds_config("actor", stage, "fp32", micro=4, total=8)
+    actors = [Actor(load_causal_lm(tiny_model_dir), cfg, Cfg()) for _ in range(2)]
+    actors[1].max_tokens = 16
+    batch = ppo_batch(actors[0], make_batch(actors[0].module.config.vocab_size, b=8))
+    calls = []
+    actors[1].module.register_forward_hook(lambda *_: calls.append(1))
+    torch.testing.assert_close(actors[1].logprobs(batch), batch["old_logprobs"])
+    assert len(calls) == 4
+    for a in actors:
+        a.update(batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=8.0)
+    assert len(calls) == 8 and actors[1].engine.global_steps == actors[0].engine.global_steps == 1
+    p0, p1 = dict(iter_full_params(actors[0].engine)), dict(iter_full_params(actors[1].engine))
+    for n in p0:
+        torch.testing.assert_close(p1[n], p0[n], rtol=1e-4, atol=1e-5)   # Adam at lr 1e-2: summation order

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from verl_ds.ds_config import ds_dtype
-from verl_ds.dist import all_reduce_sum, init_distributed
+from verl_ds.dist import all_reduce_max, all_reduce_sum, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,15 @@ class Role:
     def to_device(self, batch: dict) -> dict:
         return {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
+    max_tokens = 0   # roles.<role>.max_tokens_per_micro_batch; 0: micro-batches of micro_batch_size rows
+
+    def rows_per_micro(self, batch: dict) -> int:
+        """Rows per micro-batch: `micro_batch_size`, or under a token budget as many padded rows as
+        fit (at least one): short sequences then run in few large micro-batches, long ones in small."""
+        if not self.max_tokens:
+            return self.micro_batch_size
+        return max(1, self.max_tokens // batch["input_ids"].shape[1])
+
     # ------------------------------------------------------------ training (trainable roles)
     force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow
     global_metric_keys: tuple = ()   # metrics normalised by global counts (see `summarize`)
@@ -141,8 +150,15 @@ class Role:
         `step()`. Losses use global counts, so the accumulated gradient equals the full mini-batch's."""
         gas = self.engine.gradient_accumulation_steps()
         scale = gas * self.engine.world_size            # undo DeepSpeed's 1/gas and rank averaging
-        # `gas` micro-steps: of micro_batch_size rows, or fewer when dynamic sampling shrank the batch
-        mbs = split_even(self.to_device(batch), gas)
+        batch = self.to_device(batch)
+        # `gas` micro-steps: of micro_batch_size rows, or fewer when dynamic sampling shrank the batch.
+        # Under a token budget, as many as the budget needs: the same count on every rank (ZeRO-2/3
+        # reduce in every backward), with the accumulation boundary set by hand (`backward`).
+        parts = gas
+        if self.max_tokens:
+            n = batch["input_ids"].shape[0]
+            parts = int(all_reduce_max(float(-(-n // self.rows_per_micro(batch)))))
+        mbs = split_even(batch, parts)
         counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):
@@ -162,6 +178,8 @@ class Role:
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """Backward through the engine; `engine.step()` for all but the boundary micro-batch, whose
         step is left to `step()` so that overflow can be aligned with another role first."""
+        if self.max_tokens:
+            self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss)
         if not boundary:
             self.engine.step()

@@ -49,7 +49,8 @@ class Critic(Role):
 
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:
-        return torch.cat([self.forward(mb) for mb in micro_batches(self.to_device(batch), self.micro_batch_size)])
+        batch = self.to_device(batch)
+        return torch.cat([self.forward(mb) for mb in micro_batches(batch, self.rows_per_micro(batch))])
 
     global_metric_keys = ("vf_loss",)
 

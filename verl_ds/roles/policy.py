@@ -57,7 +57,7 @@ class PolicyRole(Role):
     def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
         """Micro-batched, no grad. Returns logprob `[B, R]` (and entropy `[B, R]` if asked)."""
         outs, ents = [], []
-        for mb in micro_batches(self.to_device(batch), self.micro_batch_size):
+        for mb in micro_batches(self.to_device(batch), self.rows_per_micro(batch)):
             lp, ent = self.forward(mb, temperature, with_entropy)
             outs.append(lp)
             ents.append(ent)

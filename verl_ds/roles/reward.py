@@ -73,7 +73,7 @@ class RewardModel(Role):
         """One fp32 score per sequence `[B]`, read at the last non-pad token (HF's pooling)."""
         out = []
         pad = self.module.config.pad_token_id
-        for mb in micro_batches(self.to_device(batch), self.micro_batch_size):
+        for mb in micro_batches(self.to_device(batch), self.rows_per_micro(batch)):
             # HF pools at the last non-pad token: mark padding with the reward model's own pad id
             # (the policy's may differ), so the score is read at the last real token.
             ids = torch.where(mb["attention_mask"].bool(), mb["input_ids"], pad)

@@ -97,6 +97,8 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
         dtype = precision.reward
         roles["reward"] = RewardModel(load_reward_model(m.reward_path, dtype, precision.reward_activation,
                                                         m.trust_remote_code), ds["reward"], int8=dtype == "int8")
+    for name, role in roles.items():
+        role.max_tokens = getattr(cfg.roles, name).max_tokens_per_micro_batch
     return roles
 
 
