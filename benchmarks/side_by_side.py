@@ -7,7 +7,9 @@ Runs in the project's .venv. For each job (benchmarks/trl_grpo.py JOBS: the exam
 overrides on both sides): `bash launch/train.sh` (whole-process wall time; s/step = median
 timing_s/step after the first step, rewards from the run's metrics.jsonl), then trl_grpo.py inside
 benchmarks/.venv-trl (made by benchmarks/setup_trl.sh, called here; idempotent) once per TRL thread
-count. Writes <out>/results.json. Settings that differ between the sides: trl_grpo.py's docstring.
+count; with `--rounds N` that sequence N times, interleaved, and the table shows each side's median
+(this host's speed drifted by 1.5x within an hour: one round can catch one side in a slow spell).
+Writes <out>/results.json. Settings that differ between the sides: trl_grpo.py's docstring.
 Ratio = TRL s/step / verl-ds s/step (> 1: verl-ds is faster). Both sides share the machine's cores:
 run nothing else meanwhile, or the numbers say more about the neighbours than about the trainers.
 TRL with more than one OpenMP thread is the most fragile: on a 2-core box shared with a 2-rank job,
@@ -71,6 +73,15 @@ def run_trl(job: str, steps: int, threads: int, extra: list[str], log) -> dict:
     return {**json.loads(lines[-1]), "wall_s": wall, "wall_s_in_process": json.loads(lines[-1])["wall_s"]}
 
 
+def _median(runs: list[dict]) -> dict:
+    """One side's repeated runs as one row: median timings (each run's kept in *_runs), first rewards."""
+    out = dict(runs[0], rounds=len(runs))
+    for k in ("s_per_step", "wall_s"):
+        out[f"{k}_runs"] = [r[k] for r in runs]
+        out[k] = statistics.median(out[f"{k}_runs"])
+    return out
+
+
 def _f(x, fmt="{:.3f}"):
     return "-" if x is None else fmt.format(x)
 
@@ -85,7 +96,7 @@ def table(rows: list[tuple[dict, dict]]) -> str:
            "|---|---|---|---|---|---|---|---|"]
     for v, t in rows:
         name = (f"{v['job']} ({v['steps']} steps; verl-ds {v['num_ranks']} ranks x {_threads(v['threads'])}, "
-                f"TRL 1 process x {_threads(t['threads'])})")
+                f"TRL 1 process x {_threads(t['threads'])}; median of {v['rounds']} round(s))")
         out.append(f"| {name} | {_f(v['s_per_step'])} | {_f(t['s_per_step'])} | "
                    f"{_f(t['s_per_step'] / v['s_per_step'], '{:.2f}x')} | {_f(v['wall_s'], '{:.1f}')} | "
                    f"{_f(t['wall_s'], '{:.1f}')} | {_f(v['reward_last10'])} | {_f(t['reward_last10'])} |")
@@ -100,6 +111,8 @@ def main() -> None:
                          + ", ".join(f"{j}={s}" for j, (_, _, s) in JOBS.items()) + ")")
     ap.add_argument("--trl-threads", default=f"1,{os.cpu_count()}",
                     help="TRL runs, one per OpenMP thread count (default: 1 and all cores)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved rounds (verl-ds, TRL, verl-ds, TRL, ...); the table shows medians")
     ap.add_argument("--out", default="runs/bench_trl", help="run dirs, logs and results.json")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides, passed to both sides")
     args = ap.parse_args()
@@ -121,16 +134,19 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for job in jobs:
-        with open(out / f"{job}.verl-ds.log", "w") as log:
-            print(f"[side_by_side] verl-ds {job}: {steps[job]} steps ...", file=sys.stderr, flush=True)
-            v = run_verl_ds(job, steps[job], out / job, args.overrides, log)
-        print(f"[side_by_side]   {json.dumps(v)}", file=sys.stderr, flush=True)
-        for k in threads:
-            with open(out / f"{job}.trl-{k}t.log", "w") as log:
-                print(f"[side_by_side] TRL {job}: {steps[job]} steps, {k} thread(s) ...", file=sys.stderr, flush=True)
-                t = run_trl(job, steps[job], k, args.overrides, log)
-            print(f"[side_by_side]   {json.dumps(t)}", file=sys.stderr, flush=True)
-            rows.append((v, t))
+        runs: dict = {"verl-ds": [], **{k: [] for k in threads}}
+        for i in range(args.rounds):          # interleaved: a slow spell of a shared host hits both sides
+            with open(out / f"{job}.verl-ds.{i}.log", "w") as log:
+                print(f"[side_by_side] verl-ds {job}: {steps[job]} steps (round {i + 1}) ...", file=sys.stderr, flush=True)
+                runs["verl-ds"].append(run_verl_ds(job, steps[job], out / job, args.overrides, log))
+            print(f"[side_by_side]   {json.dumps(runs['verl-ds'][-1])}", file=sys.stderr, flush=True)
+            for k in threads:
+                with open(out / f"{job}.trl-{k}t.{i}.log", "w") as log:
+                    print(f"[side_by_side] TRL {job}: {steps[job]} steps, {k} thread(s) (round {i + 1}) ...",
+                          file=sys.stderr, flush=True)
+                    runs[k].append(run_trl(job, steps[job], k, args.overrides, log))
+                print(f"[side_by_side]   {json.dumps(runs[k][-1])}", file=sys.stderr, flush=True)
+        rows += [(_median(runs["verl-ds"]), _median(runs[k])) for k in threads]
     (out / "results.json").write_text(json.dumps([{"verl_ds": v, "trl": t} for v, t in rows], indent=1) + "\n")
     print(table(rows))
 

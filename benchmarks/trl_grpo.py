@@ -14,7 +14,9 @@ Mapping (verl-ds -> TRL 1.16):
   rollout.n -> num_generations; trainer.prompts_per_step x n -> generation batch
   algorithm.ppo_epochs -> num_iterations (each rollout batch is reused for that many passes)
   roles.actor.micro_batch_size x NUM_RANKS -> per_device_train_batch_size (one process here does
-      what verl-ds's ranks do together); mini batch (0: whole batch) -> gradient_accumulation_steps
+      what verl-ds's ranks do together; with max_tokens_per_micro_batch, the rows that fit the budget
+      at the longest prompt, rounded down to a divisor of the mini batch); mini batch (0: whole
+      batch) -> gradient_accumulation_steps
   rollout.max_new_tokens -> max_completion_length; rollout.temperature/top_p -> temperature/top_p, top_k=0
   roles.actor.lr/weight_decay/betas -> learning_rate/weight_decay/adam_beta1,2, constant schedule, no warm-up
   algorithm.kl_coef (use_kl_loss, k3) -> beta; clip_low/clip_high -> epsilon/epsilon_high
@@ -142,7 +144,10 @@ def main() -> None:
 
     batch = t.prompts_per_step * r.n
     mini = t.mini_batch_size or batch
-    per_device = min(actor.micro_batch_size * NUM_RANKS, mini)
+    micro_rows = actor.micro_batch_size
+    if actor.max_tokens_per_micro_batch:      # verl-ds's token budget: as many padded rows as fit
+        micro_rows = max(1, actor.max_tokens_per_micro_batch // (longest + r.max_new_tokens))
+    per_device = max(k for k in range(1, mini + 1) if mini % k == 0 and k <= micro_rows * NUM_RANKS)
     if mini % per_device or batch % mini:
         _fail(f"batch {batch}, mini batch {mini} and micro batch {per_device} do not divide")
     opt_per_rollout = a.ppo_epochs * (batch // mini)
