@@ -106,5 +106,5 @@ class HFRollout:
     def sleep(self) -> None:   # nothing to free: HF generate holds no cache between calls
         pass
 
-    def shutdown(self) -> None:
+    def shutdown(self, release: bool = True) -> None:
         self.model = None
