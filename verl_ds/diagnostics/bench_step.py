@@ -5,7 +5,8 @@ Measured in one run, in this process's world (1 rank; under the launcher, this r
 - training MFU: the actor update's model FLOPs (6 x params x tokens x epochs, plus 2 x params x
   tokens for each extra forward) against the matmul rate of the actor's dtype measured here;
 - a plain-PyTorch floor for the same job: the same HF model, batch, sampling and loss (group
-  advantages, PPO clip, k3 KL to a frozen copy, AdamW), no DeepSpeed, no vLLM, no bookkeeping.
+  advantages, PPO clip, k3 KL to a frozen copy, AdamW), no DeepSpeed, no vLLM, no bookkeeping;
+  its steps alternate with verl-ds's.
 Printed as ratios. The trainer class is passed in (diagnostics sit below the trainer layer).
 """
 from __future__ import annotations
@@ -36,9 +37,9 @@ def matmul_rate(dtype: str, n: int = 1024, reps: int = 5) -> float:
     return reps * 2 * n ** 3 / (time.perf_counter() - t0)
 
 
-def floor_step_s(model_path: str, prompts: list[list[int]], cfg, dtype: str, steps: int, pad_id: int,
-                 eos_ids: list[int]) -> float:
-    """Median seconds of a minimal GRPO step in plain PyTorch on the same job."""
+def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_id: int, eos_ids: list[int]):
+    """A minimal GRPO step in plain PyTorch on the same job, as a generator: each `next()` runs one
+    step and yields its seconds (the first includes warm-up), so it can alternate with verl-ds's."""
     from transformers import AutoModelForCausalLM
 
     a, r = cfg.algorithm, cfg.rollout
@@ -50,8 +51,7 @@ def floor_step_s(model_path: str, prompts: list[list[int]], cfg, dtype: str, ste
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts for _ in range(r.n)])
     attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts for _ in range(r.n)])[:, None]).long()
     groups = torch.arange(len(prompts)).repeat_interleave(r.n)
-    times = []
-    for i in range(steps + 1):
+    while True:
         t0 = time.perf_counter()
         with torch.no_grad():
             out = policy.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=r.temperature,
@@ -78,21 +78,25 @@ def floor_step_s(model_path: str, prompts: list[list[int]], cfg, dtype: str, ste
             torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.trainer.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        yield time.perf_counter() - t0
 
 
 def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
-    """Run `steps` (+1 warm-up) verl-ds steps and the plain-PyTorch floor; print and return ratios."""
+    """Run `steps` (+1 warm-up) verl-ds steps and as many plain-PyTorch floor steps, alternating (a
+    shared host's speed drifts: back to back, one side could get the slow minutes); print ratios."""
     with make_trainer(cfg) as trainer:
-        trainer.step()
-        rows = [trainer.step() for _ in range(steps)]
         dtype = trainer.precision.actor
         prompts = [e["prompt_ids"] for e in trainer.prompts[:cfg.trainer.prompts_per_step // trainer.world]]
         model_path, pad = trainer.model_path, trainer.tokenizer.pad_token_id
         eos = [trainer.tokenizer.eos_token_id]
         params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.actor.module.parameters())
+        plain = floor_steps(model_path, prompts, cfg, dtype, pad, eos)
+        trainer.step()                                  # warm-up, both sides
+        next(plain)
+        rows, floor_times = [], []
+        for _ in range(steps):
+            rows.append(trainer.step())
+            floor_times.append(next(plain))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.startswith("timing_s/")}
     step_s = med["timing_s/step"]
     tokens = statistics.median(r["perf/throughput"] for r in rows) * step_s / trainer.world   # this rank's
@@ -101,7 +105,7 @@ def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
         (1 if "timing_s/ref" in med else 0)                # fwd+bwd = 3 forward-equivalents per epoch
     mfu = 2 * params * tokens * passes / max(med.get("timing_s/update_actor", 0) + med.get("timing_s/old_logprob", 0)
                                              + med.get("timing_s/ref", 0), 1e-9) / rate
-    floor = floor_step_s(model_path, prompts, cfg, dtype, steps, pad, eos)
+    floor = statistics.median(floor_times)
     out = {"bench/step_s": step_s, "bench/floor_step_s": floor, "bench/over_floor": step_s / floor,
            "bench/tokens_per_s": tokens / step_s, "bench/train_mfu": mfu, "bench/matmul_flops": rate,
            **{f"bench/{k}": v for k, v in med.items()}}
