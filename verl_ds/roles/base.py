@@ -115,6 +115,7 @@ class Role:
         self.engine.register_forward_pre_hook(warn_if_autocast)
         self.micro_batch_size = int(ds_config["train_micro_batch_size_per_gpu"])
         self.aligned_skips = 0          # steps skipped because the partner role overflowed
+        self._plain_grad_norm = None    # fp32 ZeRO-0: DeepSpeed keeps no norm (see `step`)
         self._last_underflow = float("nan")
 
     @property
@@ -245,7 +246,7 @@ class Role:
         opt = self.engine.optimizer
         master = self._master_params()[0]
         norm = self.engine.get_global_grad_norm()
-        norm = getattr(self, "_plain_grad_norm", None) if norm is None else norm
+        norm = self._plain_grad_norm if norm is None else norm
         norm = float(norm) if norm is not None else float("nan")
         stats.update({
             "master_dtype": str(master.dtype).replace("torch.", ""),
