@@ -190,7 +190,8 @@ class Role:
             self._last_underflow = self._underflow_fraction()
         # DeepSpeed clips a plain fp32 ZeRO-0 optimizer's gradients but keeps no norm: measure it here
         plain = not hasattr(self.engine.optimizer, "_global_grad_norm")
-        self._plain_grad_norm = _grad_norm(self.module) if plain else None
+        grads = self._grad_partitions() if plain else []
+        self._plain_grad_norm = float(torch.stack([g.float().norm() for g in grads]).norm()) if grads else None
         self.engine.step()
 
     def has_overflow(self) -> bool:
@@ -277,12 +278,6 @@ class Role:
                                               load_module_strict=not self.has_frozen_params)
         if path is None:
             raise FileNotFoundError(f"no {self.name} checkpoint '{tag}' in {ckpt_dir}")
-
-
-def _grad_norm(module: torch.nn.Module) -> float | None:
-    """2-norm of the (already all-reduced) gradients of a module whose parameters are whole (ZeRO-0)."""
-    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
-    return float(torch.stack(norms).norm()) if norms else None
 
 
 def align_overflow(*roles: Role) -> bool:

@@ -5,11 +5,7 @@ def train(cfg, reward_fn=None, exiting: bool = False) -> dict:
     """Train to `trainer.steps`, then close; `exiting` (the CLI): the process ends right after."""
     from verl_ds.trainer.rl_trainer import RLTrainer
 
-    trainer = RLTrainer(cfg, reward_fn=reward_fn)
-    try:
+    with RLTrainer(cfg, reward_fn=reward_fn) as trainer:
         metrics = trainer.fit()
-    except BaseException:
-        trainer.close()
-        raise
-    trainer.close(exiting=exiting)
+        trainer.close(exiting=exiting)      # after an error, __exit__ closes in full
     return metrics

@@ -11,7 +11,7 @@ from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_token
 from verl_ds.ds_config import render_ds_configs
 from verl_ds.errors import ConfigError
 from verl_ds.precision import ResolvedPrecision
-from verl_ds.roles import (Actor, Critic, Reference, RewardModel, load_causal_lm, load_reward_model,
+from verl_ds.roles import (Actor, Critic, Reference, RewardModel, Role, load_causal_lm, load_reward_model,
                            load_value_model)
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.dist import barrier, rank
@@ -98,7 +98,8 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
         roles["reward"] = RewardModel(load_reward_model(m.reward_path, dtype, precision.reward_activation,
                                                         m.trust_remote_code), ds["reward"], int8=dtype == "int8")
     for name, role in roles.items():
-        role.max_tokens = getattr(cfg.roles, name).max_tokens_per_micro_batch
+        if isinstance(role, Role):   # a LoRA reference runs on the actor's engine and budget
+            role.max_tokens = getattr(cfg.roles, name).max_tokens_per_micro_batch
     return roles
 
 
