@@ -32,10 +32,11 @@ def run_until_step(config: str, run_dir, step: int, *overrides, timeout: int = 6
     deadline = time.time() + timeout
     try:
         while time.time() < deadline and proc.poll() is None:
-            rows = read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").exists() else []
-            if rows and rows[-1]["step"] >= step:
+            path = Path(run_dir) / "metrics.jsonl"
+            lines = path.read_text().splitlines() if path.exists() else []
+            if any(line.endswith("}") and json.loads(line)["step"] >= step for line in lines[-2:]):
                 break
-            time.sleep(0.5)
+            time.sleep(0.1)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
