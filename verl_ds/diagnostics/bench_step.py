@@ -39,7 +39,8 @@ def matmul_rate(dtype: str, n: int = 1024, reps: int = 5) -> float:
 
 def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_id: int, eos_ids: list[int]):
     """A minimal GRPO step in plain PyTorch on the same job, as a generator: each `next()` runs one
-    step and yields its seconds (the first includes warm-up), so it can alternate with verl-ds's."""
+    step and yields its phases' seconds under verl-ds's names (the first includes warm-up), so it can
+    alternate with verl-ds's steps."""
     from transformers import AutoModelForCausalLM
 
     a, r = cfg.algorithm, cfg.rollout
@@ -52,10 +53,11 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
     attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts for _ in range(r.n)])[:, None]).long()
     groups = torch.arange(len(prompts)).repeat_interleave(r.n)
     while True:
-        t0 = time.perf_counter()
+        t = [time.perf_counter()]
         with torch.no_grad():
             out = policy.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=r.temperature,
                                   top_k=0, max_new_tokens=r.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids)
+        t.append(time.perf_counter())
         seq = out[:, width:]
         mask = torch.ones_like(seq, dtype=torch.float32)
         full_attn = torch.cat([attn, torch.ones_like(seq)], 1)
@@ -67,7 +69,9 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
             return torch.log_softmax(logits, -1).gather(-1, seq[..., None])[..., 0]
         with torch.no_grad():
             old = logprobs(policy) if a.ppo_epochs > 1 else None
+            t.append(time.perf_counter())
             ref_lp = logprobs(ref) if ref is not None else None
+            t.append(time.perf_counter())
         for _ in range(a.ppo_epochs):
             lp = logprobs(policy)
             loss, _ = algos.policy_loss(old if old is not None else lp.detach(), lp, adv, mask,
@@ -78,7 +82,9 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
             torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.trainer.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        yield time.perf_counter() - t0
+        t.append(time.perf_counter())
+        yield {"gen": t[1] - t[0], "old_logprob": t[2] - t[1], "ref": t[3] - t[2],
+               "update_actor": t[4] - t[3], "step": t[4] - t[0]}
 
 
 def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
@@ -105,19 +111,22 @@ def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
         (1 if "timing_s/ref" in med else 0)                # fwd+bwd = 3 forward-equivalents per epoch
     mfu = 2 * params * tokens * passes / max(med.get("timing_s/update_actor", 0) + med.get("timing_s/old_logprob", 0)
                                              + med.get("timing_s/ref", 0), 1e-9) / rate
-    floor = statistics.median(floor_times)
+    floor_med = {k: statistics.median(f[k] for f in floor_times) for k in floor_times[0]}
+    floor = floor_med["step"]
     out = {"bench/step_s": step_s, "bench/floor_step_s": floor, "bench/over_floor": step_s / floor,
            "bench/tokens_per_s": tokens / step_s, "bench/train_mfu": mfu, "bench/matmul_flops": rate,
-           **{f"bench/{k}": v for k, v in med.items()}}
+           **{f"bench/{k}": v for k, v in med.items()}, **{f"bench/floor/{k}": v for k, v in floor_med.items()}}
     print(f"model {params / 1e6:.2f}M params ({dtype}), {len(prompts)} prompts x n={cfg.rollout.n} per rank, "
           f"{steps} steps after a warm-up, world size {trainer.world}")
-    print("| phase | seconds | share of step |\n|---|---|---|")
+    print("| phase | verl-ds s | share of step | plain-PyTorch floor s |\n|---|---|---|---|")
     for k, v in sorted(med.items(), key=lambda kv: -kv[1]):
-        if k != "timing_s/step":
-            print(f"| {k[len('timing_s/'):]} | {v:.3f} | {100 * v / step_s:.1f}% |")
-    print(f"| **step** | {step_s:.3f} | 100% |")
+        name = k[len("timing_s/"):]
+        if name != "step" and v > 0:
+            fl = f"{floor_med[name]:.3f}" if name in floor_med else "-"
+            print(f"| {name} | {v:.3f} | {100 * v / step_s:.1f}% | {fl} |")
+    print(f"| **step** | {step_s:.3f} | 100% | {floor:.3f} |")
     print(f"\ntokens/s {tokens / step_s:.0f}; training MFU {100 * mfu:.1f}% of the measured {dtype} matmul rate "
           f"({rate / 1e9:.0f} GFLOP/s)")
-    print(f"plain-PyTorch floor (same model, batch, loss; HF generate): {floor:.3f} s/step -> verl-ds / floor = "
-          f"{step_s / floor:.2f}x")
+    print(f"plain-PyTorch floor (same model, batch, loss; HF generate; no sync, no bookkeeping): {floor:.3f} s/step "
+          f"-> verl-ds / floor = {step_s / floor:.2f}x")
     return out
