@@ -27,6 +27,31 @@ def test_lr_zero_on_policy_ratio_is_one(tmp_path):
     assert trainer.logger is None and trainer.rollout is None      # closed on exit
 
 
+def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path):
+    """One mini-batch per epoch: epoch 2's old logprobs come from epoch 1's forward (no separate
+    pass) and equal what a separate old-policy pass gives on the same rows."""
+    cfg = load_config(None, ["rollout.engine=hf", "trainer.prompts_per_step=4", "rollout.n=4", *FP32,
+                             "algorithm.ppo_epochs=2", "algorithm.use_kl_loss=true", f"trainer.run_dir={tmp_path}",
+                             "data.reward_fn=tests.e2e.helpers:length_reward",
+                             "logging.wandb.mode=disabled", "roles.actor.micro_batch_size=4",
+                             "roles.reference.micro_batch_size=8", "model.tiny.hidden=32", "model.tiny.ffn=64"])
+    with RLTrainer(cfg) as trainer:
+        seen = {}
+        update = trainer._update
+
+        def spy(train, timer, first_is_old=False):
+            seen["separate"] = trainer.actor.logprobs(train, cfg.rollout.temperature).float()
+            out = update(train, timer, first_is_old)
+            seen["stored"], seen["first_is_old"] = train["old_logprobs"], first_is_old
+            return out
+        trainer._update = spy
+        m = trainer.step()
+    assert seen["first_is_old"] and "timing_s/old_logprob" not in m
+    assert seen["stored"].shape == seen["separate"].shape and seen["stored"].shape[0] == 16
+    torch.testing.assert_close(seen["stored"], seen["separate"], rtol=0, atol=1e-5)
+    assert m["actor/ppo_kl"] != 0.0 and math.isfinite(m["actor/ppo_kl"])  # epoch 2 ran off-policy on them
+
+
 @pytest.mark.parametrize("estimator", ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
 def test_every_estimator_runs_a_step(tmp_path, estimator):
     cfg = load_config(None, ["rollout.engine=hf", "trainer.steps=1", "trainer.prompts_per_step=4", "rollout.n=4",

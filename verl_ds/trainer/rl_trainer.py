@@ -85,11 +85,12 @@ class RLTrainer:
             truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=mask.dtype)
             data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": mask}
             # 4. old logprobs, reference logprobs, values — stored in the buffer dtype
-            # used once (one epoch, one mini-batch, KL as a loss): the update's own forward is the
-            # old policy, so no separate pass; its logprobs feed the metrics below
-            on_policy = a.ppo_epochs == 1 and not cfg.trainer.mini_batch_size and (a.use_kl_loss or not self.reference)
+            # one mini-batch per epoch (and KL as a loss): the first epoch's forward runs on the very
+            # weights that generated the batch, so it is the old policy (ratio 1, exact) and no
+            # separate pass runs; later epochs and the metrics below reuse its logprobs
+            first_is_old = self._one_mini_batch(len(batch)) and (a.use_kl_loss or not self.reference)
             old_lp = None
-            if not on_policy:
+            if not first_is_old:
                 with timer("old_logprob", stage="score", role="actor"):
                     old_lp = self.actor.logprobs(data, r.temperature).cpu()
             with timer("ref", stage="score", role="reference"):
@@ -113,11 +114,9 @@ class RLTrainer:
             if a.mask_truncated:          # samples cut at max_new_tokens teach nothing about endings
                 train["response_mask"] = mask * (1 - truncated)[:, None]
             # 7. ppo_epochs over mini-batches for the actor and the critic
-            self.actor.collected = [] if on_policy else None
-            update_metrics = self._update(train, timer, shuffle=not on_policy)
-            if on_policy:
-                old_lp = torch.cat(self.actor.collected).float().cpu()
-                buf["old_logprobs"], self.actor.collected = self._buffered(old_lp), None
+            update_metrics, first_lp = self._update(train, timer, first_is_old)
+            if first_is_old:
+                old_lp, buf["old_logprobs"] = first_lp, train["old_logprobs"]
             # 8. sync the new actor weights into the rollout engine
             with timer("update_weights", stage="sync", role="actor"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
@@ -242,13 +241,21 @@ class RLTrainer:
             return torch.zeros_like(mask)
         return algos.kl_penalty(logprobs, ref_logprobs, self.cfg.algorithm.kl_estimator) * mask
 
-    def _update(self, train: dict, timer: Timer, shuffle: bool = True) -> dict[str, float]:
+    def _one_mini_batch(self, n: int) -> bool:
+        return not self.cfg.trainer.mini_batch_size or self.cfg.trainer.mini_batch_size // self.world >= n
+
+    def _update(self, train: dict, timer: Timer, first_is_old: bool = False):
+        """`ppo_epochs` over mini-batches -> (metrics, the first epoch's fp32 logprobs or None).
+        `first_is_old`: `train` has no old logprobs yet; the first epoch (one mini-batch, in order)
+        computes them and stores them, buffered, in `train` for the later epochs."""
         n = train["input_ids"].shape[0]
         mini = (self.cfg.trainer.mini_batch_size or n * self.world) // self.world
         sums: dict[str, float] = {}
-        count = 0
-        for _ in range(self.cfg.algorithm.ppo_epochs):
-            perm = torch.randperm(n) if shuffle else torch.arange(n)
+        count, first_lp = 0, None
+        for epoch in range(self.cfg.algorithm.ppo_epochs):
+            collect = first_is_old and epoch == 0
+            perm = torch.arange(n) if collect else torch.randperm(n)
+            self.actor.collected = [] if collect else None
             for start in range(0, n, mini):
                 mb = {k: v[perm[start:start + mini]] for k, v in train.items()}
                 tokens, seqs = _global_counts(mb["response_mask"])
@@ -265,11 +272,14 @@ class RLTrainer:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
+            if collect:
+                first_lp, self.actor.collected = torch.cat(self.actor.collected).float().cpu(), None
+                train["old_logprobs"] = self._buffered(first_lp)
         out = {(k if k.startswith("critic/") else f"actor/{k}"): v / count for k, v in sums.items()}
         if self.critic:
             out["critic/vf_explained_var"] = _explained_var(train["returns"], train["old_values"],
                                                             train["response_mask"])
-        return out
+        return out, first_lp
 
     def _batch_metrics(self, batch, raw_scores, scores, old_lp, kl_mean, step_s) -> dict[str, float]:
         mask = batch.response_mask
