@@ -146,6 +146,7 @@ class RolloutConfig:
     enforce_eager: bool = True
     max_model_len: int = 256
     kv_cache_gb: float = 0.25              # CPU: the KV cache size (GPU: gpu_memory_utilization)
+    block_size: int = 0                    # KV-cache block, tokens (multiple of 32); 0: vLLM's (CPU 128)
     bucket_mb: int = 256                   # weight-sync bucket size (bounds peak extra memory)
     gpu_memory_utilization: float = 0.5    # GPU: fraction of device memory vLLM may take
     sleep: bool = True                     # GPU: free vLLM's weights and KV cache while training
@@ -419,6 +420,8 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if a.estimator in GROUP_ESTIMATORS and r.n < 2:
         raise ConfigError("rollout.n", f"estimator '{a.estimator}' compares samples of one prompt: needs n >= 2, "
                                        f"got {r.n}")
+    if r.block_size < 0 or r.block_size % 32:
+        raise ConfigError("rollout.block_size", f"must be 0 (vLLM's default) or a multiple of 32, got {r.block_size}")
     if not 0 < r.top_p <= 1:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     if r.max_model_len < d.max_prompt_length + r.max_new_tokens:

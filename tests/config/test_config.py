@@ -146,6 +146,7 @@ BAD_INPUTS = {
     "bf16_fp32_accum_stage0": ("roles:\n  actor: {ds_config: STAGE0}\nprecision: {actor_dtype: bf16, grad_accum_dtype: fp32}\n",
                                [], "ZeRO stage 0"),
     "unknown_dtype": ("precision: {critic_dtype: fp8}\n", [], "unknown dtype 'fp8'"),
+    "block_size": ("rollout: {block_size: 16}\n", [], "rollout.block_size: must be 0 (vLLM's default) or a multiple of 32"),
     "batch_not_divisible": ("trainer: {prompts_per_step: 3}\nrollout: {n: 4}\n", ["roles.actor.micro_batch_size=5"],
                             "not divisible"),
     "bad_override": ("{}\n", ["trainer.steps=abc"], "trainer.steps: expected int"),

@@ -138,5 +138,5 @@ def test_bench_step_prints_phases_and_floor(tmp_path, capsys):
     phases = {row[0] for row in tables[0][1:]}
     assert {"update_actor", "gen", "**step**"} <= phases
     floor = {row[0]: row[3] for row in tables[0][1:]}          # the floor's own phases, same names
-    assert all(float(floor[k]) > 0 for k in ("gen", "update_actor", "old_logprob", "**step**")), floor
+    assert all(float(floor[k]) > 0 for k in ("gen", "update_actor", "ref", "**step**")), floor
     assert "verl-ds / floor =" in out and "training MFU" in out

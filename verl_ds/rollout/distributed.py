@@ -42,8 +42,8 @@ def make_rollout(rollout_cfg, model_path: str, dtype: str, seed: int, trust_remo
         model_path, dtype, tensor_parallel_size=rollout_cfg.tensor_parallel_size,
         max_model_len=rollout_cfg.max_model_len, kv_cache_gb=rollout_cfg.kv_cache_gb,
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization, enforce_eager=rollout_cfg.enforce_eager,
-        bucket_mb=rollout_cfg.bucket_mb, seed=seed, sleep=rollout_cfg.sleep, trust_remote_code=trust_remote_code,
-        lm_head_fp32=lm_head_fp32)
+        bucket_mb=rollout_cfg.bucket_mb, block_size=rollout_cfg.block_size, seed=seed, sleep=rollout_cfg.sleep,
+        trust_remote_code=trust_remote_code, lm_head_fp32=lm_head_fp32)
 
 
 def generate_distributed(rollout, local_prompt_ids: list[list[int]], n: int, temperature: float,

@@ -52,8 +52,8 @@ def _remove_stale_tp_shm(tp: int) -> None:
 class VLLMRollout:
     def __init__(self, model_path: str, dtype: str = "fp32", *, tensor_parallel_size: int = 1,
                  max_model_len: int = 256, kv_cache_gb: float = 0.25, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: bool = True, bucket_mb: int = 256, seed: int = 0, sleep: bool = True,
-                 trust_remote_code: bool = False, lm_head_fp32: bool = False):
+                 enforce_eager: bool = True, bucket_mb: int = 256, block_size: int = 0, seed: int = 0,
+                 sleep: bool = True, trust_remote_code: bool = False, lm_head_fp32: bool = False):
         from verl_ds.dist import init_distributed
 
         init_distributed()   # external_launcher joins the process group the roles use
@@ -75,6 +75,8 @@ class VLLMRollout:
             trust_remote_code=trust_remote_code, enforce_eager=enforce_eager, max_model_len=max_model_len,
             seed=seed, tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher",
             logprobs_mode="processed_logprobs", worker_extension_cls="verl_ds.rollout.worker_ext.WeightSyncExtension")
+        if block_size:     # CPU attention runs per block: 128-token blocks waste work on short rollouts
+            kwargs["block_size"] = block_size
         if lm_head_fp32:   # vLLM's own switch: the lm_head projection and logits in fp32
             kwargs["hf_overrides"] = {"head_dtype": "float32"}
         if self.cuda:
