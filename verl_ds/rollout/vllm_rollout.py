@@ -10,6 +10,7 @@ engine sleeps while the roles train (weights offloaded, KV cache freed) and wake
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -105,6 +106,9 @@ class VLLMRollout:
         # An earlier in-process engine froze vllm.envs (enable_envs_cache): re-read them for this one.
         getattr(vllm.envs, "disable_envs_cache", lambda: None)()
         t0 = time.perf_counter()
+        # vLLM collects then freezes the whole GC heap once it is up (freeze_gc_heap); freezing it
+        # first makes that collect scan only the engine's own objects (1.2 s less per rank on CPU)
+        gc.freeze()
         try:
             llm = LLM(**kwargs)
         except (RuntimeError, ValueError) as e:
@@ -227,5 +231,4 @@ class VLLMRollout:
         except Exception as e:  # an already-dead engine may refuse; nothing to release then
             log.debug("vLLM shutdown: %s", e)
         del llm
-        import gc
         gc.collect()
