@@ -5,8 +5,9 @@ Measured in one run, in this process's world (1 rank; under the launcher, this r
 - training MFU: the actor update's model FLOPs (6 x params x tokens x epochs, plus 2 x params x
   tokens for each extra forward) against the matmul rate of the actor's dtype measured here;
 - a plain-PyTorch floor for the same job: the same HF model, batch, sampling and loss (group
-  advantages, PPO clip, k3 KL to a frozen copy, AdamW), no DeepSpeed, no vLLM, no bookkeeping;
-  its steps alternate with verl-ds's.
+  advantages, PPO clip, k3 KL to a frozen copy, AdamW, gradient checkpointing if the job has it),
+  no DeepSpeed, no vLLM, no bookkeeping; under the launcher each rank's floor trains alone (no
+  gradient all-reduce). Its steps alternate with verl-ds's.
 Printed as ratios. The trainer class is passed in (diagnostics sit below the trainer layer).
 """
 from __future__ import annotations
@@ -47,6 +48,8 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
     dt = _DTYPES[dtype]
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dt)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
+    if cfg.precision.enable_grad_checkpointing:        # part of the job (memory), so the floor pays it too
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.roles.actor.lr, weight_decay=0.0)
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts for _ in range(r.n)])
@@ -54,6 +57,7 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
     groups = torch.arange(len(prompts)).repeat_interleave(r.n)
     while True:
         t = [time.perf_counter()]
+        policy.eval()                                     # HF checkpoints layers only in train mode
         with torch.no_grad():
             out = policy.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=r.temperature,
                                   top_k=0, max_new_tokens=r.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids)
@@ -71,6 +75,7 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
             ref_lp = logprobs(ref) if ref is not None else None
         t.append(time.perf_counter())
         old = None                                        # the first epoch's forward is the old policy
+        policy.train()
         for _ in range(a.ppo_epochs):
             lp = logprobs(policy)
             old = lp.detach() if old is None else old
