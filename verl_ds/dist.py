@@ -98,6 +98,54 @@ def all_reduce_max(value: float) -> float:
     return -all_reduce_min(-value)
 
 
+class BucketAllReduce:
+    """Averages many tensors over the ranks, in place, through one reusable flat buffer per dtype;
+    tensors of a bucket's size or more are reduced where they lie. DeepSpeed's ZeRO-0 path instead
+    flattens every gradient into a fresh model-sized buffer each step: on CPU that allocation's page
+    faults cost more than the all-reduce itself (1.5 s of a 135M model's 2-rank step)."""
+
+    def __init__(self, bucket_bytes: int = 32 << 20):
+        self.bucket_bytes = bucket_bytes
+        self._buffers: dict = {}
+
+    def __call__(self, tensors) -> None:
+        if not is_distributed():
+            return
+        import torch.distributed as dist
+
+        scale = 1.0 / dist.get_world_size()       # sum, then scale: DeepSpeed's order (bitwise alike)
+        pending, size = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if nbytes >= self.bucket_bytes:
+                dist.all_reduce(t)
+                t.mul_(scale)
+                continue
+            if pending and (pending[0].dtype != t.dtype or size + nbytes > self.bucket_bytes):
+                self._flush(pending, scale)
+                pending, size = [], 0
+            pending.append(t)
+            size += nbytes
+        if pending:
+            self._flush(pending, scale)
+
+    def _flush(self, tensors: list, scale: float) -> None:
+        import torch.distributed as dist
+
+        key = (tensors[0].dtype, tensors[0].device)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(self.bucket_bytes // tensors[0].element_size(), dtype=key[0],
+                                             device=key[1])
+        flat = self._buffers[key][:sum(t.numel() for t in tensors)]
+        views = flat.split([t.numel() for t in tensors])
+        for v, t in zip(views, tensors):
+            v.copy_(t.reshape(-1))
+        dist.all_reduce(flat)
+        flat.mul_(scale)
+        for v, t in zip(views, tensors):
+            t.copy_(v.view_as(t))
+
+
 def all_gather_object(obj) -> list:
     """Every rank's `obj`, in rank order (`[obj]` in a 1-rank world). Off the hot path only."""
     import torch.distributed as dist

@@ -1,4 +1,5 @@
-"""2 ranks under the real deepspeed launcher: identical ZeRO-3 gathers, and a step keeps ranks in sync."""
+"""2 ranks under the real deepspeed launcher: identical ZeRO-3 gathers, a step keeps ranks in sync, and
+at ZeRO-0 our gradient all-reduce equals DeepSpeed's bitwise."""
 import socket
 import subprocess
 from pathlib import Path
@@ -17,7 +18,7 @@ def _port() -> int:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("stage", [3])
+@pytest.mark.parametrize("stage", [0, 3])
 def test_zero3_gather_identical_and_step_in_sync_on_two_ranks(tiny_model_dir, stage):
     env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_port()),

@@ -1,4 +1,5 @@
-"""Run by test_two_ranks.py under `deepspeed --num_gpus 2` (CPU, gloo): ZeRO-3 gather and step sync."""
+"""Run by test_two_ranks.py under `deepspeed --num_gpus 2` (CPU, gloo): ZeRO-3 gather and step sync;
+at ZeRO-0, our bucketed gradient all-reduce against DeepSpeed's own."""
 import hashlib
 import sys
 
@@ -7,7 +8,7 @@ import torch.distributed as dist
 
 from tests.roles.helpers import Cfg, ds_config, make_batch
 from verl_ds.roles import Actor, iter_full_params, load_causal_lm
-from verl_ds.dist import init_distributed
+from verl_ds.dist import BucketAllReduce, init_distributed
 
 
 def digest(engine) -> str:
@@ -39,8 +40,33 @@ def main(model_dir: str, stage: int) -> None:
     dist.all_gather_object(everyone, after)
     assert len(set(everyone)) == 1, f"ranks diverged after a step at ZeRO-{stage}"
     assert after != before, "the step changed nothing"
+    if stage == 0:
+        same_update_as_deepspeed_reduction(model_dir, rank)
     if rank == 0:
         print(f"TWO_RANK_OK stage={stage}", flush=True)
+
+
+def same_update_as_deepspeed_reduction(model_dir: str, rank: int) -> None:
+    """Two accumulated micro-batches per rank: BucketAllReduce (a small bucket, so both the bucketed
+    and the in-place path run) gives bitwise the weights DeepSpeed's own all-reduce gives."""
+    ds = ds_config("actor", 0, "fp32", micro=1, total=4)
+    ds["train_batch_size"], ds["gradient_accumulation_steps"] = 4, 2   # 2 ranks x 1 row x 2 micro-steps
+    ours, theirs = Actor(load_causal_lm(model_dir), ds, Cfg()), Actor(load_causal_lm(model_dir), ds, Cfg())
+    assert ours._reducer is not None and not ours.engine.enable_backward_allreduce
+    ours._reducer = BucketAllReduce(bucket_bytes=32 << 10)
+    theirs._reducer, theirs.engine.enable_backward_allreduce = None, True
+    before = digest(ours.engine)
+    batch = make_batch(ours.module.config.vocab_size, b=2, seed=10 + rank)
+    lp = ours.logprobs(batch)
+    adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(rank))
+    batch = {**batch, "old_logprobs": lp, "advantages": adv}
+    tokens = torch.tensor([float(batch["response_mask"].sum())])
+    dist.all_reduce(tokens)
+    for actor in (ours, theirs):
+        actor.update(batch, global_tokens=tokens.item(), global_seqs=4.0)
+    a, b = dict(iter_full_params(ours.engine)), dict(iter_full_params(theirs.engine))
+    assert digest(ours.engine) != before, "the step changed nothing"
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The interface every role implements: one DeepSpeed engine built from the role's rendered config.
 
 Roles know nothing of rollout or the training loop. Backward and step always go through the
-engine; the only reach into DeepSpeed internals is `_grad_partitions` (overflow alignment and the
-fp16 underflow statistic), kept in one place.
+engine; the reaches into DeepSpeed internals are `_grad_partitions` (overflow alignment and the
+fp16 underflow statistic) and, for fp32 ZeRO-0 on CPU, `enable_backward_allreduce` (the gradient
+all-reduce is `dist.BucketAllReduce`), each in one place.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import warnings
 import torch
 
 from verl_ds.ds_config import ds_dtype
-from verl_ds.dist import all_reduce_max, all_reduce_sum, init_distributed
+from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_sum, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,12 @@ class Role:
         self.aligned_skips = 0          # steps skipped because the partner role overflowed
         self._plain_grad_norm = None    # fp32 ZeRO-0: DeepSpeed keeps no norm (see `step`)
         self._last_underflow = float("nan")
+        # fp32 ZeRO-0 on CPU (a plain torch optimizer): gradients are averaged over the ranks by a
+        # reusable-buffer all-reduce at the accumulation boundary instead of DeepSpeed's (BucketAllReduce)
+        self._reducer = None
+        if trainable and self.device.type == "cpu" and isinstance(self.engine.optimizer, torch.optim.Optimizer):
+            self.engine.enable_backward_allreduce = False
+            self._reducer = BucketAllReduce()
 
     @property
     def module(self) -> torch.nn.Module:
@@ -184,6 +191,8 @@ class Role:
         self.engine.backward(loss)
         if not boundary:
             self.engine.step()
+        elif self._reducer:
+            self._reducer(self._trainable_grads())
 
     def step(self) -> None:
         if self.dtype == "fp16":
@@ -207,6 +216,14 @@ class Role:
             g.view(-1)[:1].fill_(float("inf"))
             break
         self.aligned_skips += 1
+
+    def _trainable_grads(self) -> list[torch.Tensor]:
+        """Every trainable parameter's gradient; a missing one (unused on this rank) becomes zeros so
+        that every rank reduces the same tensors, as DeepSpeed does."""
+        for p in self.module.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.module.parameters() if p.requires_grad]
 
     def _grad_partitions(self) -> list[torch.Tensor]:
         opt = self.engine.optimizer

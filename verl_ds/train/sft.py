@@ -121,9 +121,9 @@ class Trainer:
                 total = 0.0
                 for i in range(gas):
                     loss = self.compute_loss(self.collate([dataset[j] for j in mine[i * micro:(i + 1) * micro]]))
-                    self.engine.backward(loss)
-                    self.engine.step()
+                    self.role.backward(loss, boundary=i == gas - 1)   # through the role: its gradient reduction
                     total += loss.item() / gas
+                self.role.step()
                 self.losses.append(total)
                 steps += 1
                 if max_steps and steps >= max_steps:
