@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trl_grpo import JOBS  # noqa: E402  (module-level: no TRL import)
+from trl_grpo import JOBS, num_ranks  # noqa: E402  (module-level: no TRL import)
 from verl_ds.diagnostics.plots import read_metrics  # noqa: E402
 
 TRL_PY = ROOT / "benchmarks" / ".venv-trl" / "bin" / "python"
@@ -41,12 +41,15 @@ def _mean(xs):
 
 
 def run_verl_ds(job: str, steps: int, run_dir: Path, extra: list[str], log) -> dict:
-    yaml, overrides, _ = JOBS[job]
+    yaml, overrides, _, _ = JOBS[job]
     shutil.rmtree(run_dir, ignore_errors=True)       # a fresh run: builds its init model, no resume
     cmd = ["bash", "launch/train.sh", yaml, *overrides, f"trainer.steps={steps}",
            f"trainer.run_dir={run_dir}", *extra]
+    ranks = num_ranks(job)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // ranks))
+    env = dict(os.environ, NUM_RANKS=str(ranks), OMP_NUM_THREADS=str(threads))
     t0 = time.perf_counter()
-    rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
     if rc:
         raise SystemExit(f"verl-ds {job} failed (exit {rc}); see {log.name}")
@@ -56,7 +59,7 @@ def run_verl_ds(job: str, steps: int, run_dir: Path, extra: list[str], log) -> d
     return {"side": "verl-ds", "job": job, "steps": len(step_s),
             "s_per_step": statistics.median(step_s[1:] or step_s), "first_step_s": step_s[0], "wall_s": wall,
             "reward_first5": _mean(rewards[:5]), "reward_last10": _mean(rewards[-10:]),
-            "num_ranks": int(os.environ.get("NUM_RANKS", "2")), "threads": int(os.environ.get("OMP_NUM_THREADS", "1"))}
+            "num_ranks": ranks, "threads": threads}
 
 
 def run_trl(job: str, steps: int, threads: int, extra: list[str], log) -> dict:
@@ -108,7 +111,7 @@ def main() -> None:
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma list of {sorted(JOBS)}")
     ap.add_argument("--steps", action="append", default=[], metavar="JOB=N",
                     help="rollout steps for a job (default: "
-                         + ", ".join(f"{j}={s}" for j, (_, _, s) in JOBS.items()) + ")")
+                         + ", ".join(f"{j}={s}" for j, (_, _, s, _) in JOBS.items()) + ")")
     ap.add_argument("--trl-threads", default=f"1,{os.cpu_count()}",
                     help="TRL runs, one per OpenMP thread count (default: 1 and all cores)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -121,7 +124,7 @@ def main() -> None:
     bad = set(jobs) - set(JOBS)
     if bad:
         ap.error(f"unknown job(s) {sorted(bad)}; known: {sorted(JOBS)}")
-    steps = {j: s for j, (_, _, s) in JOBS.items()}
+    steps = {j: s for j, (_, _, s, _) in JOBS.items()}
     for item in args.steps:
         j, _, n = item.partition("=")
         if j not in JOBS or not n.isdigit():

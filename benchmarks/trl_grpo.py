@@ -13,7 +13,7 @@ transformers, tokenizers and pyyaml here).
 Mapping (verl-ds -> TRL 1.16):
   rollout.n -> num_generations; trainer.prompts_per_step x n -> generation batch
   algorithm.ppo_epochs -> num_iterations (each rollout batch is reused for that many passes)
-  roles.actor.micro_batch_size x NUM_RANKS -> per_device_train_batch_size (one process here does
+  roles.actor.micro_batch_size x verl-ds's ranks -> per_device_train_batch_size (one process here does
       what verl-ds's ranks do together; with max_tokens_per_micro_batch, the rows that fit the budget
       at the longest prompt, rounded down to a divisor of the mini batch); mini batch (0: whole
       batch) -> gradient_accumulation_steps
@@ -28,7 +28,7 @@ Differences that remain (TRL cannot express them, or they are how TRL works):
   - generation: TRL here uses plain transformers `generate` (no vLLM in this venv); verl-ds samples
     with vLLM (rollout.engine: vllm) and syncs weights into it every step.
   - processes: TRL runs as ONE process with OMP_NUM_THREADS threads (side_by_side.py: 1 and all cores);
-    verl-ds runs NUM_RANKS=2 DeepSpeed ranks (ZeRO per the yaml, gloo) with one OpenMP thread each.
+    verl-ds runs the job's DeepSpeed ranks (JOBS; ZeRO per the yaml, gloo), cores / ranks threads each.
   - optimizer: torch AdamW (TRL) vs DeepSpeed's AdamW (torch_adam) under ZeRO; same lr, betas, eps 1e-8.
   - GRPO advantage eps: (r - mean) / (std + 1e-4) in TRL, + 1e-6 in verl-ds (both unbiased std).
   - KL: both k3 in the loss; use_bias_correction_kl=False so TRL does not weight it by the ratio (as
@@ -54,22 +54,29 @@ from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# job -> (yaml, overrides applied to BOTH sides, default steps). The overrides make it a training-speed
-# job: fp32 everywhere, no validation, no memory accounting, no W&B, checkpoint only at the end.
+# job -> (yaml, overrides applied to BOTH sides, default steps, verl-ds ranks). The overrides make it a
+# training-speed job: fp32 everywhere, no validation, no memory accounting, no W&B, checkpoint only at
+# the end. Ranks: verl-ds's faster layout on a 2-core box (each rank gets cores / ranks threads): two
+# 1-thread ranks for the tiny model, one 2-thread rank for SmolLM2 (two ranks there each load the
+# whole model into their own vLLM engine and all-reduce 0.5 GB of gradients every step).
 _COMMON = ["trainer.val_every=0", "trainer.val_before_train=false", "logging.memory_every=0",
            "logging.wandb.mode=disabled", "checkpoint.every=0", "precision.actor_dtype=fp32",
            "precision.reference_dtype=fp32", "precision.rollout_dtype=fp32"]
 JOBS = {
-    "quickstart": ("examples/grpo_cpu_tiny.yaml", _COMMON, 120),
-    "smollm2": ("examples/grpo_cpu_smollm2.yaml", _COMMON, 4),
+    "quickstart": ("examples/grpo_cpu_tiny.yaml", _COMMON, 120, 2),
+    "smollm2": ("examples/grpo_cpu_smollm2.yaml", _COMMON, 4, 1),
 }
-NUM_RANKS = int(os.environ.get("NUM_RANKS", "2"))    # verl-ds's ranks on CPU (launch/train.sh default)
+
+
+def num_ranks(job: str) -> int:
+    """verl-ds's ranks for `job` (NUM_RANKS in the environment wins)."""
+    return int(os.environ.get("NUM_RANKS") or JOBS[job][3])
 
 
 def job_config(job: str, steps: int | None, extra: list[str]):
     from verl_ds.config import load_config
 
-    path, overrides, default_steps = JOBS[job]
+    path, overrides, default_steps, _ = JOBS[job]
     return load_config(ROOT / path, overrides + [f"trainer.steps={steps or default_steps}"] + extra)
 
 
@@ -147,7 +154,7 @@ def main() -> None:
     micro_rows = actor.micro_batch_size
     if actor.max_tokens_per_micro_batch:      # verl-ds's token budget: as many padded rows as fit
         micro_rows = max(1, actor.max_tokens_per_micro_batch // (longest + r.max_new_tokens))
-    per_device = max(k for k in range(1, mini + 1) if mini % k == 0 and k <= micro_rows * NUM_RANKS)
+    per_device = max(k for k in range(1, mini + 1) if mini % k == 0 and k <= micro_rows * num_ranks(args.job))
     if batch % mini:
         _fail(f"batch {batch} and mini batch {mini} do not divide")
     opt_per_rollout = a.ppo_epochs * (batch // mini)
