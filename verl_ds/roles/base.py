@@ -116,12 +116,14 @@ class Role:
         self.engine.register_forward_pre_hook(warn_if_autocast)
         self.micro_batch_size = int(ds_config["train_micro_batch_size_per_gpu"])
         self.aligned_skips = 0          # steps skipped because the partner role overflowed
-        self._plain_grad_norm = None    # fp32 ZeRO-0: DeepSpeed keeps no norm (see `step`)
         self._last_underflow = float("nan")
-        # fp32 ZeRO-0 on CPU (a plain torch optimizer): gradients are averaged over the ranks by a
-        # reusable-buffer all-reduce at the accumulation boundary instead of DeepSpeed's (BucketAllReduce)
+        # fp32 ZeRO-0 runs a plain torch optimizer: DeepSpeed keeps no gradient norm for it (`step`
+        # measures one), and on CPU its gradients are averaged over the ranks by a reusable-buffer
+        # all-reduce at the accumulation boundary instead of DeepSpeed's (BucketAllReduce)
+        self._plain = isinstance(self.engine.optimizer, torch.optim.Optimizer)
+        self._plain_grad_norm = None
         self._reducer = None
-        if trainable and self.device.type == "cpu" and isinstance(self.engine.optimizer, torch.optim.Optimizer):
+        if trainable and self._plain and self.device.type == "cpu":
             self.engine.enable_backward_allreduce = False
             self._reducer = BucketAllReduce()
 
@@ -198,8 +200,7 @@ class Role:
         if self.dtype == "fp16":
             self._last_underflow = self._underflow_fraction()
         # DeepSpeed clips a plain fp32 ZeRO-0 optimizer's gradients but keeps no norm: measure it here
-        plain = not hasattr(self.engine.optimizer, "_global_grad_norm")
-        grads = self._grad_partitions() if plain else []
+        grads = self._grad_partitions() if self._plain else []
         self._plain_grad_norm = float(torch.stack([g.float().norm() for g in grads]).norm()) if grads else None
         self.engine.step()
 

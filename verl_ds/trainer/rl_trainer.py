@@ -88,7 +88,7 @@ class RLTrainer:
             # one mini-batch per epoch (and KL as a loss): the first epoch's forward runs on the very
             # weights that generated the batch, so it is the old policy (ratio 1, exact) and no
             # separate pass runs; later epochs and the metrics below reuse its logprobs
-            first_is_old = self._one_mini_batch(len(batch)) and (a.use_kl_loss or not self.reference)
+            first_is_old = self._mini_rows(len(batch)) >= len(batch) and (a.use_kl_loss or not self.reference)
             old_lp = None
             if not first_is_old:
                 with timer("old_logprob", stage="score", role="actor"):
@@ -241,15 +241,16 @@ class RLTrainer:
             return torch.zeros_like(mask)
         return algos.kl_penalty(logprobs, ref_logprobs, self.cfg.algorithm.kl_estimator) * mask
 
-    def _one_mini_batch(self, n: int) -> bool:
-        return not self.cfg.trainer.mini_batch_size or self.cfg.trainer.mini_batch_size // self.world >= n
+    def _mini_rows(self, n: int) -> int:
+        """This rank's rows per mini-batch (all `n` when trainer.mini_batch_size is unset)."""
+        return (self.cfg.trainer.mini_batch_size or n * self.world) // self.world
 
     def _update(self, train: dict, timer: Timer, first_is_old: bool = False):
         """`ppo_epochs` over mini-batches -> (metrics, the first epoch's fp32 logprobs or None).
         `first_is_old`: `train` has no old logprobs yet; the first epoch (one mini-batch, in order)
         computes them and stores them, buffered, in `train` for the later epochs."""
         n = train["input_ids"].shape[0]
-        mini = (self.cfg.trainer.mini_batch_size or n * self.world) // self.world
+        mini = self._mini_rows(n)
         sums: dict[str, float] = {}
         count, first_lp = 0, None
         for epoch in range(self.cfg.algorithm.ppo_epochs):
