@@ -59,6 +59,26 @@ def test_prompt_files_with_chat_free_tokenization(tmp_path, tokenizer):
         load_examples(D)
 
 
+def test_tokenize_prompts_batched_equals_one_call_per_row(tokenizer):
+    """Distinct prompts are tokenized once in one call: every row still gets its own prompt's ids,
+    with and without the chat template (whose text already holds the special tokens)."""
+    import copy
+
+    rows = [{"prompt": p, "answer": "x"} for p in ["1+2=", "3+4=", "1+2=", "10+2=", "3+4="]]
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}" \
+                         "{% if add_generation_prompt %}={% endif %}"
+    for tok, templated in ((tokenizer, False), (chat, True)):
+        out = tokenize_prompts(rows, tok, max_prompt_length=32, apply_chat_template=templated)
+        for r, o in zip(rows, out):
+            text = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,
+                                           tokenize=False) if templated else r["prompt"]
+            want = tok(text, add_special_tokens=not templated)["input_ids"]
+            assert o["prompt_ids"] == want and o["prompt"] == r["prompt"]
+        assert out[0]["prompt_ids"][0] == tok.bos_token_id and out[0]["prompt_ids"][1] != tok.bos_token_id
+    assert tokenize_prompts([], tokenizer, 4, False) == []
+
+
 def test_held_out_split_is_disjoint_and_seeded():
     from verl_ds.data.dataset import held_out_split
 

@@ -29,22 +29,18 @@ class RolloutBatch:
         """Pad ragged per-sample lists into tensors (one row per sample)."""
         b = len(prompts)
         assert len(responses) == len(logprobs) == len(finish_reasons) == len(group_ids) == b
+        for i, (rs, l) in enumerate(zip(responses, logprobs)):
+            assert len(rs) == len(l), f"sample {i}: {len(rs)} tokens but {len(l)} logprobs"
         p = max((len(x) for x in prompts), default=0)
         r = max((len(x) for x in responses), default=0)
-        prompt_ids = torch.full((b, p), pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((b, p), dtype=torch.long)
-        response_ids = torch.full((b, r), pad_id, dtype=torch.long)
-        response_mask = torch.zeros((b, r), dtype=torch.float32)
-        lp = torch.zeros((b, r), dtype=torch.float32)
-        for i, (pr, rs, l) in enumerate(zip(prompts, responses, logprobs)):
-            assert len(rs) == len(l), f"sample {i}: {len(rs)} tokens but {len(l)} logprobs"
-            if pr:
-                prompt_ids[i, p - len(pr):] = torch.as_tensor(pr, dtype=torch.long)
-                prompt_mask[i, p - len(pr):] = 1
-            if rs:
-                response_ids[i, :len(rs)] = torch.as_tensor(rs, dtype=torch.long)
-                response_mask[i, :len(rs)] = 1.0
-                lp[i, :len(rs)] = torch.as_tensor(l, dtype=torch.float32)
+        # padded in Python, one tensor per field: a row-by-row tensor fill costs ~40 us a sample
+        prompt_ids = torch.tensor([[pad_id] * (p - len(x)) + list(x) for x in prompts], dtype=torch.long)
+        prompt_mask = torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts], dtype=torch.long)
+        response_ids = torch.tensor([list(x) + [pad_id] * (r - len(x)) for x in responses], dtype=torch.long)
+        response_mask = torch.tensor([[1.0] * len(x) + [0.0] * (r - len(x)) for x in responses], dtype=torch.float32)
+        lp = torch.tensor([list(x) + [0.0] * (r - len(x)) for x in logprobs], dtype=torch.float32)
+        prompt_ids, prompt_mask = prompt_ids.reshape(b, p), prompt_mask.reshape(b, p)
+        response_ids, response_mask, lp = response_ids.reshape(b, r), response_mask.reshape(b, r), lp.reshape(b, r)
         return cls(
             prompt_ids=prompt_ids, response_ids=response_ids,
             input_ids=torch.cat([prompt_ids, response_ids], dim=1),

@@ -306,8 +306,9 @@ class RLTrainer:
         return out
 
     def _decode(self, batch) -> list[str]:
-        return [self.tokenizer.decode(ids[m > 0].tolist(), skip_special_tokens=True)
-                for ids, m in zip(batch.response_ids, batch.response_mask)]
+        lens = batch.response_mask.sum(1).long().tolist()   # right-padded: the first n are the response
+        return self.tokenizer.batch_decode([ids[:n] for ids, n in zip(batch.response_ids.tolist(), lens)],
+                                           skip_special_tokens=True)
 
     def _log_samples(self, batch, examples, scores):
         rows = [(examples[int(g)]["prompt"], resp, float(s))
