@@ -189,3 +189,40 @@ def test_token_budget_micro_batches_give_the_same_update(tiny_model_dir, stage):
     p0, p1 = dict(iter_full_params(actors[0].engine)), dict(iter_full_params(actors[1].engine))
     for n in p0:
         torch.testing.assert_close(p1[n], p0[n], rtol=1e-4, atol=1e-5)   # Adam at lr 1e-2: summation order
+
+
+def test_padding_removal_runs_each_micro_batch_on_the_columns_it_uses(tiny_model_dir):
+    """Rows come padded to the batch's longest prompt and response (here with 3 extra pad columns on
+    the left and 2 on the right): each micro-batch runs only the columns its own rows use, and the
+    logprobs and values equal each row's own unpadded forward."""
+    torch.manual_seed(0)
+    ref = Reference(load_causal_lm(tiny_model_dir), ds_config("reference", 0, "fp32", micro=2))
+    critic = Critic(load_value_model(tiny_model_dir), ds_config("critic", 0, "fp32", micro=2), Cfg())
+    vocab = ref.module.config.vocab_size
+    lens = [(3, 1), (2, 1), (5, 3), (4, 2)]            # (prompt, response) per row: micro-batch 0 is short
+    rows = [(torch.randint(3, vocab, (p,)), torch.randint(3, vocab, (r,))) for p, r in lens]
+    P, R = 5 + 3, 3 + 2
+    ids, attn, resp = torch.zeros(4, P + R, dtype=torch.long), torch.zeros(4, P + R, dtype=torch.long), torch.zeros(4, R)
+    for i, (p, r) in enumerate(rows):
+        ids[i, P - len(p):P], ids[i, P:P + len(r)] = p, r
+        attn[i, P - len(p):P + len(r)] = 1
+        resp[i, :len(r)] = 1
+    batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+    widths = []
+    hooks = [role.module.register_forward_pre_hook(lambda _m, a, kw: widths.append(kw["input_ids"].shape[1]),
+                                                   with_kwargs=True) for role in (ref, critic)]
+    lp, values = ref.logprobs(batch), critic.values(batch)
+    for h in hooks:
+        h.remove()
+    assert widths == [3 + 1, 5 + 3] * 2        # per micro-batch (reference, then critic), not 13 columns
+    assert lp.shape == values.shape == (4, R)
+    for out in (lp, values):      # columns a micro-batch did not run come back as zeros (masked)
+        assert (out[:2, 1:] == 0).all() and (out[2:, 3:] == 0).all()
+    with torch.no_grad():
+        for i, (p, r) in enumerate(rows):
+            seq = torch.cat([p, r])[None]
+            logits = ref.module(input_ids=seq).logits[0, len(p) - 1:-1].float()
+            want = torch.log_softmax(logits, -1).gather(-1, r[:, None])[:, 0]
+            torch.testing.assert_close(lp[i, :len(r)], want, rtol=0, atol=1e-5)
+            v = critic.module(seq, torch.ones_like(seq), torch.arange(seq.shape[1])[None])[0]
+            torch.testing.assert_close(values[i, :len(r)], v[len(p) - 1:-1].float(), rtol=0, atol=1e-5)

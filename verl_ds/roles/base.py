@@ -29,6 +29,27 @@ def model_inputs(batch: dict) -> dict:
     return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": pos}
 
 
+def trim_padding(batch: dict) -> tuple[dict, int]:
+    """Padding removal for one micro-batch: `model_inputs` without the columns no row uses, and the
+    response width kept. Rows are padded to the whole batch's longest prompt and response; a
+    micro-batch of shorter ones needs fewer columns (GRPO groups share a prompt length). Exact: a
+    dropped column is a masked key for every real token, and positions count real tokens only."""
+    mask = batch["attention_mask"]
+    width = batch["response_mask"].shape[1]
+    p = mask.shape[1] - width
+    used = mask.bool().any(0)
+    start = int(used[:p].int().argmax()) if p and bool(used[:p].any()) else p   # first prompt column in use
+    keep = int(used[p:].nonzero().max()) + 1 if bool(used[p:].any()) else 1     # last response column in use
+    inputs = model_inputs({"input_ids": batch["input_ids"][:, start:p + keep],
+                           "attention_mask": mask[:, start:p + keep]})
+    return inputs, keep
+
+
+def pad_response(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """`[B, r]` per-response-token outputs back to the batch's `[B, width]` (zeros: masked positions)."""
+    return x if x is None or x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
 def micro_batches(batch: dict, size: int):
     """Split a dict of `[B, ...]` tensors along dim 0 (non-tensors are passed whole)."""
     n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))

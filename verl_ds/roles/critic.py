@@ -5,7 +5,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
-from verl_ds.roles.base import Role, micro_batches, model_inputs
+from verl_ds.roles.base import Role, micro_batches, pad_response, trim_padding
 
 
 class ValueModel(torch.nn.Module):
@@ -43,9 +43,10 @@ class Critic(Role):
         self.cfg = loss_cfg
 
     def forward(self, batch: dict) -> torch.Tensor:
-        resp_len = batch["response_mask"].shape[1]
-        values = self.engine(**model_inputs(batch))
-        return values[:, -resp_len - 1:-1].float()            # V(state before each response token)
+        inputs, resp_len = trim_padding(batch)               # only the columns some row uses
+        values = self.engine(**inputs)
+        # V(state before each response token)
+        return pad_response(values[:, -resp_len - 1:-1].float(), batch["response_mask"].shape[1])
 
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:

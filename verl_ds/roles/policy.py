@@ -5,7 +5,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
-from verl_ds.roles.base import Role, micro_batches, model_inputs
+from verl_ds.roles.base import Role, micro_batches, pad_response, trim_padding
 
 
 def load_causal_lm(path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False,
@@ -37,19 +37,20 @@ class PolicyRole(Role):
     in the last R positions; outputs are fp32 `[B, R]`."""
 
     def forward(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
-        resp_len = batch["response_mask"].shape[1]
+        width = batch["response_mask"].shape[1]
+        inputs, resp_len = trim_padding(batch)               # only the columns some row uses
         # only the positions that predict response tokens: no [B, P, V] logits for the prompt
-        logits = self.engine(**model_inputs(batch), use_cache=False, logits_to_keep=resp_len + 1).logits
+        logits = self.engine(**inputs, use_cache=False, logits_to_keep=resp_len + 1).logits
         logits = logits[:, :-1]                               # position t predicts token t + 1
         if temperature != 1.0:
             logits = logits / temperature                     # match the rollout's processed logprobs
-        labels = batch["input_ids"][:, -resp_len:]
+        labels = inputs["input_ids"][:, -resp_len:]
         logprob = algos.logprobs_from_logits(logits, labels, chunk_size=1024)
         entropy = None
         if with_entropy:
             with torch.set_grad_enabled(torch.is_grad_enabled() and self._entropy_needs_grad):
                 entropy = algos.entropy_from_logits(logits, chunk_size=1024)
-        return logprob, entropy
+        return pad_response(logprob, width), pad_response(entropy, width)
 
     _entropy_needs_grad = False   # only an entropy bonus needs its gradient
 
