@@ -7,6 +7,7 @@ import torch
 from tests.roles.helpers import Cfg, ds_config, make_batch
 from verl_ds.roles import (Actor, Critic, Reference, RewardModel, align_overflow, iter_full_params,
                            load_causal_lm, load_reward_model, load_value_model)
+from verl_ds.roles.base import pack_by_tokens
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -226,3 +227,22 @@ def test_padding_removal_runs_each_micro_batch_on_the_columns_it_uses(tiny_model
             torch.testing.assert_close(lp[i, :len(r)], want, rtol=0, atol=1e-5)
             v = critic.module(seq, torch.ones_like(seq), torch.arange(seq.shape[1])[None])[0]
             torch.testing.assert_close(values[i, :len(r)], v[len(p) - 1:-1].float(), rtol=0, atol=1e-5)
+
+
+def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():
+    """Every row once; a micro-batch's trimmed width (longest prompt + longest response) x rows fits
+    the budget unless it is one row. Short and long rows taken in order pair up (8 micro-batches of
+    width 16); sorted by length, the short ones share micro-batches (5)."""
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.randint(4, 41, (32,), generator=g), torch.randint(1, 31, (32,), generator=g), 200, None),
+             (torch.tensor([2, 10] * 8), torch.tensor([2, 6] * 8), 32, 5)]
+    for plen, rlen, budget, want in cases:
+        n, P, R = len(plen), int(plen.max()), int(rlen.max())
+        attn = torch.zeros(n, P + R, dtype=torch.long)
+        for i in range(n):
+            attn[i, P - plen[i]:P + rlen[i]] = 1
+        groups = pack_by_tokens({"attention_mask": attn, "response_mask": attn[:, P:].float()}, budget)
+        assert sorted(torch.cat(groups).tolist()) == list(range(n))
+        for idx in groups:
+            assert len(idx) == 1 or int(plen[idx].max() + rlen[idx].max()) * len(idx) <= budget
+        assert want is None or len(groups) == want

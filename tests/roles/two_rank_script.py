@@ -40,10 +40,31 @@ def main(model_dir: str, stage: int) -> None:
     dist.all_gather_object(everyone, after)
     assert len(set(everyone)) == 1, f"ranks diverged after a step at ZeRO-{stage}"
     assert after != before, "the step changed nothing"
+    scoring_passes_match_across_ranks(actor, rank)
     if stage == 0:
         same_update_as_deepspeed_reduction(model_dir, rank)
     if rank == 0:
         print(f"TWO_RANK_OK stage={stage}", flush=True)
+
+
+def scoring_passes_match_across_ranks(actor, rank: int) -> None:
+    """Token budget: rank 1's rows are twice as long, so it packs 4 micro-batches where rank 0 packs 2;
+    both run 4 forwards (under ZeRO-3 each one gathers the weights with the other rank), and the
+    logprobs equal the row-count path's."""
+    batch = make_batch(actor.module.config.vocab_size, b=4, p=5 * (rank + 1), r=3 * (rank + 1), seed=20 + rank)
+    actor.max_tokens = 0
+    want = actor.logprobs(batch)                       # 2-row micro-batches: 2 forwards on each rank
+    actor.max_tokens = 16
+    calls = []
+    hook = actor.module.register_forward_hook(lambda *_: calls.append(1))
+    got = actor.logprobs(batch)
+    hook.remove()
+    actor.max_tokens = 0
+    real = batch["response_mask"] > 0                  # masked positions: 0 where padding was removed
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+    counts = [None, None]
+    dist.all_gather_object(counts, len(calls))
+    assert counts == [4, 4], counts
 
 
 def same_update_as_deepspeed_reduction(model_dir: str, rank: int) -> None:

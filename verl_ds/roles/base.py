@@ -50,11 +50,23 @@ def pad_response(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
     return x if x is None or x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
-def micro_batches(batch: dict, size: int):
-    """Split a dict of `[B, ...]` tensors along dim 0 (non-tensors are passed whole)."""
-    n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
-    for i in range(0, n, size):
-        yield {k: (v[i:i + size] if torch.is_tensor(v) else v) for k, v in batch.items()}
+def pack_by_tokens(batch: dict, budget: int) -> list[torch.Tensor]:
+    """Row indices of micro-batches under a token budget, counted after padding removal: rows sorted
+    by length, each micro-batch the next rows while (its longest prompt + its longest response) x
+    rows fits `budget` (one row at least). Similar lengths share a micro-batch, so little padding runs."""
+    mask = batch["attention_mask"].bool()
+    p = mask.shape[1] - batch["response_mask"].shape[1]
+    plen = mask[:, :p].sum(1).tolist()
+    rlen = [max(1, n) for n in mask[:, p:].sum(1).tolist()]
+    groups, cur, mp, mr = [], [], 0, 0
+    for i in sorted(range(len(plen)), key=lambda i: (plen[i] + rlen[i], i)):
+        wp, wr = max(mp, plen[i]), max(mr, rlen[i])
+        if cur and (wp + wr) * (len(cur) + 1) > budget:
+            groups.append(cur)
+            cur, wp, wr = [], plen[i], rlen[i]
+        cur.append(i)
+        mp, mr = wp, wr
+    return [torch.tensor(g, dtype=torch.long) for g in groups + [cur] if g]
 
 
 def split_even(batch: dict, parts: int) -> list[dict]:
@@ -167,6 +179,34 @@ class Role:
         if not self.max_tokens:
             return self.micro_batch_size
         return max(1, self.max_tokens // batch["input_ids"].shape[1])
+
+    def micro_indices(self, batch: dict) -> list[torch.Tensor]:
+        """Row indices of a scoring pass's micro-batches: consecutive `micro_batch_size` rows, or under
+        a token budget `pack_by_tokens`, as many on every rank (ZeRO-3 gathers in every forward; the
+        ranks' lengths differ): a rank with fewer gets empty entries, run as a dropped one-row forward."""
+        n = batch["input_ids"].shape[0]
+        if not self.max_tokens:
+            return list(torch.arange(n).split(self.micro_batch_size))
+        groups = pack_by_tokens(batch, self.max_tokens)
+        k = int(all_reduce_max(float(len(groups))))
+        return groups + [torch.zeros(0, dtype=torch.long)] * (k - len(groups))
+
+    def map_micro(self, batch: dict, fn):
+        """`fn(micro_batch)` over `micro_indices`; each output (a tensor, or a tuple of tensors / None)
+        is put back in row order."""
+        batch = self.to_device(batch)
+        outs, rows, single = [], [], False
+        for idx in self.micro_indices(batch):
+            sel = idx if len(idx) else torch.zeros(1, dtype=torch.long)
+            out = fn({k: (v[sel.to(v.device)] if torch.is_tensor(v) else v) for k, v in batch.items()})
+            single = not isinstance(out, tuple)
+            if len(idx):
+                outs.append((out,) if single else out)
+                rows.append(idx)
+        back = torch.cat(rows).argsort()
+        merged = tuple(None if parts[0] is None else torch.cat(parts)[back.to(parts[0].device)]
+                       for parts in zip(*outs))
+        return merged[0] if single else merged
 
     # ------------------------------------------------------------ training (trainable roles)
     force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow

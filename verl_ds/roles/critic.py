@@ -5,7 +5,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
-from verl_ds.roles.base import Role, micro_batches, pad_response, trim_padding
+from verl_ds.roles.base import Role, pad_response, trim_padding
 
 
 class ValueModel(torch.nn.Module):
@@ -50,8 +50,7 @@ class Critic(Role):
 
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:
-        batch = self.to_device(batch)
-        return torch.cat([self.forward(mb) for mb in micro_batches(batch, self.rows_per_micro(batch))])
+        return self.map_micro(batch, self.forward)
 
     global_metric_keys = ("vf_loss",)
 

@@ -5,7 +5,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
-from verl_ds.roles.base import Role, micro_batches, pad_response, trim_padding
+from verl_ds.roles.base import Role, pad_response, trim_padding
 
 
 def load_causal_lm(path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False,
@@ -57,13 +57,8 @@ class PolicyRole(Role):
     @torch.no_grad()
     def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
         """Micro-batched, no grad. Returns logprob `[B, R]` (and entropy `[B, R]` if asked)."""
-        outs, ents = [], []
-        for mb in micro_batches(self.to_device(batch), self.rows_per_micro(batch)):
-            lp, ent = self.forward(mb, temperature, with_entropy)
-            outs.append(lp)
-            ents.append(ent)
-        logprob = torch.cat(outs)
-        return (logprob, torch.cat(ents)) if with_entropy else logprob
+        logprob, entropy = self.map_micro(batch, lambda mb: self.forward(mb, temperature, with_entropy))
+        return (logprob, entropy) if with_entropy else logprob
 
 
 class Reference(PolicyRole):

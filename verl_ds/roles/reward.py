@@ -7,7 +7,7 @@ import torch
 
 from verl_ds.errors import ConfigError
 from verl_ds.precision import TORCH_DTYPES
-from verl_ds.roles.base import Role, micro_batches, model_inputs
+from verl_ds.roles.base import Role, model_inputs
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,12 @@ class RewardModel(Role):
     @torch.no_grad()
     def score(self, batch: dict) -> torch.Tensor:
         """One fp32 score per sequence `[B]`, read at the last non-pad token (HF's pooling)."""
-        out = []
         pad = self.module.config.pad_token_id
-        for mb in micro_batches(self.to_device(batch), self.rows_per_micro(batch)):
+
+        def scores(mb: dict) -> torch.Tensor:
             # HF pools at the last non-pad token: mark padding with the reward model's own pad id
             # (the policy's may differ), so the score is read at the last real token.
             ids = torch.where(mb["attention_mask"].bool(), mb["input_ids"], pad)
-            out.append(self.engine(**model_inputs({**mb, "input_ids": ids})).logits.squeeze(-1).float())
-        return torch.cat(out)
+            return self.engine(**model_inputs({**mb, "input_ids": ids})).logits.squeeze(-1).float()
+
+        return self.map_micro(batch, scores)
