@@ -203,7 +203,8 @@ def test_padding_removal_runs_each_micro_batch_on_the_columns_it_uses(tiny_model
     lens = [(3, 1), (2, 1), (5, 3), (4, 2)]            # (prompt, response) per row: micro-batch 0 is short
     rows = [(torch.randint(3, vocab, (p,)), torch.randint(3, vocab, (r,))) for p, r in lens]
     P, R = 5 + 3, 3 + 2
-    ids, attn, resp = torch.zeros(4, P + R, dtype=torch.long), torch.zeros(4, P + R, dtype=torch.long), torch.zeros(4, R)
+    ids, attn = torch.zeros(4, P + R, dtype=torch.long), torch.zeros(4, P + R, dtype=torch.long)
+    resp = torch.zeros(4, R)
     for i, (p, r) in enumerate(rows):
         ids[i, P - len(p):P], ids[i, P:P + len(r)] = p, r
         attn[i, P - len(p):P + len(r)] = 1

@@ -37,7 +37,7 @@ def trim_padding(batch: dict) -> tuple[dict, int]:
     mask = batch["attention_mask"]
     width = batch["response_mask"].shape[1]
     p = mask.shape[1] - width
-    used = mask.bool().any(0)
+    used = mask.bool().any(0).cpu()      # one device sync, then index arithmetic on the host
     start = int(used[:p].int().argmax()) if p and bool(used[:p].any()) else p   # first prompt column in use
     keep = int(used[p:].nonzero().max()) + 1 if bool(used[p:].any()) else 1     # last response column in use
     inputs = model_inputs({"input_ids": batch["input_ids"][:, start:p + keep],
