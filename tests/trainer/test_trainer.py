@@ -27,10 +27,13 @@ def test_lr_zero_on_policy_ratio_is_one(tmp_path):
     assert trainer.logger is None and trainer.rollout is None      # closed on exit
 
 
-def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path):
+@pytest.mark.parametrize("budget", [0, 40])
+def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
     """One mini-batch per epoch: epoch 2's old logprobs come from epoch 1's forward (no separate
-    pass) and equal what a separate old-policy pass gives on the same rows."""
+    pass) and equal what a separate old-policy pass gives on the same rows, also when a token budget
+    packs the micro-batches by length, out of row order."""
     cfg = load_config(None, ["rollout.engine=hf", "trainer.prompts_per_step=4", "rollout.n=4", *FP32,
+                             f"roles.actor.max_tokens_per_micro_batch={budget}",
                              "algorithm.ppo_epochs=2", "algorithm.use_kl_loss=true", f"trainer.run_dir={tmp_path}",
                              "data.reward_fn=tests.e2e.helpers:length_reward",
                              "logging.wandb.mode=disabled", "roles.actor.micro_batch_size=4",

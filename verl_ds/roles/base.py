@@ -69,21 +69,23 @@ def pack_by_tokens(batch: dict, budget: int) -> list[torch.Tensor]:
     return [torch.tensor(g, dtype=torch.long) for g in groups + [cur] if g]
 
 
+def select_rows(batch: dict, idx: torch.Tensor) -> dict:
+    """Rows `idx` of a dict of `[B, ...]` tensors (non-tensors whole), their positions in `rows`. No
+    rows: the first row with its response masked out (`pad_row`): a zero loss, but still a backward."""
+    if len(idx) == 0:
+        mb = {k: (v[:1] if torch.is_tensor(v) else v) for k, v in batch.items()}
+        mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+        mb["pad_row"] = True
+    else:
+        mb = {k: (v[idx.to(v.device)] if torch.is_tensor(v) else v) for k, v in batch.items()}
+    mb["rows"] = idx
+    return mb
+
+
 def split_even(batch: dict, parts: int) -> list[dict]:
-    """`parts` micro-batches of near-equal size. A part left empty (fewer rows than parts) gets the
-    first row with its response masked out: a zero loss, but DeepSpeed still sees `parts` backwards."""
+    """`parts` micro-batches of near-equal size, in order (a part left empty gets a `pad_row`)."""
     n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
-    out = []
-    for idx in torch.arange(n).tensor_split(parts):
-        if len(idx) == 0:
-            idx = torch.zeros(1, dtype=torch.long)
-            mb = {k: (v[idx] if torch.is_tensor(v) else v) for k, v in batch.items()}
-            mb["response_mask"] = torch.zeros_like(mb["response_mask"])
-            mb["pad_row"] = True
-        else:
-            mb = {k: (v[idx.to(v.device)] if torch.is_tensor(v) else v) for k, v in batch.items()}
-        out.append(mb)
-    return out
+    return [select_rows(batch, idx) for idx in torch.arange(n).tensor_split(parts)]
 
 
 def summarize(sums: dict, n_micro: int, world: int, global_keys: tuple) -> dict:
@@ -173,23 +175,20 @@ class Role:
 
     max_tokens = 0   # roles.<role>.max_tokens_per_micro_batch; 0: micro-batches of micro_batch_size rows
 
-    def rows_per_micro(self, batch: dict) -> int:
-        """Rows per micro-batch: `micro_batch_size`, or under a token budget as many padded rows as
-        fit (at least one): short sequences then run in few large micro-batches, long ones in small."""
-        if not self.max_tokens:
-            return self.micro_batch_size
-        return max(1, self.max_tokens // batch["input_ids"].shape[1])
-
-    def micro_indices(self, batch: dict) -> list[torch.Tensor]:
-        """Row indices of a scoring pass's micro-batches: consecutive `micro_batch_size` rows, or under
-        a token budget `pack_by_tokens`, as many on every rank (ZeRO-3 gathers in every forward; the
-        ranks' lengths differ): a rank with fewer gets empty entries, run as a dropped one-row forward."""
-        n = batch["input_ids"].shape[0]
-        if not self.max_tokens:
-            return list(torch.arange(n).split(self.micro_batch_size))
+    def packed(self, batch: dict) -> list[torch.Tensor]:
+        """Under a token budget: `pack_by_tokens`, as many micro-batches on every rank (ZeRO-3 gathers
+        in every forward, ZeRO-2/3 reduce in every backward; the ranks' lengths differ): a rank with
+        fewer gets empty entries, run as one masked-out row."""
         groups = pack_by_tokens(batch, self.max_tokens)
         k = int(all_reduce_max(float(len(groups))))
         return groups + [torch.zeros(0, dtype=torch.long)] * (k - len(groups))
+
+    def micro_indices(self, batch: dict) -> list[torch.Tensor]:
+        """Row indices of a scoring pass's micro-batches: consecutive `micro_batch_size` rows, or
+        `packed` under a token budget."""
+        if self.max_tokens:
+            return self.packed(batch)
+        return list(torch.arange(batch["input_ids"].shape[0]).split(self.micro_batch_size))
 
     def map_micro(self, batch: dict, fn):
         """`fn(micro_batch)` over `micro_indices`; each output (a tensor, or a tuple of tensors / None)
@@ -223,13 +222,9 @@ class Role:
         scale = gas * self.engine.world_size            # undo DeepSpeed's 1/gas and rank averaging
         batch = self.to_device(batch)
         # `gas` micro-steps: of micro_batch_size rows, or fewer when dynamic sampling shrank the batch.
-        # Under a token budget, as many as the budget needs: the same count on every rank (ZeRO-2/3
-        # reduce in every backward), with the accumulation boundary set by hand (`backward`).
-        parts = gas
-        if self.max_tokens:
-            n = batch["input_ids"].shape[0]
-            parts = int(all_reduce_max(float(-(-n // self.rows_per_micro(batch)))))
-        mbs = split_even(batch, parts)
+        # Under a token budget, rows packed by length (`packed`), with the accumulation boundary set
+        # by hand (`backward`). Each micro-batch carries its row positions (`rows`).
+        mbs = [select_rows(batch, idx) for idx in self.packed(batch)] if self.max_tokens else split_even(batch, gas)
         counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
         sums: dict[str, float] = {}
         for i, mb in enumerate(mbs):

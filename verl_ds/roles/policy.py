@@ -78,7 +78,8 @@ class Actor(PolicyRole):
         self.cfg, self.temperature = loss_cfg, temperature
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
         self.policy_loss = algos.get_policy_loss(loss_cfg.policy_loss)
-        self.collected: list[torch.Tensor] | None = None   # on-policy: this pass's logprobs, kept
+        # on-policy: this pass's (row positions, logprobs) per micro-batch, kept
+        self.collected: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     global_metric_keys = ("pg_loss", "entropy", "kl_loss")
 
@@ -89,7 +90,7 @@ class Actor(PolicyRole):
         # a batch used once is on-policy: the old policy is this very forward (ratio 1, exact)
         old = mb["old_logprobs"] if "old_logprobs" in mb else logprob.detach()
         if self.collected is not None and not mb.get("pad_row"):
-            self.collected.append(logprob.detach())
+            self.collected.append((mb["rows"], logprob.detach()))
         is_w = None
         if c.tis_cap and "rollout_logprobs" in mb:
             is_w = algos.tis_weights(old, mb["rollout_logprobs"], mask, cap=c.tis_cap)

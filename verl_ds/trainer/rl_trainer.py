@@ -274,7 +274,9 @@ class RLTrainer:
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
             if collect:
-                first_lp, self.actor.collected = torch.cat(self.actor.collected).float().cpu(), None
+                rows, lps = zip(*self.actor.collected)    # micro-batches may be packed out of order
+                first_lp = torch.cat(lps).float().cpu()[torch.cat(rows).argsort()]
+                self.actor.collected = None
                 train["old_logprobs"] = self._buffered(first_lp)
         out = {(k if k.startswith("critic/") else f"actor/{k}"): v / count for k, v in sums.items()}
         if self.critic:
