@@ -82,6 +82,12 @@ def select_rows(batch: dict, idx: torch.Tensor) -> dict:
     return mb
 
 
+def in_row_order(rows: list[torch.Tensor], parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-micro-batch outputs `parts` (of rows `rows`, together every row once) as one tensor in
+    row order."""
+    return torch.cat(parts)[torch.cat(rows).argsort().to(parts[0].device)]
+
+
 def split_even(batch: dict, parts: int) -> list[dict]:
     """`parts` micro-batches of near-equal size, in order (a part left empty gets a `pad_row`)."""
     n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
@@ -196,15 +202,12 @@ class Role:
         batch = self.to_device(batch)
         outs, rows, single = [], [], False
         for idx in self.micro_indices(batch):
-            sel = idx if len(idx) else torch.zeros(1, dtype=torch.long)
-            out = fn({k: (v[sel.to(v.device)] if torch.is_tensor(v) else v) for k, v in batch.items()})
+            out = fn(select_rows(batch, idx))           # an empty entry runs one dropped row
             single = not isinstance(out, tuple)
             if len(idx):
                 outs.append((out,) if single else out)
                 rows.append(idx)
-        back = torch.cat(rows).argsort()
-        merged = tuple(None if parts[0] is None else torch.cat(parts)[back.to(parts[0].device)]
-                       for parts in zip(*outs))
+        merged = tuple(None if parts[0] is None else in_row_order(rows, parts) for parts in zip(*outs))
         return merged[0] if single else merged
 
     # ------------------------------------------------------------ training (trainable roles)

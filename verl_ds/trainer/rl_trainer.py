@@ -22,6 +22,7 @@ from verl_ds.dist import all_gather_object, all_reduce_min, all_reduce_sum, init
 from verl_ds.ds_config import resolve
 from verl_ds.errors import ConfigError
 from verl_ds.roles import align_overflow, iter_full_params
+from verl_ds.roles.base import in_row_order
 from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
 from verl_ds.trainer import builder
@@ -275,7 +276,7 @@ class RLTrainer:
                 count += 1
             if collect:
                 rows, lps = zip(*self.actor.collected)    # micro-batches may be packed out of order
-                first_lp = torch.cat(lps).float().cpu()[torch.cat(rows).argsort()]
+                first_lp = in_row_order(list(rows), list(lps)).float().cpu()
                 self.actor.collected = None
                 train["old_logprobs"] = self._buffered(first_lp)
         out = {(k if k.startswith("critic/") else f"actor/{k}"): v / count for k, v in sums.items()}
