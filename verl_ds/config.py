@@ -53,6 +53,9 @@ class ModelConfig:
     reward_path: Optional[str] = None      # an HF sequence classifier; None: the task's rule reward
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # actor/reference passes run each distinct prompt once, its keys/values shared by its n responses
+    # (exact; HF causal LMs with a KV cache; off by itself under gradient checkpointing, which drops caches)
+    share_prompt: bool = True
 
 
 @dataclass

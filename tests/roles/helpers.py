@@ -36,3 +36,19 @@ def make_batch(vocab: int, b: int = 4, p: int = 5, r: int = 3, seed: int = 0) ->
     resp[1, -1] = 0                      # right padding in the response
     attn[1, -1] = 0
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+
+
+def make_group_batch(vocab: int, prompt_lens=(2, 5, 4), resp_lens=(1, 3, 2, 3), seed: int = 0) -> dict:
+    """GRPO-shaped rows: each prompt (left-padded) with len(resp_lens) responses (right-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    P, R, n = max(prompt_lens), max(resp_lens), len(resp_lens)
+    b = len(prompt_lens) * n
+    ids, attn = torch.zeros(b, P + R, dtype=torch.long), torch.zeros(b, P + R, dtype=torch.long)
+    resp = torch.zeros(b, R)
+    for k, p in enumerate(prompt_lens):
+        prompt = torch.randint(3, vocab, (p,), generator=g)
+        for j, r in enumerate(resp_lens):
+            i = k * n + j
+            ids[i, P - p:P], ids[i, P:P + r] = prompt, torch.randint(3, vocab, (r,), generator=g)
+            attn[i, P - p:P + r], resp[i, :r] = 1, 1
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}

@@ -4,10 +4,11 @@ import math
 import pytest
 import torch
 
-from tests.roles.helpers import Cfg, ds_config, make_batch
+from tests.roles.helpers import Cfg, ds_config, make_batch, make_group_batch
 from verl_ds.roles import (Actor, Critic, Reference, RewardModel, align_overflow, iter_full_params,
                            load_causal_lm, load_reward_model, load_value_model)
-from verl_ds.roles.base import pack_by_tokens
+from verl_ds.roles.base import pack_by_tokens, trim_padding
+from verl_ds.roles.policy import shared_prompt_logits
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -228,6 +229,50 @@ def test_padding_removal_runs_each_micro_batch_on_the_columns_it_uses(tiny_model
             torch.testing.assert_close(lp[i, :len(r)], want, rtol=0, atol=1e-5)
             v = critic.module(seq, torch.ones_like(seq), torch.arange(seq.shape[1])[None])[0]
             torch.testing.assert_close(values[i, :len(r)], v[len(p) - 1:-1].float(), rtol=0, atol=1e-5)
+
+
+def test_shared_prompt_logits_and_gradients_equal_the_full_sequences(tiny_model_dir):
+    """Each distinct prompt runs once and its keys/values serve its responses: the response logits
+    and the weights' gradients (which reach the prompt pass through the shared keys/values) equal
+    those of the full padded sequences."""
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_model_dir)
+    batch = make_group_batch(model.config.vocab_size)
+    inputs, r = trim_padding(batch)
+    real = batch["response_mask"].bool()
+    grads = []
+    for run in (lambda: model(**inputs, use_cache=False).logits[:, -r - 1:-1],
+                lambda: shared_prompt_logits(model, inputs, r)):
+        model.zero_grad()
+        logits = run()
+        torch.log_softmax(logits, -1)[real].square().sum().backward()
+        grads.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (full, g_full), (shared, g_shared) = grads
+    torch.testing.assert_close(shared[real], full[real], rtol=0, atol=1e-5)
+    for a, b in zip(g_shared, g_full):   # float32 summation order, relative to the tensor's scale
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_shared_prompt_pass_runs_each_prompt_once_with_the_same_update(tiny_model_dir, stage):
+    """An actor with share_prompts, on 3 prompts x 4 responses: one forward over the 3 distinct
+    prompts, one over the 12 responses; the logprobs and the step equal the full-sequence path's."""
+    torch.manual_seed(0)
+    cfg = ds_config("actor", stage, "fp32", micro=12, total=12)
+    actors = [Actor(load_causal_lm(tiny_model_dir), cfg, Cfg()) for _ in range(2)]
+    actors[1].share_prompts = True
+    batch = ppo_batch(actors[0], make_group_batch(actors[0].module.config.vocab_size))
+    shapes = []
+    actors[1].module.register_forward_pre_hook(lambda _m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                               with_kwargs=True)
+    real = batch["response_mask"].bool()
+    torch.testing.assert_close(actors[1].logprobs(batch)[real], batch["old_logprobs"][real], rtol=0, atol=1e-5)
+    assert shapes == [(3, 5), (12, 3)]
+    for a in actors:
+        a.update(batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=12.0)
+    p0, p1 = dict(iter_full_params(actors[0].engine)), dict(iter_full_params(actors[1].engine))
+    for n in p0:
+        torch.testing.assert_close(p1[n], p0[n], rtol=1e-4, atol=1e-5)
 
 
 def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():

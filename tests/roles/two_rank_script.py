@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.roles.helpers import Cfg, ds_config, make_batch
+from tests.roles.helpers import Cfg, ds_config, make_batch, make_group_batch
 from verl_ds.roles import Actor, iter_full_params, load_causal_lm
 from verl_ds.dist import BucketAllReduce, init_distributed
 
@@ -41,6 +41,7 @@ def main(model_dir: str, stage: int) -> None:
     assert len(set(everyone)) == 1, f"ranks diverged after a step at ZeRO-{stage}"
     assert after != before, "the step changed nothing"
     scoring_passes_match_across_ranks(actor, rank)
+    shared_prompts_step_in_sync(actor, rank, world)
     if stage == 0:
         same_update_as_deepspeed_reduction(model_dir, rank)
     if rank == 0:
@@ -65,6 +66,28 @@ def scoring_passes_match_across_ranks(actor, rank: int) -> None:
     counts = [None, None]
     dist.all_gather_object(counts, len(calls))
     assert counts == [4, 4], counts
+
+
+def shared_prompts_step_in_sync(actor, rank: int, world: int) -> None:
+    """Shared prompt passes where the ranks' prompts differ in number and length: the logprobs equal
+    the full-sequence path's, and a step keeps the ranks' weights identical (under ZeRO-3 both
+    passes gather the weights with the other rank, forward and backward)."""
+    shapes = [((2, 5), (1, 3, 2)), ((6, 3, 4), (2, 2))][rank]
+    batch = make_group_batch(actor.module.config.vocab_size, *shapes, seed=30 + rank)
+    real = batch["response_mask"] > 0
+    want = actor.logprobs(batch)
+    actor.share_prompts = True
+    got = actor.logprobs(batch)
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+    batch = {**batch, "old_logprobs": got, "advantages": torch.randn_like(got)}
+    tokens = torch.tensor([float(batch["response_mask"].sum()), float(len(got))])
+    dist.all_reduce(tokens)
+    before = digest(actor.engine)
+    actor.update(batch, global_tokens=tokens[0].item(), global_seqs=tokens[1].item())
+    actor.share_prompts = False
+    everyone = [None] * world
+    dist.all_gather_object(everyone, digest(actor.engine))
+    assert len(set(everyone)) == 1 and everyone[0] != before, "shared prompt passes: ranks diverged"
 
 
 def same_update_as_deepspeed_reduction(model_dir: str, rank: int) -> None:

@@ -32,16 +32,42 @@ def _contiguous_head_input(model) -> None:
         head.register_forward_pre_hook(lambda _m, args: (args[0].contiguous(), *args[1:]))
 
 
+def shared_prompt_logits(model, inputs: dict, resp_len: int) -> torch.Tensor:
+    """`[B, R, V]` logits predicting the R response tokens, with each distinct prompt run once.
+
+    GRPO/RLOO rows come n to a prompt: the prompt pass computes every distinct prompt's keys and
+    values once, each row then runs only its response against its prompt's (gradients flow back
+    through the sharing into the prompt pass). Exact up to summation order, since under causal
+    attention no prompt token sees its response. Always two forwards, whatever the prompts, so
+    ZeRO-3's per-forward weight gathers stay matched across ranks."""
+    ids, mask, pos = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
+    p = ids.shape[1] - resp_len
+    _, inv = torch.unique(torch.cat([ids[:, :p], mask[:, :p]], 1), dim=0, return_inverse=True)
+    rows = torch.arange(len(ids), device=ids.device)
+    first = torch.empty(int(inv.max()) + 1, dtype=torch.long, device=ids.device).scatter_(0, inv, rows)
+    pre = model(input_ids=ids[first, :p], attention_mask=mask[first, :p], position_ids=pos[first, :p],
+                use_cache=True, logits_to_keep=1)
+    cache = pre.past_key_values
+    cache.reorder_cache(inv)                                  # row i reads its prompt's keys/values
+    # the response pass's last position predicts nothing; it runs so the pass is never empty
+    out = model(input_ids=ids[:, p:], attention_mask=mask, position_ids=pos[:, p:], past_key_values=cache,
+                use_cache=False)
+    return torch.cat([pre.logits[inv], out.logits[:, :-1]], 1)
+
+
 class PolicyRole(Role):
     """Log-probabilities of the response tokens: batch tensors are `[B, P + R]` with the response
     in the last R positions; outputs are fp32 `[B, R]`."""
 
+    share_prompts = False   # the builder's choice (model.share_prompt; never under gradient checkpointing)
+
     def forward(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
         width = batch["response_mask"].shape[1]
         inputs, resp_len = trim_padding(batch)               # only the columns some row uses
-        # only the positions that predict response tokens: no [B, P, V] logits for the prompt
-        logits = self.engine(**inputs, use_cache=False, logits_to_keep=resp_len + 1).logits
-        logits = logits[:, :-1]                               # position t predicts token t + 1
+        if self.share_prompts and inputs["input_ids"].shape[1] > resp_len:
+            logits = shared_prompt_logits(self.engine, inputs, resp_len)
+        else:   # only the positions that predict response tokens: no [B, P, V] logits for the prompt
+            logits = self.engine(**inputs, use_cache=False, logits_to_keep=resp_len + 1).logits[:, :-1]
         if temperature != 1.0:
             logits = logits / temperature                     # match the rollout's processed logprobs
         labels = inputs["input_ids"][:, -resp_len:]

@@ -11,8 +11,8 @@ from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_token
 from verl_ds.ds_config import render_ds_configs
 from verl_ds.errors import ConfigError
 from verl_ds.precision import ResolvedPrecision
-from verl_ds.roles import (Actor, Critic, Reference, RewardModel, Role, load_causal_lm, load_reward_model,
-                           load_value_model)
+from verl_ds.roles import (Actor, Critic, PolicyRole, Reference, RewardModel, Role, load_causal_lm,
+                           load_reward_model, load_value_model)
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.dist import barrier, rank
 
@@ -100,6 +100,8 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
     for name, role in roles.items():
         if isinstance(role, Role):   # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = getattr(cfg.roles, name).max_tokens_per_micro_batch
+        if isinstance(role, PolicyRole):
+            role.share_prompts = m.share_prompt and not role.module.is_gradient_checkpointing
     return roles
 
 
