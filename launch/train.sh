@@ -22,4 +22,10 @@ else
 fi
 # DeepSpeed's CPU shm all-reduce leaves a ~66 MB /dev/shm file per rank; remove this run's on exit.
 trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_* 2>/dev/null || true' EXIT
-deepspeed "${args[@]}" --module verl_ds.cli train --config "$config" "$@"
+if [ "$VERL_DS_DEVICE" = cpu ] && [ -z "${HOSTFILE:-}" ]; then
+  # One CPU node: DeepSpeed's per-node launcher without the `deepspeed` runner in front (3-4 s less).
+  python -m verl_ds.launcher --num_ranks "${NUM_RANKS:-2}" --master_port "$port" -- \
+    --module verl_ds.cli train --config "$config" "$@"
+else
+  deepspeed "${args[@]}" --module verl_ds.cli train --config "$config" "$@"
+fi

@@ -1,12 +1,13 @@
 """End to end through the deepspeed launcher with 2 CPU ranks, gloo and a real vLLM engine."""
 import math
 import shutil
+import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.helpers import read_metrics, run_train, run_until_step, wandb_history
+from tests.e2e.helpers import ROOT, read_metrics, run_train, run_until_step, train_cmd, wandb_history
 
 pytestmark = pytest.mark.e2e
 FAST = ["trainer.prompts_per_step=8", "rollout.n=8", "logging.sample_every=2", "roles.actor.micro_batch_size=16",
@@ -131,3 +132,14 @@ def test_lora_zero3_two_ranks_sync_and_kill_resume(tmp_path):
     for got, want in zip(resumed, rows[2:]):
         for key in ("reward/mean", "actor/pg_loss", "actor/kl_ref", "data/position"):
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (key, got[key], want[key])
+
+
+def test_a_user_mistake_exits_2_with_one_line_through_the_launcher(tmp_path):
+    """launch/train.sh's launcher hands a rank's exit code back (2 for a user mistake), the error is
+    one line naming the key, and nothing is left of the run (no traceback, no checkpoint)."""
+    cmd, env = train_cmd("grpo_cpu_tiny.yaml", tmp_path / "run", "trainer.no_such_key=1")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "error: trainer.no_such_key: unknown key" in out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
