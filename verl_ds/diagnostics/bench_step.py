@@ -5,8 +5,8 @@ Measured in one run, in this process's world (1 rank; under the launcher, this r
 - training MFU: the actor update's model FLOPs (6 x params x tokens x epochs, plus 2 x params x
   tokens for each extra forward) against the matmul rate of the actor's dtype measured here;
 - a plain-PyTorch floor for the same job: the same HF model, batch, sampling and loss (group
-  advantages, PPO clip, k3 KL to a frozen copy, AdamW, gradient checkpointing if the job has it),
-  no DeepSpeed, no vLLM, no bookkeeping; under the launcher each rank's floor trains alone (no
+  advantages, PPO clip, k3 KL to a frozen copy, AdamW, gradient checkpointing if the job has it,
+  each prompt run once for its n responses if the job does, as verl-ds), no DeepSpeed, no vLLM, no bookkeeping; under the launcher each rank's floor trains alone (no
   gradient all-reduce). Its steps alternate with verl-ds's.
 Printed as ratios. The trainer class is passed in (diagnostics sit below the trainer layer).
 """
@@ -19,6 +19,8 @@ import time
 import torch
 
 from verl_ds import algos
+from verl_ds.roles.base import model_inputs
+from verl_ds.roles.policy import shared_prompt_logits
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -68,8 +70,14 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
         scores = torch.rand(len(seq))                     # reward cost is not the framework's
         adv = algos.grpo_advantages(scores=scores, response_mask=mask, group_ids=groups)
 
-        def logprobs(model):
-            logits = model(input_ids=out, attention_mask=full_attn).logits[:, width - 1:-1].float() / r.temperature
+        inputs = model_inputs({"input_ids": out, "attention_mask": full_attn})
+
+        def logprobs(model):   # shared prompts as in verl-ds: not under gradient checkpointing (no caches)
+            if cfg.model.share_prompt and not model.is_gradient_checkpointing:
+                logits = shared_prompt_logits(model, inputs, seq.shape[1])
+            else:
+                logits = model(**inputs).logits[:, width - 1:-1]
+            logits = logits.float() / r.temperature
             return torch.log_softmax(logits, -1).gather(-1, seq[..., None])[..., 0]
         with torch.no_grad():
             ref_lp = logprobs(ref) if ref is not None else None
