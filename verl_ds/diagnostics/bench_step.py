@@ -3,7 +3,7 @@
 Measured in one run, in this process's world (1 rank; under the launcher, this rank's share):
 - verl-ds: median per-phase seconds over `steps` steps after one warm-up step, tokens/s;
 - training MFU: the actor update's model FLOPs (6 x params x tokens x epochs, plus 2 x params x
-  tokens for each extra forward) against the matmul rate of the actor's dtype measured here;
+  tokens for each extra forward; tokens the actor runs, so a shared prompt counts once) against the matmul rate of the actor's dtype measured here;
 - a plain-PyTorch floor for the same job: the same HF model, batch, sampling and loss (group
   advantages, PPO clip, k3 KL to a frozen copy, AdamW, gradient checkpointing if the job has it,
   each prompt run once for its n responses if the job does, as verl-ds), no DeepSpeed, no vLLM, no bookkeeping; under the launcher each rank's floor trains alone (no
@@ -117,6 +117,8 @@ def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.startswith("timing_s/")}
     step_s = med["timing_s/step"]
     tokens = statistics.median(r["perf/throughput"] for r in rows) * step_s / trainer.world   # this rank's
+    if trainer.actor.share_prompts:   # FLOPs of the tokens the actor runs: each prompt once, not n times
+        tokens -= (cfg.rollout.n - 1) * sum(len(p) for p in prompts)
     rate = matmul_rate(dtype)
     passes = cfg.algorithm.ppo_epochs * 3 + (1 if "timing_s/old_logprob" in med else 0) + \
         (1 if "timing_s/ref" in med else 0)                # fwd+bwd = 3 forward-equivalents per epoch
