@@ -3,9 +3,12 @@
 
 def train(cfg, reward_fn=None, exiting: bool = False) -> dict:
     """Train to `trainer.steps`, then close; `exiting` (the CLI): the process ends right after."""
+    from verl_ds.dist import barrier
     from verl_ds.trainer.rl_trainer import RLTrainer
 
     with RLTrainer(cfg, reward_fn=reward_fn) as trainer:
         metrics = trainer.fit()
         trainer.close(exiting=exiting)      # after an error, __exit__ closes in full
+    if exiting:
+        barrier()   # the ranks end together, so the launcher sees them all done in one look
     return metrics
