@@ -3,11 +3,13 @@
 Measured in one run, in this process's world (1 rank; under the launcher, this rank's share):
 - verl-ds: median per-phase seconds over `steps` steps after one warm-up step, tokens/s;
 - training MFU: the actor update's model FLOPs (6 x params x tokens x epochs, plus 2 x params x
-  tokens for each extra forward; tokens the actor runs, so a shared prompt counts once) against the matmul rate of the actor's dtype measured here;
+  tokens for each extra forward; the tokens the actor runs, so a shared prompt counts once) against
+  the matmul rate of the actor's dtype measured here;
 - a plain-PyTorch floor for the same job: the same HF model, batch, sampling and loss (group
   advantages, PPO clip, k3 KL to a frozen copy, AdamW, gradient checkpointing if the job has it,
-  each prompt run once for its n responses if the job does, as verl-ds), no DeepSpeed, no vLLM, no bookkeeping; under the launcher each rank's floor trains alone (no
-  gradient all-reduce). Its steps alternate with verl-ds's.
+  each prompt run once for its n responses where verl-ds does), no DeepSpeed, no vLLM, no
+  bookkeeping; under the launcher each rank's floor trains alone (no gradient all-reduce). Its
+  steps alternate with verl-ds's.
 Printed as ratios. The trainer class is passed in (diagnostics sit below the trainer layer).
 """
 from __future__ import annotations
