@@ -73,24 +73,43 @@ def device_tensor(values, dtype=torch.float64) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=get_accelerator().current_device_name())
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few floats over ranks (identity in a 1-rank world)."""
+_SHM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def sum_(t: torch.Tensor) -> None:
+    """In-place SUM over ranks. On one CPU node: DeepSpeed's shared-memory all-reduce (2 ranks: 4 us
+    for a few floats, 0.4 ms for 1.3 MB, vs 630 us and 3.1 ms through gloo's loopback TCP). Its
+    kernel silently skips other dtypes, non-contiguous tensors and ranks on several nodes, so those,
+    and GPUs, take the process group's all-reduce."""
+    import deepspeed.comm as dsc
     import torch.distributed as dist
+
+    if (t.device.type == "cpu" and t.dtype in _SHM_DTYPES and t.is_contiguous() and dsc.is_initialized()
+            and os.environ.get("LOCAL_SIZE") == str(dist.get_world_size())):
+        dsc.inference_all_reduce(t)   # itself falls back to the process group where the CPU lacks its ISA
+    else:
+        dist.all_reduce(t)
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over ranks in float32 (exact for counts below 2**24; identity in a 1-rank world)."""
     if not is_distributed():
         return list(values)
-    t = device_tensor(values)
-    dist.all_reduce(t)
+    t = device_tensor(values, torch.float32)
+    sum_(t)
     return t.cpu().tolist()
 
 
 def all_reduce_min(value: float) -> float:
-    """The smallest `value` over ranks (identity in a 1-rank world)."""
+    """The smallest `value` over ranks, as float32 (counts; identity in a 1-rank world): each rank
+    fills its own slot of a zero vector and the sum gathers them, so one cheap SUM serves."""
     import torch.distributed as dist
     if not is_distributed():
         return value
-    t = device_tensor([value])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
+    t = device_tensor([0.0] * dist.get_world_size(), torch.float32)
+    t[dist.get_rank()] = value
+    sum_(t)
+    return float(t.min())
 
 
 def all_reduce_max(value: float) -> float:
@@ -118,7 +137,7 @@ class BucketAllReduce:
         for t in tensors:
             nbytes = t.numel() * t.element_size()
             if nbytes >= self.bucket_bytes:
-                dist.all_reduce(t)
+                sum_(t)
                 t.mul_(scale)
                 continue
             if pending and (pending[0].dtype != t.dtype or size + nbytes > self.bucket_bytes):
@@ -130,8 +149,6 @@ class BucketAllReduce:
             self._flush(pending, scale)
 
     def _flush(self, tensors: list, scale: float) -> None:
-        import torch.distributed as dist
-
         key = (tensors[0].dtype, tensors[0].device)
         if key not in self._buffers:
             self._buffers[key] = torch.empty(self.bucket_bytes // tensors[0].element_size(), dtype=key[0],
@@ -140,7 +157,7 @@ class BucketAllReduce:
         views = flat.split([t.numel() for t in tensors])
         for v, t in zip(views, tensors):
             v.copy_(t.reshape(-1))
-        dist.all_reduce(flat)
+        sum_(flat)
         flat.mul_(scale)
         for v, t in zip(views, tensors):
             t.copy_(v.view_as(t))

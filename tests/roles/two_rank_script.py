@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from tests.roles.helpers import Cfg, ds_config, make_batch, make_group_batch
 from verl_ds.roles import Actor, iter_full_params, load_causal_lm
-from verl_ds.dist import BucketAllReduce, init_distributed
+from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_min, all_reduce_sum, init_distributed, sum_
 
 
 def digest(engine) -> str:
@@ -22,6 +22,7 @@ def digest(engine) -> str:
 def main(model_dir: str, stage: int) -> None:
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    sums_are_sums(rank, world)
     ds = ds_config("actor", stage, "fp32", micro=2, total=4)
     ds["train_batch_size"] = 2 * world          # 2 per rank, no accumulation
     ds["gradient_accumulation_steps"] = 1
@@ -46,6 +47,21 @@ def main(model_dir: str, stage: int) -> None:
         same_update_as_deepspeed_reduction(model_dir, rank)
     if rank == 0:
         print(f"TWO_RANK_OK stage={stage}", flush=True)
+
+
+def sums_are_sums(rank: int, world: int) -> None:
+    """sum_ is a SUM over ranks through DeepSpeed's shm kernel (fp32, bf16, fp16; 12 MB, several of
+    its chunks) and through the process group where the kernel would silently do nothing (float64);
+    so are min/max/sum of a few numbers."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(3 << 20, generator=g) for _ in range(world)]      # 12 MB: the kernel's chunks
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        t = parts[rank].to(dtype, copy=True)
+        sum_(t)
+        want = sum(p.to(dtype).float() for p in parts)
+        torch.testing.assert_close(t.float(), want, rtol=0.02 if t.element_size() == 2 else 1e-6, atol=0.02)
+    assert all_reduce_sum([1.0 + rank, 10.0]) == [sum(1.0 + r for r in range(world)), 10.0 * world]
+    assert all_reduce_min(5.0 - rank) == 5.0 - (world - 1) and all_reduce_max(float(rank)) == world - 1
 
 
 def scoring_passes_match_across_ranks(actor, rank: int) -> None:
