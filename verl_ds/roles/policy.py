@@ -42,9 +42,9 @@ def shared_prompt_logits(model, inputs: dict, resp_len: int) -> torch.Tensor:
     ZeRO-3's per-forward weight gathers stay matched across ranks."""
     ids, mask, pos = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
     p = ids.shape[1] - resp_len
-    _, inv = torch.unique(torch.cat([ids[:, :p], mask[:, :p]], 1), dim=0, return_inverse=True)
+    distinct, inv = torch.unique(torch.cat([ids[:, :p], mask[:, :p]], 1), dim=0, return_inverse=True)
     rows = torch.arange(len(ids), device=ids.device)
-    first = torch.empty(int(inv.max()) + 1, dtype=torch.long, device=ids.device).scatter_(0, inv, rows)
+    first = torch.empty(len(distinct), dtype=torch.long, device=ids.device).scatter_(0, inv, rows)   # a row each
     pre = model(input_ids=ids[first, :p], attention_mask=mask[first, :p], position_ids=pos[first, :p],
                 use_cache=True, logits_to_keep=1)
     cache = pre.past_key_values
