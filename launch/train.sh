@@ -18,7 +18,6 @@ elif [ "$VERL_DS_DEVICE" = gpu ]; then
 else
   # CPU: one OpenMP thread per rank, so the ranks and the vLLM worker share the cores.
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-  args+=(--num_gpus "${NUM_RANKS:-2}")
 fi
 # DeepSpeed's CPU shm all-reduce leaves a ~66 MB /dev/shm file per rank; remove this run's on exit.
 trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_* 2>/dev/null || true' EXIT
