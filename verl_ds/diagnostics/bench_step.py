@@ -119,12 +119,13 @@ def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.startswith("timing_s/")}
     step_s = med["timing_s/step"]
     tokens = statistics.median(r["perf/throughput"] for r in rows) * step_s / trainer.world   # this rank's
-    if trainer.actor.share_prompts:   # FLOPs of the tokens the actor runs: each prompt once, not n times
-        tokens -= (cfg.rollout.n - 1) * sum(len(p) for p in prompts)
+    run = tokens   # the tokens the actor's forwards run (FLOPs): a shared prompt once, not n times
+    if trainer.actor.share_prompts:
+        run -= (cfg.rollout.n - 1) * sum(len(p) for p in prompts)
     rate = matmul_rate(dtype)
     passes = cfg.algorithm.ppo_epochs * 3 + (1 if "timing_s/old_logprob" in med else 0) + \
         (1 if "timing_s/ref" in med else 0)                # fwd+bwd = 3 forward-equivalents per epoch
-    mfu = 2 * params * tokens * passes / max(med.get("timing_s/update_actor", 0) + med.get("timing_s/old_logprob", 0)
+    mfu = 2 * params * run * passes / max(med.get("timing_s/update_actor", 0) + med.get("timing_s/old_logprob", 0)
                                              + med.get("timing_s/ref", 0), 1e-9) / rate
     floor_med = {k: statistics.median(f[k] for f in floor_times) for k in floor_times[0]}
     floor = floor_med["step"]
