@@ -8,7 +8,7 @@ from tests.roles.helpers import Cfg, ds_config, make_batch, make_group_batch
 from verl_ds.roles import (Actor, Critic, Reference, RewardModel, align_overflow, iter_full_params,
                            load_causal_lm, load_reward_model, load_value_model)
 from verl_ds.roles.base import pack_by_tokens, trim_padding
-from verl_ds.roles.policy import shared_prompt_logits
+from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -251,6 +251,12 @@ def test_shared_prompt_logits_and_gradients_equal_the_full_sequences(tiny_model_
     torch.testing.assert_close(shared[real], full[real], rtol=0, atol=1e-5)
     for a, b in zip(g_shared, g_full):   # float32 summation order, relative to the tensor's scale
         assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
+
+
+def test_gradient_checkpointing_turns_prompt_sharing_off(tiny_model_dir):
+    """HF drops the KV cache in checkpointed layers: a checkpointed model must not share prompts."""
+    assert can_share_prompts(load_causal_lm(tiny_model_dir))
+    assert not can_share_prompts(load_causal_lm(tiny_model_dir, grad_checkpointing=True))
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -22,7 +22,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.roles.base import model_inputs
-from verl_ds.roles.policy import shared_prompt_logits
+from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,8 +74,8 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
 
         inputs = model_inputs({"input_ids": out, "attention_mask": full_attn})
 
-        def logprobs(model):   # shared prompts as in verl-ds: not under gradient checkpointing (no caches)
-            if cfg.model.share_prompt and not model.is_gradient_checkpointing:
+        def logprobs(model):   # prompts shared where verl-ds shares them
+            if cfg.model.share_prompt and can_share_prompts(model):
                 logits = shared_prompt_logits(model, inputs, seq.shape[1])
             else:
                 logits = model(**inputs).logits[:, width - 1:-1]

@@ -32,6 +32,12 @@ def _contiguous_head_input(model) -> None:
         head.register_forward_pre_hook(lambda _m, args: (args[0].contiguous(), *args[1:]))
 
 
+def can_share_prompts(model) -> bool:
+    """Shared prompt passes need the prompt's KV cache, which HF drops in gradient-checkpointed layers
+    (the response pass would then silently run without its prompt)."""
+    return not model.is_gradient_checkpointing
+
+
 def shared_prompt_logits(model, inputs: dict, resp_len: int) -> torch.Tensor:
     """`[B, R, V]` logits predicting the R response tokens, with each distinct prompt run once.
 
@@ -59,7 +65,7 @@ class PolicyRole(Role):
     """Log-probabilities of the response tokens: batch tensors are `[B, P + R]` with the response
     in the last R positions; outputs are fp32 `[B, R]`."""
 
-    share_prompts = False   # the builder's choice (model.share_prompt; never under gradient checkpointing)
+    share_prompts = False   # the builder's choice: model.share_prompt and can_share_prompts
 
     def forward(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
         width = batch["response_mask"].shape[1]

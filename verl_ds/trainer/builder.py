@@ -14,6 +14,7 @@ from verl_ds.precision import ResolvedPrecision
 from verl_ds.roles import (Actor, Critic, PolicyRole, Reference, RewardModel, Role, load_causal_lm,
                            load_reward_model, load_value_model)
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
+from verl_ds.roles.policy import can_share_prompts
 from verl_ds.dist import barrier, rank
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
         if isinstance(role, Role):   # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = getattr(cfg.roles, name).max_tokens_per_micro_batch
         if isinstance(role, PolicyRole):
-            role.share_prompts = m.share_prompt and not role.module.is_gradient_checkpointing
+            role.share_prompts = m.share_prompt and can_share_prompts(role.module)
     return roles
 
 
