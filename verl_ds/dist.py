@@ -34,6 +34,8 @@ def init_distributed() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():   # one GPU per local rank, before NCCL picks cuda:0 for everyone
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
     if not torch.cuda.is_available():
         atexit.register(_remove_shm_buffer)

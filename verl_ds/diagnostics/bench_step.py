@@ -25,21 +25,26 @@ from verl_ds.roles.base import model_inputs
 from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def matmul_rate(dtype: str, n: int = 1024, reps: int = 5) -> float:
-    """FLOP/s of an n x n matmul in `dtype` on this machine (CPU or the current GPU)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    a = torch.randn(n, n, device=dev).to(_DTYPES[dtype])
-    a @ a
-    if dev == "cuda":
+def _now() -> float:
+    """A timestamp after the GPU's queued work (CUDA kernels run asynchronously)."""
+    if _DEV == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    return time.perf_counter()
+
+
+def matmul_rate(dtype: str, n: int | None = None, reps: int = 5) -> float:
+    """FLOP/s of an n x n matmul in `dtype` on this machine (CPU or the current GPU; a GPU needs
+    large matrices to reach its rate)."""
+    n = n or (8192 if _DEV == "cuda" else 1024)
+    a = torch.randn(n, n, device=_DEV).to(_DTYPES[dtype])
+    a @ a
+    t0 = _now()
     for _ in range(reps):
         a @ a
-    if dev == "cuda":
-        torch.cuda.synchronize()
-    return reps * 2 * n ** 3 / (time.perf_counter() - t0)
+    return reps * 2 * n ** 3 / (_now() - t0)
 
 
 def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_id: int, eos_ids: list[int]):
@@ -50,26 +55,27 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
 
     a, r = cfg.algorithm, cfg.rollout
     dt = _DTYPES[dtype]
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dt)
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dt).to(_DEV)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
     if cfg.precision.enable_grad_checkpointing:        # part of the job (memory), so the floor pays it too
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.roles.actor.lr, weight_decay=0.0)
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts for _ in range(r.n)])
-    attn = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts for _ in range(r.n)])[:, None]).long()
-    groups = torch.arange(len(prompts)).repeat_interleave(r.n)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts for _ in range(r.n)], device=_DEV)
+    attn = (torch.arange(width, device=_DEV)[None] >=
+            torch.tensor([width - len(p) for p in prompts for _ in range(r.n)], device=_DEV)[:, None]).long()
+    groups = torch.arange(len(prompts), device=_DEV).repeat_interleave(r.n)
     while True:
-        t = [time.perf_counter()]
+        t = [_now()]
         policy.eval()                                     # HF checkpoints layers only in train mode
         with torch.no_grad():
             out = policy.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=r.temperature,
                                   top_k=0, max_new_tokens=r.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids)
-        t.append(time.perf_counter())
+        t.append(_now())
         seq = out[:, width:]
         mask = torch.ones_like(seq, dtype=torch.float32)
         full_attn = torch.cat([attn, torch.ones_like(seq)], 1)
-        scores = torch.rand(len(seq))                     # reward cost is not the framework's
+        scores = torch.rand(len(seq), device=_DEV)                   # reward cost is not the framework's
         adv = algos.grpo_advantages(scores=scores, response_mask=mask, group_ids=groups)
 
         inputs = model_inputs({"input_ids": out, "attention_mask": full_attn})
@@ -83,7 +89,7 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
             return torch.log_softmax(logits, -1).gather(-1, seq[..., None])[..., 0]
         with torch.no_grad():
             ref_lp = logprobs(ref) if ref is not None else None
-        t.append(time.perf_counter())
+        t.append(_now())
         old = None                                        # the first epoch's forward is the old policy
         policy.train()
         for _ in range(a.ppo_epochs):
@@ -96,7 +102,7 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
             torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.trainer.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        t.append(time.perf_counter())
+        t.append(_now())
         yield {"gen": t[1] - t[0], "ref": t[2] - t[1], "update_actor": t[3] - t[2], "step": t[3] - t[0]}
 
 

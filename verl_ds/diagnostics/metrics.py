@@ -11,6 +11,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 
 
 SUMMED = {"perf/throughput"}   # per-rank tokens/s add up to the job's
@@ -50,6 +51,8 @@ class Timer:
         try:
             yield
         finally:
+            if torch.cuda.is_initialized():   # CUDA kernels run asynchronously: charge them to this phase
+                torch.cuda.synchronize()
             key = f"timing_s/{name}"
             self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - t0
 
