@@ -140,7 +140,7 @@ class AlgorithmConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "vllm"                   # vllm | hf
+    engine: str = "vllm"                   # vllm | hf | auto (CPU: HF generate for models under 2M params)
     n: int = 8                             # samples per prompt
     temperature: float = 1.0               # > 0; the trainer scores with the same temperature
     top_p: float = 1.0                     # < 1: rollout logprobs are of the truncated distribution
@@ -367,7 +367,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "algorithm.reward_normalization": (a.reward_normalization, ("none", "batch", "running")),
         "algorithm.policy_loss": (a.policy_loss, POLICY_LOSSES),
         "algorithm.filter_groups.metric": (a.filter_groups.metric, ("acc", "score")),
-        "rollout.engine": (r.engine, ("vllm", "hf")),
+        "rollout.engine": (r.engine, ("vllm", "hf", "auto")),
         "logging.wandb.mode": (cfg.logging.wandb.mode, ("online", "offline", "disabled")),
         "data.task": (d.task, ("arithmetic", "files", "reasoning_gym")),
         "trainer.device": (t.device, ("auto", "cpu", "cuda")),

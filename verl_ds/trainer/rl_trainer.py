@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from verl_ds.errors import ConfigError
 from verl_ds.roles import align_overflow, iter_full_params
 from verl_ds.roles.base import in_row_order
 from verl_ds.roles.params import export_adapter, export_hf
-from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
+from verl_ds.rollout import generate_distributed, make_rollout, resolve_engine, sync_distributed
 from verl_ds.trainer import builder
 from verl_ds.trainer.groups import merge_parts, select_groups, varied_groups
 from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
@@ -46,6 +46,8 @@ class RLTrainer:
         self.precision = resolve(cfg)          # the one place `auto` meets the hardware
         self.run_dir = Path(cfg.trainer.run_dir)
         self.model_path = builder.resolve_model_path(cfg)
+        # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
+        self.cfg = cfg = replace(cfg, rollout=replace(cfg.rollout, engine=resolve_engine(cfg.rollout, self.model_path)))
         self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
         self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)

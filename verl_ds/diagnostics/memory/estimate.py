@@ -7,7 +7,7 @@ Stages of one RL step: `rollout`, `score`, `update`, `sync`; components: `weight
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from verl_ds.ds_config import ds_dtype
 
@@ -173,6 +173,10 @@ def estimate_memory(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: 
                     gpu_gib: float | None = None, reward_shape: ModelShape | None = None
                     ) -> dict[str, dict[str, dict[str, float]]]:
     """{stage: {role: {component: bytes}}} per GPU (rank 0, which also hosts the rollout engine)."""
+    if cfg.rollout.engine == "auto":   # the engine the trainer would pick for this model and device
+        from verl_ds.rollout.distributed import choose_engine
+        engine = choose_engine("auto", shape.params("lm"), bool(gpu_gib))[0]
+        cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine))
     w = workload(cfg, world)
     per_role = {role: run_role_memory(cfg, (reward_shape or shape) if role == "reward" else shape, role, ds, w)
                 for role, ds in ds_configs.items()}
