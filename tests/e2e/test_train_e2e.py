@@ -11,7 +11,6 @@ from tests.e2e.helpers import ROOT, read_metrics, run_train, run_until_step, tra
 
 pytestmark = pytest.mark.e2e
 FAST = ["trainer.prompts_per_step=8", "rollout.n=8", "logging.sample_every=2", "roles.actor.micro_batch_size=16",
-        "rollout.engine=vllm",        # the example's auto picks HF generate for its tiny model
         "roles.actor.zero_stage=3",   # the ZeRO-3 gather into vLLM (the example picks auto -> 0 at this size)
         "roles.critic.micro_batch_size=16", "roles.reference.micro_batch_size=16",
         "data.reward_fn=tests.e2e.helpers:length_reward", "trainer.val_every=0", "trainer.val_before_train=false",

@@ -27,7 +27,28 @@ def test_auto_counts_the_checkpoints_parameters_and_builds_hf_generate_for_a_tin
     assert isinstance(rollout, HFRollout)
 
 
-def test_the_quickstart_example_says_auto_and_a_bad_engine_names_the_choices():
-    assert load_config("examples/grpo_cpu_tiny.yaml").rollout.engine == "auto"
+def test_a_trainer_resolves_auto_before_building_and_a_bad_engine_names_the_choices(tmp_path):
+    from tests.diagnostics.helpers import tiny_overrides
+    from verl_ds.trainer.rl_trainer import RLTrainer
+
+    cfg = load_config(None, tiny_overrides(tmp_path) + ["rollout.engine=auto"])
+    with RLTrainer(cfg) as trainer:
+        assert trainer.cfg.rollout.engine == "hf" and isinstance(trainer.rollout, HFRollout)
+        assert trainer.step()["timing_s/gen"] > 0
     with pytest.raises(ConfigError, match="rollout.engine.*vllm, hf, auto"):
-        load_config("examples/grpo_cpu_tiny.yaml", ["rollout.engine=fast"])
+        load_config(None, ["rollout.engine=fast"])
+
+
+def test_the_memory_estimate_follows_auto():
+    from verl_ds.diagnostics.memory.estimate import ModelShape, estimate_memory
+    from verl_ds.ds_config import render_ds_configs, resolve
+
+    tiny = ModelShape(vocab=64, hidden=128, layers=2, heads=4, kv_heads=4, ffn=256, head_dim=32)
+    cfg = load_config(None, ["rollout.engine=auto", "precision.rollout_dtype=fp32", "precision.actor_dtype=fp32",
+                             "precision.reference_dtype=fp32"])
+    ds = render_ds_configs(cfg, 1, precision=resolve(cfg))
+    cpu = estimate_memory(cfg, tiny, ds, 1, "fp32")
+    gpu = estimate_memory(cfg, tiny, ds, 1, "fp32", gpu_gib=80.0)
+    # HF generate holds its KV cache only while generating; vLLM reserves its pool for the whole step
+    assert "kv_cache" not in cpu["update"]["rollout"] and cpu["rollout"]["rollout"]["kv_cache"] > 0
+    assert gpu["update"]["rollout"]["kv_cache"] > 0
