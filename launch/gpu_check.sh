@@ -6,7 +6,7 @@
 # time against a plain-PyTorch floor on the same GPU). DeepSpeed (pure Python) and its missing
 # dependencies may travel as wheels in ./.whl (launch/gpu_wheels.sh); vLLM is used when importable,
 # else HF generate.
-#   bash launch/gpu_check.sh        results: runs/gpu_check/{bf16,fp16}/metrics.jsonl, bench.txt, summary.txt
+#   bash launch/gpu_check.sh        results: runs/gpu_check/{bf16,fp16}/metrics.jsonl, *.log, summary.txt
 # GPU_CHECK_SMALL=1 shrinks the job so the script itself can be tried on a CPU machine.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
