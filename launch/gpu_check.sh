@@ -44,21 +44,14 @@ timeout 110 "$PY" -m verl_ds.cli bench step --config examples/grpo_cpu_tiny.yaml
   precision.actor_dtype=bf16 precision.reference_dtype=bf16 trainer.run_dir=$out/bench > "$out/bench.log" 2>&1
 echo "exit $?"; grep -E "^\||tokens/s|floor|params" "$out/bench.log" || tail -n 15 "$out/bench.log"
 "$PY" - "$out" <<'PY' | tee "$out/summary.txt"
-import json, sys, time
+import json, sys
 import torch
 from safetensors.torch import load_file
+from verl_ds.diagnostics.bench_step import matmul_rate
 out = sys.argv[1]
-dev = "cuda" if torch.cuda.is_available() else "cpu"
-n = 8192 if dev == "cuda" else 1024
-a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-a @ a
-torch.cuda.synchronize() if dev == "cuda" else None
-t0 = time.perf_counter()
-for _ in range(20):
-    a @ a
-torch.cuda.synchronize() if dev == "cuda" else None
-peak = 20 * 2 * n ** 3 / (time.perf_counter() - t0)
-print(f"bf16 matmul (measured): {peak / 1e12:.1f} TFLOP/s on {torch.cuda.get_device_name() if dev == 'cuda' else 'CPU'}")
+peak = matmul_rate("bf16", reps=20)
+print(f"bf16 matmul (measured): {peak / 1e12:.1f} TFLOP/s on "
+      f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
 for dtype in ("bf16", "fp16"):
     try:
         rows = [r for r in map(json.loads, open(f"{out}/{dtype}/metrics.jsonl")) if "reward/mean" in r]
