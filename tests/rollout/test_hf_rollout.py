@@ -4,7 +4,7 @@ import torch
 
 from tests.rollout.helpers import PROMPTS, load_hf, max_logprob_diff
 from verl_ds.rollout import HFRollout, prompt_seeds
-from verl_ds.rollout.hf_rollout import processed_logprobs
+from verl_ds.rollout.hf_rollout import inverse_cdf_sample, processed_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,38 @@ def test_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     lp = processed_logprobs(logits, 1.0, top_p=0.7)
     assert torch.isinf(lp[0, 2:]).all() and torch.allclose(lp[0, :2].exp().sum(), torch.tensor(1.0))
+
+
+def test_inverse_cdf_sample_follows_the_distribution():
+    lp = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).expand(10_000, 4)
+    u = (torch.arange(10_000, dtype=torch.float64) + 0.5) / 10_000      # an even grid over [0, 1)
+    counts = torch.bincount(inverse_cdf_sample(lp, u), minlength=4)
+    assert counts.tolist() == [5000, 3000, 2000, 0]                    # exact shares; p = 0 never drawn
+    assert inverse_cdf_sample(lp[:1], torch.tensor([1.0])).item() == 2   # u near 1: last nonzero
+
+
+def test_each_prompt_samples_from_its_own_stream(hf, model_pair):
+    """A prompt's samples depend on its seed only: not on the other prompts of the call, their
+    order, or how the prompts are split between calls (ranks). The draws follow the model."""
+    seeds = prompt_seeds(1, 0, range(len(PROMPTS)))
+    kw = dict(n=3, temperature=1.0, max_new_tokens=6)
+
+    def per_prompt(batch, order):
+        rows = batch.to_lists()["responses"]
+        return {order[g]: [r for r, gid in zip(rows, batch.group_ids.tolist()) if gid == g] for g in range(len(order))}
+
+    whole = per_prompt(hf.generate(PROMPTS, seeds=seeds, **kw), [0, 1, 2, 3])
+    order = [2, 0, 3, 1]
+    shuffled = per_prompt(hf.generate([PROMPTS[i] for i in order], seeds=[seeds[i] for i in order], **kw), order)
+    split = {**per_prompt(hf.generate(PROMPTS[:1], seeds=seeds[:1], **kw), [0]),
+             **per_prompt(hf.generate(PROMPTS[1:], seeds=seeds[1:], **kw), [1, 2, 3])}
+    assert whole == shuffled == split
+    assert len({tuple(r) for rows in whole.values() for r in rows}) > 4     # samples differ within and across prompts
+    # first tokens of 2000 samples of one prompt against the model's own distribution
+    batch = hf.generate(PROMPTS[:1], n=2000, temperature=1.0, max_new_tokens=1, seeds=[7])
+    probs = torch.softmax(load_hf(model_pair[0])(torch.tensor([PROMPTS[0]])).logits[0, -1].float(), -1)
+    freq = torch.bincount(batch.response_ids[:, 0], minlength=probs.numel()).double() / 2000
+    assert 0.5 * (freq - probs.double()).abs().sum() < 0.06                  # total variation
 
 
 def test_make_rollout_and_local_generation(model_pair):

@@ -3,7 +3,6 @@ and the baseline the benchmark compares vLLM against."""
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Iterable
 
 import torch
@@ -25,6 +24,30 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
             drop = cum - sorted_x.softmax(-1) > top_p     # keep the token that crosses top_p
             x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     return torch.log_softmax(x, dim=-1)
+
+
+def inverse_cdf_sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from `logprobs` [B, V] with the row's own uniform draw `u` [B] in [0, 1):
+    the first token whose cumulative probability exceeds u (zero-probability tokens never win)."""
+    cdf = logprobs.double().exp().cumsum(-1)
+    tok = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return torch.minimum(tok, (cdf < cdf[:, -1:]).sum(-1))    # rounding at u ~ 1: the last nonzero token
+
+
+class _PromptStreams:
+    """A `generate` logits processor that samples every row from its prompt's own random stream:
+    `uniforms` [B, T] holds row b's draw for each new token t (drawn up front, per prompt, from that
+    prompt's seed), so a prompt's samples do not depend on the other prompts of the call, the
+    rank that drew them or the batch order (vLLM's per-request seeds give the same property). It
+    returns the chosen token as the only finite score: `generate` runs greedy and takes it."""
+
+    def __init__(self, uniforms: torch.Tensor, temperature: float, top_p: float):
+        self.u, self.temperature, self.top_p, self.t = uniforms, temperature, top_p, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        tok = inverse_cdf_sample(processed_logprobs(scores, self.temperature, self.top_p), self.u[:, self.t])
+        self.t += 1
+        return torch.full_like(scores, float("-inf")).scatter_(1, tok.unsqueeze(-1), 0.0)
 
 
 class HFRollout:
@@ -49,30 +72,31 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_new_tokens: int = 16, seeds: list[int] | None = None) -> RolloutBatch:
-        """Left-padded batched `generate`; responses end at (and include) the first eos. `generate`
-        draws every sample from one generator, seeded with this call's first prompt seed (unique per
-        run, step, round and rank, see seeding.py), so calls never share a stream; None: the global RNG."""
+        """Left-padded batched `generate`; responses end at (and include) the first eos. With `seeds`,
+        prompt i's n samples come from a stream seeded with seeds[i] alone (see `_PromptStreams`);
+        None: `generate`'s own sampling from the global RNG."""
+        from transformers import LogitsProcessorList
+
         prompts = [list(map(int, p)) for p in prompt_token_ids for _ in range(n)]
         groups = [i for i in range(len(prompt_token_ids)) for _ in range(n)]
         if not prompts:
             return RolloutBatch.from_lists([], [], [], [], [], pad_id=self.pad_id)
         padded = RolloutBatch.from_lists(prompts, [[]] * len(prompts), [[]] * len(prompts),
                                          [""] * len(prompts), groups, pad_id=self.pad_id)
-        greedy = temperature <= 0
-        sample_kw = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature,
-                                                           "top_p": top_p, "top_k": 0}
-        seed = int(seeds[0]) if seeds else None   # the first prompt's seed: unique per run, step, rank
-        rng = torch.random.fork_rng(devices=[torch.device(self.device)] if self.device.startswith("cuda") else []) \
-            if seed is not None else nullcontext()
         t0 = time.perf_counter()
-        with rng:
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self.model.generate(
-                input_ids=padded.prompt_ids.to(self.device),
-                attention_mask=padded.attention_mask.to(self.device),
-                max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                output_logits=True, return_dict_in_generate=True, **sample_kw)
+        if temperature <= 0:
+            sample_kw = {"do_sample": False}
+        elif seeds is None:
+            sample_kw = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        else:
+            u = torch.cat([torch.rand(n, max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
+                                      dtype=torch.float64) for s in seeds])
+            sample_kw = {"do_sample": False, "logits_processor": LogitsProcessorList(
+                [_PromptStreams(u.to(self.device), temperature, top_p)])}
+        out = self.model.generate(
+            input_ids=padded.prompt_ids.to(self.device), attention_mask=padded.attention_mask.to(self.device),
+            max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+            output_logits=True, return_dict_in_generate=True, **sample_kw)
         dt = time.perf_counter() - t0
         seq = out.sequences[:, padded.prompt_ids.shape[1]:].cpu()              # [B, T]
         logits = torch.stack(out.logits, dim=1).cpu()                          # [B, T, V] raw
