@@ -25,9 +25,10 @@ Mapping (verl-ds -> TRL 1.16):
   trainer.seed -> seed; a "step" below is one rollout step (= ppo_epochs x batch/mini optimizer steps)
 
 Differences that remain (TRL cannot express them, or they are how TRL works):
-  - generation: TRL here uses plain transformers `generate` (no vLLM in this venv); verl-ds samples
-    with vLLM (rollout.engine: vllm) and syncs weights into it every step; job quickstart_hf has
-    verl-ds generate with HF `generate` too.
+  - generation: TRL here uses plain transformers `generate` (no vLLM in this venv). verl-ds follows
+    the yaml: the quickstart's `rollout.engine: auto` picks HF `generate` for its 330k model on CPU,
+    SmolLM2's yaml uses vLLM (synced in place every step); job quickstart_vllm forces vLLM on the
+    quickstart.
   - processes: TRL runs as ONE process with OMP_NUM_THREADS threads (side_by_side.py: 1 and all cores);
     verl-ds runs the job's DeepSpeed ranks (JOBS; ZeRO per the yaml, gloo), cores / ranks threads each.
   - optimizer: torch AdamW (TRL) vs DeepSpeed's AdamW (torch_adam) under ZeRO; same lr, betas, eps 1e-8.
@@ -65,9 +66,9 @@ _COMMON = ["trainer.val_every=0", "trainer.val_before_train=false", "logging.mem
            "precision.reference_dtype=fp32", "precision.rollout_dtype=fp32"]
 JOBS = {
     "quickstart": ("examples/grpo_cpu_tiny.yaml", _COMMON, 120, 2),
-    # the same job with verl-ds generating through HF `generate` (TRL's engine here) instead of vLLM:
+    # the same job with verl-ds sampling through vLLM instead of the example's auto -> HF `generate`:
     # what vLLM's import, engine start and per-request overhead cost on a 330k-parameter model
-    "quickstart_hf": ("examples/grpo_cpu_tiny.yaml", _COMMON + ["rollout.engine=hf"], 120, 2),
+    "quickstart_vllm": ("examples/grpo_cpu_tiny.yaml", _COMMON + ["rollout.engine=vllm"], 120, 2),
     # one rank takes the 16 rows per micro-batch that two ranks of 8 took (TRL's per-device batch: 16 either way)
     "smollm2": ("examples/grpo_cpu_smollm2.yaml", _COMMON + ["roles.actor.micro_batch_size=16",
                                                              "roles.reference.micro_batch_size=16"], 4, 1),

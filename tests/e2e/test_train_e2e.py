@@ -12,6 +12,7 @@ from tests.e2e.helpers import ROOT, read_metrics, run_train, run_until_step, tra
 pytestmark = pytest.mark.e2e
 FAST = ["trainer.prompts_per_step=8", "rollout.n=8", "logging.sample_every=2", "roles.actor.micro_batch_size=16",
         "roles.actor.zero_stage=3",   # the ZeRO-3 gather into vLLM (the example picks auto -> 0 at this size)
+        "rollout.engine=vllm",        # the example's auto picks HF generate for its 330k model on CPU
         "roles.critic.micro_batch_size=16", "roles.reference.micro_batch_size=16",
         "data.reward_fn=tests.e2e.helpers:length_reward", "trainer.val_every=0", "trainer.val_before_train=false",
         # pinned: the fp32 rollout-vs-trainer bound below must not follow the CPU kind (`auto`)
@@ -28,7 +29,7 @@ def _check_run(run_dir, steps, extra_keys=()):
     for r in rows:
         for k in KEYS + list(extra_keys):
             assert k in r and r[k] is not None and math.isfinite(r[k]), (k, r.get(k))
-    # vLLM holds the actor's weights after every sync: in fp32 the rollout and the trainer agree
+    # the engine holds the actor's weights after every sync: in fp32 the rollout and the trainer agree
     for r in rows[1:]:
         assert r["rollout_corr/logprob_abs_diff_max"] < 1e-3, r["rollout_corr/logprob_abs_diff_max"]
     hist = [h for h in wandb_history(run_dir) if "reward/mean" in str(h)]
@@ -43,6 +44,13 @@ def test_grpo_three_steps(tmp_path):
     run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=3", *FAST)
     _check_run(tmp_path, 3)
     assert (tmp_path / "reward_curve.png").stat().st_size > 0
+
+
+def test_quickstart_example_engine_auto_picks_hf_generate(tmp_path):
+    """The example as shipped (rollout.engine: auto): HF generate for its 330k model on CPU, 2 ranks."""
+    out = run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=3", *[o for o in FAST if o != "rollout.engine=vllm"])
+    assert "rollout.engine auto -> hf" in out.stdout + out.stderr
+    _check_run(tmp_path, 3)
 
 
 def test_ppo_gae_critic_three_steps(tmp_path):
