@@ -90,6 +90,10 @@ def render_role(role: str, base: dict, source: str, precision: ResolvedPrecision
         for k, v in (optimizer_params or {}).items():
             if params.get(k, "auto") == "auto":
                 params[k] = v
+        if params.get("torch_adam") and "foreach" not in params and "fused" not in params:
+            # torch's fused AdamW: one kernel over every tensor instead of a Python loop per tensor
+            # (SmolLM2-135M, 2 CPU threads: 0.09 vs 0.38 s a step; CUDA has it too). Same math.
+            params["fused"] = True
     else:
         ds.pop("optimizer", None)
         ds.pop("scheduler", None)

@@ -32,6 +32,10 @@ def test_trained_roles_forward_and_step(tiny_model_dir, stage, dtype):
     assert math.isfinite(m["pg_loss"]) and math.isfinite(v["vf_loss"])
     after = dict(iter_full_params(actor.engine))
     assert any(not torch.equal(before[n], after[n].float()) for n in before), "actor did not step"
+    inner = actor.engine.optimizer           # DeepSpeed's wrappers hold the torch optimizer
+    while not isinstance(inner, torch.optim.Optimizer):
+        inner = inner.optimizer
+    assert isinstance(inner, torch.optim.AdamW) and inner.defaults["fused"]    # one kernel, not a loop
     stats = actor.precision_stats()
     assert stats["param_dtype"] == str(DTYPES[dtype]).split(".")[1]
     if dtype != "fp32":  # DeepSpeed keeps fp32 master weights for 16-bit compute

@@ -53,7 +53,7 @@ def _time_train_step(model_path: str, batch_size: int, seq_len: int, reps: int) 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     ids = torch.randint(4, model.config.vocab_size, (batch_size, seq_len))
     times = []
     for i in range(reps + 1):

@@ -59,7 +59,7 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
     if cfg.precision.enable_grad_checkpointing:        # part of the job (memory), so the floor pays it too
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.roles.actor.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.roles.actor.lr, weight_decay=0.0, fused=True)  # as the roles
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts for _ in range(r.n)], device=_DEV)
     attn = (torch.arange(width, device=_DEV)[None] >=

@@ -260,7 +260,7 @@ class Role:
             self._last_underflow = self._underflow_fraction()
         # DeepSpeed clips a plain fp32 ZeRO-0 optimizer's gradients but keeps no norm: measure it here
         grads = self._grad_partitions() if self._plain else []
-        self._plain_grad_norm = float(torch.stack([g.float().norm() for g in grads]).norm()) if grads else None
+        self._plain_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None   # foreach norms
         self.engine.step()
 
     def has_overflow(self) -> bool:

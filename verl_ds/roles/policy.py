@@ -72,8 +72,11 @@ class PolicyRole(Role):
         inputs, resp_len = trim_padding(batch)               # only the columns some row uses
         if self.share_prompts and inputs["input_ids"].shape[1] > resp_len:
             logits = shared_prompt_logits(self.engine, inputs, resp_len)
-        else:   # only the positions that predict response tokens: no [B, P, V] logits for the prompt
-            logits = self.engine(**inputs, use_cache=False, logits_to_keep=resp_len + 1).logits[:, :-1]
+        else:   # only the R positions that predict response tokens: no [B, P, V] logits for the prompt,
+            # and contiguous ones (a [:, :-1] slice would be copied by every pass over the logits)
+            width_in = inputs["input_ids"].shape[1]
+            keep = torch.arange(width_in - resp_len - 1, width_in - 1, device=inputs["input_ids"].device)
+            logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
         if temperature != 1.0:
             logits = logits / temperature                     # match the rollout's processed logprobs
         labels = inputs["input_ids"][:, -resp_len:]

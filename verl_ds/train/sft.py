@@ -45,7 +45,8 @@ def sft_ds_config(strategy: str, precision: str, grad_scaler, max_grad_norm: flo
           "gradient_clipping": max_grad_norm, "zero_optimization": {"stage": STRATEGIES[strategy]},
           "steps_per_print": 10**9, **precision_blocks(precision, scaling)}
     if with_optimizer:
-        ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay, "torch_adam": True}}
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay, "torch_adam": True,
+                                                           "fused": True}}
     return ds
 
 
