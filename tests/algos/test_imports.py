@@ -33,7 +33,7 @@ def test_public_api_exported():
     names = {
         "compute_gae", "masked_mean", "masked_var", "masked_whiten", "grpo_advantages", "rloo_advantages",
         "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "kl_penalty", "policy_loss",
-        "value_loss", "agg_loss", "logprobs_from_logits", "entropy_from_logits", "tis_weights",
+        "value_loss", "agg_loss", "logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits", "tis_weights",
         "mismatch_metrics", "RunningMeanStd", "normalize_rewards", "FixedKLController", "AdaptiveKLController",
         "get_advantage_estimator", "ESTIMATORS_NEEDING_CRITIC", "ADVANTAGE_ESTIMATORS",
     }

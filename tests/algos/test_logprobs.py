@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from verl_ds.algos import entropy_from_logits, logprobs_from_logits, mismatch_metrics, tis_weights
+from verl_ds.algos import (entropy_from_logits, logprobs_and_entropy, logprobs_from_logits, mismatch_metrics,
+                           tis_weights)
 
 
 def test_logprobs_and_entropy_hand():
@@ -118,3 +119,23 @@ def test_chunked_sliced_logits_take_few_blocks_not_one_per_sequence():
         lp = logprobs_from_logits(x[:, :-1], labels, chunk_size=1024)
     assert Count.n == 1
     torch.testing.assert_close(lp, logprobs_from_logits(x[:, :-1], labels))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
+def test_logprobs_and_entropy_in_one_pass_equal_the_separate_ones(chunk_size):
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(3, 6, 13, generator=g)
+    full[0, 0, 5] = float("-inf")                       # a masked token: entropy stays finite
+    labels = torch.randint(0, 13, (3, 5), generator=g)
+    labels[0, 0] = 0
+    x = full.clone().requires_grad_(True)
+    lp, ent = logprobs_and_entropy(x[:, :-1], labels, chunk_size=chunk_size)
+    assert not ent.requires_grad and torch.isfinite(ent).all()
+    torch.testing.assert_close(ent, entropy_from_logits(full[:, :-1]))
+    upstream = torch.randn(3, 5, generator=g)
+    (lp * upstream).sum().backward()
+    y = full.clone().requires_grad_(True)
+    ref = logprobs_from_logits(y[:, :-1], labels)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(lp.detach(), ref.detach())
+    torch.testing.assert_close(x.grad, y.grad)

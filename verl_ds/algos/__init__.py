@@ -16,7 +16,7 @@ from .advantages import (
     rloo_advantages,
 )
 from .logprobs import FP32LMHead, use_fp32_lm_head
-from .logprobs import entropy_from_logits, logprobs_from_logits, mismatch_metrics, tis_weights
+from .logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits, mismatch_metrics, tis_weights
 from .losses import (
     KL_KINDS,
     POLICY_LOSSES,
@@ -52,6 +52,7 @@ __all__ = [
     "grpo_advantages",
     "gspo_policy_loss",
     "kl_penalty",
+    "logprobs_and_entropy",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

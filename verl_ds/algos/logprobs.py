@@ -37,7 +37,15 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size:
         x = logits.to(_compute_dtype(logits.dtype))
         picked = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         return picked - torch.logsumexp(x, dim=-1)
-    return _ChunkedLogprob.apply(logits, labels, int(chunk_size))
+    return _ChunkedLogprob.apply(logits, labels, int(chunk_size), False)[0]
+
+
+def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``logprobs_from_logits`` and the entropy from one pass over each chunk: the entropy reuses the
+    chunk's log-normalizer instead of a second softmax. The entropy is detached (a metric); an
+    entropy bonus needs ``entropy_from_logits``'s gradient."""
+    return _ChunkedLogprob.apply(logits, labels, int(chunk_size), True)
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
@@ -96,18 +104,24 @@ def _chunks(x: torch.Tensor, chunk_size: int) -> Iterator[Tuple[int, torch.Tenso
 
 class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, chunk_size):
+    def forward(ctx, logits, labels, chunk_size, with_entropy):
         flat_labels = labels.reshape(-1)
         out = torch.empty(flat_labels.shape, dtype=_compute_dtype(logits.dtype), device=logits.device)
+        ent = torch.empty(flat_labels.shape if with_entropy else (0,), dtype=out.dtype, device=out.device)
         for r, x in _chunks(logits, chunk_size):
             lab = flat_labels[r : r + x.shape[0]].unsqueeze(-1)
-            out[r : r + x.shape[0]] = x.gather(-1, lab).squeeze(-1) - torch.logsumexp(x, dim=-1)
+            lse = torch.logsumexp(x, dim=-1)
+            out[r : r + x.shape[0]] = x.gather(-1, lab).squeeze(-1) - lse
+            if with_entropy:   # H = sum -p log p with p = exp(x - lse); entr(0) = 0 for -inf logits
+                ent[r : r + x.shape[0]] = torch.special.entr(torch.exp(x - lse.unsqueeze(-1))).sum(-1)
         ctx.save_for_backward(logits, labels)
         ctx.chunk_size = chunk_size
-        return out.view(labels.shape)
+        ent = ent.view(labels.shape) if with_entropy else ent
+        ctx.mark_non_differentiable(ent)
+        return out.view(labels.shape), ent
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_entropy):
         logits, labels = ctx.saved_tensors
         flat_labels, flat_grad = labels.reshape(-1), grad_out.reshape(-1)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -119,7 +133,7 @@ class _ChunkedLogprob(torch.autograd.Function):
             gx = -g * torch.softmax(x, dim=-1)
             gx.scatter_add_(-1, flat_labels[r : r + n].unsqueeze(-1), g)
             grad_rows[r : r + n] = gx.to(grad.dtype)
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _ChunkedEntropy(torch.autograd.Function):

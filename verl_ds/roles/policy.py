@@ -80,10 +80,12 @@ class PolicyRole(Role):
         if temperature != 1.0:
             logits = logits / temperature                     # match the rollout's processed logprobs
         labels = inputs["input_ids"][:, -resp_len:]
-        logprob = algos.logprobs_from_logits(logits, labels, chunk_size=1024)
         entropy = None
-        if with_entropy:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and self._entropy_needs_grad):
+        if with_entropy and not (torch.is_grad_enabled() and self._entropy_needs_grad):
+            logprob, entropy = algos.logprobs_and_entropy(logits, labels, chunk_size=1024)   # a metric
+        else:
+            logprob = algos.logprobs_from_logits(logits, labels, chunk_size=1024)
+            if with_entropy:   # an entropy bonus: its gradient too
                 entropy = algos.entropy_from_logits(logits, chunk_size=1024)
         return pad_response(logprob, width), pad_response(entropy, width)
 
