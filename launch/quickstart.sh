@@ -2,7 +2,7 @@
 # Installs into .venv (first time only) and trains GRPO on the offline arithmetic task: a tiny
 # char-level Llama, 2 CPU ranks under the deepspeed launcher, W&B offline. Rollouts follow
 # rollout.engine: auto (HF generate for this 330k model on CPU); pass rollout.engine=vllm for vLLM.
-# Expected on 2 cores: ~7 s start-up, then ~0.1-0.2 s a step for 120 steps; reward/mean rises from
+# Expected on 2 cores: ~8 s start-up, then ~0.1-0.2 s a step for 120 steps; reward/mean rises from
 # ~0.02 to ~0.75-0.95 over the last 10 steps (see README).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
