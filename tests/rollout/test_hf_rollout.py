@@ -68,11 +68,13 @@ def test_each_prompt_samples_from_its_own_stream(hf, model_pair):
              **per_prompt(hf.generate(PROMPTS[1:], seeds=seeds[1:], **kw), [1, 2, 3])}
     assert whole == shuffled == split
     assert len({tuple(r) for rows in whole.values() for r in rows}) > 4     # samples differ within and across prompts
-    # first tokens of 2000 samples of one prompt against the model's own distribution
-    batch = hf.generate(PROMPTS[:1], n=2000, temperature=1.0, max_new_tokens=1, seeds=[7])
-    probs = torch.softmax(load_hf(model_pair[0])(torch.tensor([PROMPTS[0]])).logits[0, -1].float(), -1)
-    freq = torch.bincount(batch.response_ids[:, 0], minlength=probs.numel()).double() / 2000
-    assert 0.5 * (freq - probs.double()).abs().sum() < 0.06                  # total variation
+    # first tokens of 8000 samples of one prompt against the model's own distribution at T = 0.5
+    # (total variation ~0.02 measured; 0.12 against the T = 1 distribution, 0.2 against uniform)
+    batch = hf.generate(PROMPTS[:1], n=8000, temperature=0.5, max_new_tokens=1, seeds=[7])
+    logits = load_hf(model_pair[0])(torch.tensor([PROMPTS[0]])).logits[0, -1].float()
+    probs = torch.softmax(logits / 0.5, -1)
+    freq = torch.bincount(batch.response_ids[:, 0], minlength=probs.numel()).double() / 8000
+    assert 0.5 * (freq - probs.double()).abs().sum() < 0.05
 
 
 def test_make_rollout_and_local_generation(model_pair):
