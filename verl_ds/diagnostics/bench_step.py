@@ -21,10 +21,10 @@ import time
 import torch
 
 from verl_ds import algos
+from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles.base import model_inputs
 from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -39,7 +39,7 @@ def matmul_rate(dtype: str, n: int | None = None, reps: int = 5) -> float:
     """FLOP/s of an n x n matmul in `dtype` on this machine (CPU or the current GPU; a GPU needs
     large matrices to reach its rate)."""
     n = n or (8192 if _DEV == "cuda" else 1024)
-    a = torch.randn(n, n, device=_DEV).to(_DTYPES[dtype])
+    a = torch.randn(n, n, device=_DEV).to(TORCH_DTYPES[dtype])
     a @ a
     t0 = _now()
     for _ in range(reps):
@@ -54,7 +54,7 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
     from transformers import AutoModelForCausalLM
 
     a, r = cfg.algorithm, cfg.rollout
-    dt = _DTYPES[dtype]
+    dt = TORCH_DTYPES[dtype]
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dt).to(_DEV)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
     if cfg.precision.enable_grad_checkpointing:        # part of the job (memory), so the floor pays it too
