@@ -14,6 +14,8 @@ from verl_ds.algos import (
     rloo_advantages,
 )
 
+pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+
 
 def test_gae_hand():
     r = torch.tensor([[0.0, 0.0, 1.0]])

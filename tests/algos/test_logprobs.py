@@ -6,6 +6,8 @@ import torch
 from verl_ds.algos import (entropy_from_logits, logprobs_and_entropy, logprobs_from_logits, mismatch_metrics,
                            tis_weights)
 
+pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+
 
 def test_logprobs_and_entropy_hand():
     logits = torch.log(torch.tensor([[1.0, 2.0, 3.0]]))  # probs 1/6, 1/3, 1/2

@@ -5,6 +5,8 @@ import torch
 
 from verl_ds.algos import AdaptiveKLController, FixedKLController, kl_penalty, policy_loss, value_loss
 
+pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+
 
 def test_kl_penalty_hand():
     lp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])

@@ -5,6 +5,8 @@ import torch
 
 from verl_ds.algos import overlong_penalty
 
+pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+
 
 def _verl(valid_response_length, max_resp_len, overlong_buffer_len, overlong_penalty_factor):
     # verl/workers/reward_manager/dapo.py (0.9.1), per sample.

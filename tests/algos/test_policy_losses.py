@@ -17,6 +17,8 @@ from verl_ds.algos import (
     policy_loss,
 )
 
+pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+
 
 def _verl_masked_sum(values, mask, axis=None):
     valid_values = torch.where(mask.bool(), values, 0.0)

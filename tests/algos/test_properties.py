@@ -17,6 +17,8 @@ from verl_ds.algos import (  # noqa: E402
     rloo_advantages,
 )
 
+pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+
 SETTINGS = settings(max_examples=25, deadline=None)
 
 

@@ -5,6 +5,8 @@ import torch
 
 from verl_ds.algos import RunningMeanStd, normalize_rewards
 
+pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+
 
 def test_running_mean_std_hand_and_state():
     rms = RunningMeanStd()

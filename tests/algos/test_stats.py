@@ -5,6 +5,8 @@ import torch
 
 from verl_ds.algos import AGG_LOSS_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
 
+pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 M = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 

@@ -165,6 +165,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err.startswith("error: no")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_vanish_fraction_counts_erased_differences(dtype):
     from verl_ds.diagnostics.precision_advisor import vanish_fraction

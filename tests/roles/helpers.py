@@ -52,3 +52,31 @@ def make_group_batch(vocab: int, prompt_lens=(2, 5, 4), resp_lens=(1, 3, 2, 3), 
             ids[i, P - p:P], ids[i, P:P + r] = prompt, torch.randint(3, vocab, (r,), generator=g)
             attn[i, P - p:P + r], resp[i, :r] = 1, 1
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+
+
+def accumulated_grads(actor, batch: dict) -> dict:
+    """One mini-batch's gradient, reduced and assembled per parameter (any ZeRO stage), taken after
+    `accumulate` and before the optimizer step; `step()` then applies it."""
+    from deepspeed.utils import safe_get_full_grad
+
+    actor.accumulate(batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=float(len(batch["input_ids"])))
+    grads = {n: safe_get_full_grad(p).detach().float().clone() for n, p in actor.module.named_parameters()}
+    actor.step()
+    return grads
+
+
+# fp32 gradients of one mini-batch computed in another order (micro-batch split, padding, a shared
+# prompt pass) differ by rounding: a few ulps of the largest terms summed into each element. 1e-4 of
+# the tensor's largest element is far above that on every CPU kind's kernels and far below what a
+# real mistake gives (a row dropped or counted twice moves elements by ~1/B of the scale).
+GRAD_RTOL_OF_SCALE = 1e-4
+
+
+def assert_same_gradients(got: dict, want: dict) -> None:
+    """Per tensor: max |got - want| <= GRAD_RTOL_OF_SCALE x max |want| (summation order only)."""
+    assert set(got) == set(want)
+    for n, w in want.items():
+        scale = float(w.abs().max())
+        err = float((got[n] - w).abs().max())
+        assert scale > 0, f"{n}: no gradient reached it (the test would prove nothing)"
+        assert err <= GRAD_RTOL_OF_SCALE * scale, f"{n}: max |diff| {err:.3g} vs scale {scale:.3g}"

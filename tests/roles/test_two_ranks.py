@@ -17,6 +17,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.numerics
 @pytest.mark.e2e
 @pytest.mark.parametrize("stage", [0, 3])
 def test_zero3_gather_identical_and_step_in_sync_on_two_ranks(tiny_model_dir, stage):

@@ -12,6 +12,7 @@ def hf(model_pair):
     return HFRollout(model_pair[0], "fp32")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_logprobs_match_manual_forward(hf, model_pair, temperature):
     seeds = prompt_seeds(1, 3, range(len(PROMPTS)))
@@ -25,6 +26,7 @@ def test_logprobs_match_manual_forward(hf, model_pair, temperature):
     assert torch.equal(again.response_ids, batch.response_ids)
 
 
+@pytest.mark.numerics
 def test_sync_and_bad_sync(hf, model_pair):
     new = load_hf(model_pair[1])
     assert hf.sync_weights(new.named_parameters())["timing_s/update_weights"] > 0
@@ -43,6 +45,7 @@ def test_top_p_keeps_the_nucleus():
     assert torch.isinf(lp[0, 2:]).all() and torch.allclose(lp[0, :2].exp().sum(), torch.tensor(1.0))
 
 
+@pytest.mark.numerics
 def test_inverse_cdf_sample_follows_the_distribution():
     lp = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).expand(10_000, 4)
     u = (torch.arange(10_000, dtype=torch.float64) + 0.5) / 10_000      # an even grid over [0, 1)
@@ -51,6 +54,7 @@ def test_inverse_cdf_sample_follows_the_distribution():
     assert inverse_cdf_sample(lp[:1], torch.tensor([1.0])).item() == 2   # u near 1: last nonzero
 
 
+@pytest.mark.numerics
 def test_each_prompt_samples_from_its_own_stream(hf, model_pair):
     """A prompt's samples depend on its seed only: not on the other prompts of the call, their
     order, or how the prompts are split between calls (ranks). The draws follow the model."""

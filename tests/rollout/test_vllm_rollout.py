@@ -11,6 +11,7 @@ HERE = Path(__file__).resolve().parent
 pytest.importorskip("vllm")
 
 
+@pytest.mark.numerics
 def test_vllm_cases_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                           str(HERE / "vllm_cases.py")], env=child_env(), cwd=HERE.parents[1],

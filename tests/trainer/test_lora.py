@@ -45,6 +45,7 @@ def test_only_adapters_train_and_no_reference_engine(trained):
     assert not hasattr(t.reference, "engine")                          # the actor, adapters disabled
 
 
+@pytest.mark.numerics
 def test_reference_is_exactly_the_base_while_the_policy_moves(trained):
     out, _ = trained
     assert torch.equal(out["ref0"], out["ref3"])                       # adapters off: base weights, bitwise
@@ -86,6 +87,7 @@ def test_peft_names_map_to_the_base_checkpoint():
     assert hf_name("base_model.model.lm_head.weight") == "lm_head.weight"
 
 
+@pytest.mark.numerics
 def test_modules_to_save_sync_into_a_plain_model(tiny_model_dir):
     """A LoRA model with a fully trained norm and (tied) embedding streams merged weights a plain HF
     model accepts whole: the trained embedding copy stays tied to the head, as in the engine."""
