@@ -87,8 +87,10 @@ class DataConfig:
     val_fraction: float = 0.0              # built-in task: distinct prompts held out for validation
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    reward_fn: str = "arithmetic"          # a registry name or a dotted path module:function
+    reward_fn: str = "arithmetic"          # a registry name, a dotted path module:function, or none (env reward only)
     apply_chat_template: bool = False
+    system_prompt: Optional[str] = None    # a system message before every prompt (chat template only)
+    tools: list = field(default_factory=list)   # calculator | pkg.module:function; for rollout.multi_turn.env: tools
     max_prompt_length: int = 64
     shuffle: bool = True
     seed: int = 0
@@ -139,6 +141,18 @@ class AlgorithmConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn episodes (agents, tools, environments); see docs/ENVIRONMENTS.md. No `env`: every
+    episode is one turn (a single-turn job)."""
+    env: str = ""                          # tools | retry | pkg.module:Class (importable from PYTHONPATH)
+    env_kwargs: dict = field(default_factory=dict)   # keyword arguments of the environment's constructor
+    max_turns: int = 4                     # model turns per episode at most
+    max_env_tokens: int = 0                # an observation's content is cut to this many tokens (0: no cut)
+    max_total_tokens: int = 0              # model + environment tokens per row (0: rollout.max_model_len bounds it)
+    tokenization_check: str = "strict"     # strict: compare each episode's ids with a one-shot render (metric) | off
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "vllm"                   # vllm | hf | auto (CPU: HF generate for models under 2M params)
     n: int = 8                             # samples per prompt
@@ -153,6 +167,7 @@ class RolloutConfig:
     bucket_mb: int = 256                   # weight-sync bucket size (bounds peak extra memory)
     gpu_memory_utilization: float = 0.5    # GPU: fraction of device memory vLLM may take
     sleep: bool = True                     # GPU: free vLLM's weights and KV cache while training
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -371,6 +386,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         "logging.wandb.mode": (cfg.logging.wandb.mode, ("online", "offline", "disabled")),
         "data.task": (d.task, ("arithmetic", "files", "reasoning_gym")),
         "trainer.device": (t.device, ("auto", "cpu", "cuda")),
+        "rollout.multi_turn.tokenization_check": (r.multi_turn.tokenization_check, ("strict", "off")),
         "logging.level": (cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR")),
         "checkpoint.export_dtype": (cfg.checkpoint.export_dtype, ("fp32", "fp16", "bf16")),
         "checkpoint.export": (cfg.checkpoint.export, ("merged", "adapter")),
@@ -384,6 +400,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         r.tensor_parallel_size, "algorithm.ppo_epochs": a.ppo_epochs, "rollout.temperature": r.temperature,
         "algorithm.kl_horizon": a.kl_horizon, "trainer.val_n": t.val_n, "data.max_prompt_length": d.max_prompt_length,
         "rollout.bucket_mb": r.bucket_mb, "algorithm.filter_groups.max_rounds": a.filter_groups.max_rounds,
+        "rollout.multi_turn.max_turns": r.multi_turn.max_turns,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -430,6 +447,16 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
     if r.max_model_len < d.max_prompt_length + r.max_new_tokens:
         raise ConfigError("rollout.max_model_len", f"{r.max_model_len} < data.max_prompt_length "
                           f"{d.max_prompt_length} + rollout.max_new_tokens {r.max_new_tokens}")
+    mt = r.multi_turn
+    if mt.max_env_tokens < 0 or mt.max_total_tokens < 0:
+        raise ConfigError("rollout.multi_turn", "max_env_tokens and max_total_tokens must be >= 0 (0: no limit)")
+    if d.tools and mt.env != "tools":
+        raise ConfigError("data.tools", "tools are called through the tool environment: set "
+                                        "rollout.multi_turn.env: tools")
+    if mt.env == "tools" and not d.tools:
+        raise ConfigError("data.tools", "rollout.multi_turn.env: tools needs at least one tool (e.g. [calculator])")
+    if d.system_prompt is not None and not d.apply_chat_template:
+        raise ConfigError("data.system_prompt", "a system prompt needs data.apply_chat_template: true")
     if d.task == "files" and not d.train_files:
         raise ConfigError("data.train_files", "task 'files' needs at least one jsonl or parquet file")
     # batch geometry over `world` ranks

@@ -151,3 +151,30 @@ def test_a_user_mistake_exits_2_with_one_line_through_the_launcher(tmp_path):
     assert "error: trainer.no_such_key: unknown key" in out.stdout + out.stderr
     assert "Traceback" not in out.stdout + out.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_multi_turn_zero3_vllm_lora_filter_groups_kill_resume(tmp_path):
+    """The retry environment on 2 ranks under the launcher (ZeRO-3, vLLM, a LoRA actor, dynamic
+    sampling): episodes run several turns with environment tokens in the rows, the trainer's
+    logprobs match vLLM's on the model's tokens, and kill -9 + resume: auto reproduces steps 3-4."""
+    mt = ["model.lora.rank=8", "roles.actor.lr=0.01", "trainer.steps=4", "algorithm.filter_groups.enabled=true",
+          "algorithm.filter_groups.max_rounds=2"]
+    ref = tmp_path / "ref"
+    run_train("grpo_cpu_tiny_retry.yaml", ref, *FAST, *mt)
+    rows = _check_run(ref, 4, ["multi_turn/turns/mean", "response/env_tokens/mean", "filter/kept_groups"])
+    for r in rows:
+        assert r["multi_turn/turns/mean"] > 1.5 and r["multi_turn/turns/max"] == 3.0
+        assert r["response/env_tokens/mean"] > 0.5 and r["multi_turn/token_mismatch_fraction"] == 0.0
+        assert r["rollout_corr/logprob_abs_diff_max"] <= 1e-5, r["rollout_corr/logprob_abs_diff_max"]
+    killed = tmp_path / "killed"
+    run_until_step("grpo_cpu_tiny_retry.yaml", killed, 3, *FAST, *mt, "trainer.steps=50", "checkpoint.every=2")
+    for late in (killed / "checkpoints").glob("step_*"):   # as if the kill landed before step 4's checkpoint
+        if int(late.name.split("_")[1]) > 2:
+            shutil.rmtree(late)
+    run_train("grpo_cpu_tiny_retry.yaml", killed, *FAST, *mt, "trainer.resume=auto", "checkpoint.every=2")
+    resumed = [r for r in read_metrics(killed) if r["step"] >= 3]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for got, want in zip(resumed, rows[2:]):
+        for key in ("reward/mean", "actor/pg_loss", "multi_turn/turns/mean", "response/env_tokens/mean",
+                    "data/position"):
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (key, got[key], want[key])

@@ -18,4 +18,4 @@ def test_vllm_cases_in_a_fresh_process():
                          capture_output=True, text=True, timeout=600)
     print("\n".join(line for line in out.stdout.splitlines() if "vLLM" in line or "passed" in line))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "6 passed" in out.stdout
+    assert "7 passed" in out.stdout

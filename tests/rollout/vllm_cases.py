@@ -99,3 +99,17 @@ def test_seeded_requests_beyond_one_prefill_step(engine):
     prompts = [[3 + (i + j) % 9 for j in range(60)] for i in range(80)]
     out = engine.generate(prompts, n=2, temperature=1.0, max_new_tokens=3, seeds=list(range(80)))
     assert out.response_ids.shape[0] == 160 and out.response_mask.sum() > 0
+
+
+def test_three_turn_episodes_trainer_logprobs_equal_vllms(engine, hf_pair, model_pair, tokenizer):
+    """Multi-turn on vLLM: each turn's live episodes in one call with their contexts as ids (the
+    prefix cache serves the earlier turns); a real Reference engine scoring the interleaved rows
+    matches vLLM's logprobs on the model's tokens, and environment tokens carry logprob 0."""
+    from tests.rollout.test_episodes import three_turn_episodes, trainer_logprobs_match_on_model_tokens
+    from verl_ds.roles import iter_full_params  # noqa: F401  (the roles import DeepSpeed's process group)
+
+    engine.sync_weights(hf_pair[0].named_parameters())
+    ro = three_turn_episodes(engine, tokenizer, [[1, 6, 15, 7, 17], [1, 8, 15, 9, 17]])
+    assert ro.batch.multi_turn and ro.metrics["multi_turn/turns/mean"] == 3.0
+    assert ro.metrics["multi_turn/token_mismatch_fraction"] == 0.0
+    assert trainer_logprobs_match_on_model_tokens(ro, model_pair[0]) <= 1e-5

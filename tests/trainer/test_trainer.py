@@ -10,6 +10,7 @@ from verl_ds.trainer.rl_trainer import RLTrainer
 FP32 = [f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "rollout", "buffer")]
 
 
+@pytest.mark.numerics
 def test_lr_zero_on_policy_ratio_is_one(tmp_path):
     cfg = load_config(None, ["rollout.engine=hf", "trainer.steps=2", "trainer.prompts_per_step=4", "rollout.n=4",
                              "roles.actor.lr=0.0", *FP32, "algorithm.ppo_epochs=1", f"trainer.run_dir={tmp_path}",
@@ -27,6 +28,7 @@ def test_lr_zero_on_policy_ratio_is_one(tmp_path):
     assert trainer.logger is None and trainer.rollout is None      # closed on exit
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("budget", [0, 40])
 def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
     """One mini-batch per epoch: epoch 2's old logprobs come from epoch 1's forward (no separate
@@ -42,9 +44,9 @@ def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
         seen = {}
         update = trainer._update
 
-        def spy(train, timer, first_is_old=False):
+        def spy(train, timer, n_minis, first_is_old=False):
             seen["separate"] = trainer.actor.logprobs(train, cfg.rollout.temperature).float()
-            out = update(train, timer, first_is_old)
+            out = update(train, timer, n_minis, first_is_old)
             seen["stored"], seen["first_is_old"] = train["old_logprobs"], first_is_old
             return out
         trainer._update = spy

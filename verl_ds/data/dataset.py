@@ -36,13 +36,16 @@ def held_out_split(rows: list[dict], fraction: float, seed: int) -> tuple[list[d
 
 
 def tokenize_prompts(examples: list[dict], tokenizer, max_prompt_length: int,
-                     apply_chat_template: bool) -> list[dict]:
-    """Add `prompt_ids` to each example (chat template optional); over-long prompts keep their tail.
-    Each distinct text is tokenized once, all in one batched call (the built-in task repeats 25
-    prompts 10,000 times: one call a row took 0.6 s of every rank's start-up)."""
+                     apply_chat_template: bool, codec=None) -> list[dict]:
+    """Add `prompt_ids` to each example (chat template optional; `codec`, a `ChatCodec`, also adds
+    its system prompt and tools); over-long prompts keep their tail. Each distinct text is
+    tokenized once, all in one batched call (the built-in task repeats 25 prompts 10,000 times:
+    one call a row took 0.6 s of every rank's start-up)."""
+    from verl_ds.data.chat import ChatCodec
+
+    codec = codec or ChatCodec(tokenizer, apply_chat_template)
     distinct = list(dict.fromkeys(ex["prompt"] for ex in examples))
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=False) for p in distinct] if apply_chat_template else distinct
+    texts = codec.prompt_texts(distinct)
     # a chat template already holds the special tokens; a plain prompt gets the tokenizer's own
     ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
     by_prompt = dict(zip(distinct, ids))

@@ -88,6 +88,8 @@ def get_reward_fn(name: str, key: str = "data.reward_fn") -> RewardFn:
     """A registered name, or a dotted path `module:function` / `module.function`."""
     if name in REWARD_FNS:
         return REWARD_FNS[name]
+    if name == "none":     # multi-turn: the environment's reward alone
+        return lambda response, answer: 0.0
     mod, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
     if not sep or not mod:
         raise ConfigError(key, f"unknown reward function '{name}' (registered: {', '.join(REWARD_FNS)}; "

@@ -18,7 +18,7 @@ SUMMED = {"perf/throughput"}   # per-rank tokens/s add up to the job's
 
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Mean over the ranks that report a key (max for `*_max` and `memory/*`, sum for SUMMED). Ranks may differ in
+    """Mean over the ranks that report a key (max for `*_max`, `*/max` and `memory/*`, sum for SUMMED). Ranks may differ in
     keys: e.g. only the rank that owns the vLLM engine reports its sync and generation numbers."""
     import torch.distributed as dist
 
@@ -31,7 +31,7 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
         vals = [m[key] for m in everyone if key in m]
         if key in SUMMED:
             out[key] = sum(vals)
-        elif key.endswith("_max") or key.startswith("memory/"):   # the worst rank is what matters
+        elif key.endswith(("_max", "/max")) or key.startswith("memory/"):   # the worst rank is what matters
             out[key] = max(vals)
         else:
             out[key] = sum(vals) / len(vals)

@@ -254,11 +254,11 @@ def debug_precision(config_path: str | None, overrides: list[str], steps: int, o
     with make_trainer(cfg) as trainer:
         # a role without its own engine (a LoRA actor's adapters-off reference) is the actor's numbers
         probes = {name: RoleProbe(name, role) for name, role in trainer.roles.items() if hasattr(role, "engine")}
-        orig_score = trainer._score            # the one call that sees the batch's group ids
+        orig_score = trainer._score            # the one call that sees the rollout's group ids
 
-        def score(batch, *args):
-            groups["ids"] = batch.group_ids.clone()
-            return orig_score(batch, *args)
+        def score(ro, *args):
+            groups["ids"] = ro.batch.group_ids.clone()
+            return orig_score(ro, *args)
         trainer._score = score
         try:
             for _ in range(steps):

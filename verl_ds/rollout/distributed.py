@@ -81,16 +81,22 @@ def make_rollout(rollout_cfg, model_path: str, dtype: str, seed: int, trust_remo
         trust_remote_code=trust_remote_code, lm_head_fp32=lm_head_fp32)
 
 
+def prompt_positions(n_local: int, round_: int = 0) -> range:
+    """Global positions of this rank's `n_local` prompts: prompt i of rank r in generation round k
+    of a step (dynamic sampling may need several) sits at (k * world + r) * n_local + i."""
+    start = (round_ * vdist.world_size() + vdist.rank()) * n_local
+    return range(start, start + n_local)
+
+
 def generate_distributed(rollout, local_prompt_ids: list[list[int]], n: int, temperature: float,
                          top_p: float, max_new_tokens: int, run_seed: int, step: int | str,
-                         round_: int = 0) -> RolloutBatch:
-    """Samples for this rank's prompts (`group_ids` index the local prompts). Prompt i of rank r in
-    generation round k of a step (dynamic sampling may need several) sits at global position
-    (k * world + r) * len(local) + i and is seeded from (run_seed, step, position). Collective
-    within a tensor-parallel group: every member must call it."""
+                         round_: int = 0, seeds: list[int] | None = None) -> RolloutBatch:
+    """Samples for this rank's prompts (`group_ids` index the local prompts), each prompt seeded
+    from (run_seed, step, its `prompt_positions` entry), or with `seeds` given (later turns of
+    multi-turn episodes). Collective within a tensor-parallel group: every member must call it."""
     args = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
-    start = (round_ * vdist.world_size() + vdist.rank()) * len(local_prompt_ids)
-    seeds = prompt_seeds(run_seed, step, range(start, start + len(local_prompt_ids)))
+    if seeds is None:
+        seeds = prompt_seeds(run_seed, step, prompt_positions(len(local_prompt_ids), round_))
     tp = getattr(rollout, "tp", 1)
     if tp == 1:
         return rollout.generate(local_prompt_ids, **args, seeds=seeds)

@@ -22,3 +22,11 @@ def prompt_seed(run_seed: int, step: int | str, position: int) -> int:
 
 def prompt_seeds(run_seed: int, step: int | str, positions) -> list[int]:
     return [prompt_seed(run_seed, step, int(p)) for p in positions]
+
+
+def turn_seed(run_seed: int, step: int | str, position: int, sample: int, turn: int) -> int:
+    """The seed of a multi-turn episode's later turn (turn >= 1): sample `sample` of the prompt at
+    `position`. Turn 0 samples all n of a prompt from `prompt_seed`, as a single-turn step does, so
+    a single-turn job draws exactly what it drew before multi-turn existed."""
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{position}:{sample}:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK

@@ -6,15 +6,18 @@ import logging
 from pathlib import Path
 
 from verl_ds.config import RunConfig, active_roles, validate_paths
+from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import load_examples, tokenize_prompts
 from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
 from verl_ds.ds_config import render_ds_configs
+from verl_ds.envs import load_env_factory, load_tools, tool_schemas
 from verl_ds.errors import ConfigError
 from verl_ds.precision import ResolvedPrecision
 from verl_ds.roles import (Actor, Critic, PolicyRole, Reference, RewardModel, Role, load_causal_lm,
                            load_reward_model, load_value_model)
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.policy import can_share_prompts
+from verl_ds.rollout.episodes import TurnLimits
 from verl_ds.dist import barrier, rank
 
 log = logging.getLogger(__name__)
@@ -34,10 +37,37 @@ def resolve_model_path(cfg: RunConfig) -> str:
     return str(out)
 
 
-def build_prompts(cfg: RunConfig, tokenizer) -> tuple[list[dict], list[dict]]:
+def build_codec(cfg: RunConfig, tokenizer, model_path: str) -> ChatCodec:
+    """How prompts and observations become ids: the chat template (with the tools of `data.tools`
+    and `data.system_prompt`), or the tokenizer alone. Multi-turn runs check the template now."""
+    from verl_ds.rollout.weights import eos_token_ids
+
+    d = cfg.data
+    schemas = tool_schemas(load_tools(d.tools)) if d.tools else None
+    codec = ChatCodec(tokenizer, d.apply_chat_template, schemas, d.system_prompt, model=cfg.model.path,
+                      eos_ids=eos_token_ids(model_path))
+    if cfg.rollout.multi_turn.env:
+        codec.check_turns()
+    return codec
+
+
+def build_episodes(cfg: RunConfig, codec: ChatCodec) -> dict:
+    """`episodes.collect`'s keyword arguments: the environment factory (None: single-turn), the
+    codec and the limits."""
+    mt = cfg.rollout.multi_turn
+    if not mt.env:
+        return {}
+    tools = load_tools(cfg.data.tools) if cfg.data.tools else None
+    limits = TurnLimits(mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len)
+    return dict(env_factory=load_env_factory(mt.env, mt.env_kwargs, tools), codec=codec, limits=limits,
+                strict=mt.tokenization_check == "strict")
+
+
+def build_prompts(cfg: RunConfig, tokenizer, codec: ChatCodec | None = None) -> tuple[list[dict], list[dict]]:
     """Tokenized (train, validation) prompts."""
     d = cfg.data
-    train, val = (tokenize_prompts(x, tokenizer, d.max_prompt_length, d.apply_chat_template) for x in load_examples(d))
+    train, val = (tokenize_prompts(x, tokenizer, d.max_prompt_length, d.apply_chat_template, codec)
+                  for x in load_examples(d))
     if not train:
         raise ConfigError("data", "the prompt dataset is empty")
     return train, val

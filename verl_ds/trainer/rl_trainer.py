@@ -18,13 +18,14 @@ from verl_ds.data.dataset import PromptSampler
 from verl_ds.data.reward import task_reward_fn
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
-from verl_ds.dist import all_gather_object, all_reduce_min, all_reduce_sum, init_distributed, rank, world_size
+from verl_ds.dist import (all_gather_object, all_reduce_max, all_reduce_min, all_reduce_sum, init_distributed, rank,
+                          world_size)
 from verl_ds.ds_config import resolve
 from verl_ds.errors import ConfigError
 from verl_ds.roles import align_overflow, iter_full_params
 from verl_ds.roles.base import in_row_order
 from verl_ds.roles.params import export_adapter, export_hf
-from verl_ds.rollout import generate_distributed, make_rollout, resolve_engine, sync_distributed
+from verl_ds.rollout import episodes, make_rollout, resolve_engine, sync_distributed
 from verl_ds.trainer import builder
 from verl_ds.trainer.groups import merge_parts, select_groups, varied_groups
 from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
@@ -49,7 +50,9 @@ class RLTrainer:
         # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
         self.cfg = cfg = replace(cfg, rollout=replace(cfg.rollout, engine=resolve_engine(cfg.rollout, self.model_path)))
         self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
-        self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer)
+        self.codec = builder.build_codec(cfg, self.tokenizer, self.model_path)
+        self.episode_kw = builder.build_episodes(cfg, self.codec)   # {}: single-turn
+        self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer, self.codec)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
         self.reward_fn = reward_fn or task_reward_fn(cfg.data)
         self.roles = builder.build_roles(cfg, self.model_path, self.precision)
@@ -84,14 +87,17 @@ class RLTrainer:
             batch, examples, raw_scores, shaped, sample_metrics = self._collect(timer)
             self.rollout.sleep()          # GPU: hand vLLM's memory to the roles until the sync
             scores = self._normalize(shaped)
-            mask = batch.response_mask
+            # the model's own tokens: multi-turn rows also hold environment tokens, which the model
+            # attends to (attention_mask) but no loss, KL, entropy or metric counts
+            mask = batch.loss_mask
             truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=mask.dtype)
             data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": mask}
             # 4. old logprobs, reference logprobs, values — stored in the buffer dtype
             # one mini-batch per epoch (and KL as a loss): the first epoch's forward runs on the very
             # weights that generated the batch, so it is the old policy (ratio 1, exact) and no
             # separate pass runs; later epochs and the metrics below reuse its logprobs
-            first_is_old = self._mini_rows(len(batch)) >= len(batch) and (a.use_kl_loss or not self.reference)
+            n_minis = self._mini_batches(len(batch))
+            first_is_old = n_minis == 1 and (a.use_kl_loss or not self.reference)
             old_lp = None
             if not first_is_old:
                 with timer("old_logprob", stage="score", role="actor"):
@@ -117,7 +123,7 @@ class RLTrainer:
             if a.mask_truncated:          # samples cut at max_new_tokens teach nothing about endings
                 train["response_mask"] = mask * (1 - truncated)[:, None]
             # 7. ppo_epochs over mini-batches for the actor and the critic
-            update_metrics, first_lp = self._update(train, timer, first_is_old)
+            update_metrics, first_lp = self._update(train, timer, n_minis, first_is_old)
             if first_is_old:
                 old_lp, buf["old_logprobs"] = first_lp, train["old_logprobs"]
             # 8. sync the new actor weights into the rollout engine
@@ -154,15 +160,16 @@ class RLTrainer:
             idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank::self.world]
             examples = [self.prompts[i] for i in idx]
             with timer("gen", stage="rollout", role="rollout"):
-                batch = generate_distributed(self.rollout, [e["prompt_ids"] for e in examples], r.n, r.temperature,
-                                             r.top_p, r.max_new_tokens, run_seed=cfg.trainer.seed,
-                                             step=self.global_step, round_=rounds)
+                ro = episodes.collect(self.rollout, examples, [e["prompt_ids"] for e in examples], r.n,
+                                      r.temperature, r.top_p, r.max_new_tokens, run_seed=cfg.trainer.seed,
+                                      step=self.global_step, round_=rounds, **self.episode_kw)
+                batch = ro.batch
             with timer("reward", stage="score", role="reward"):
-                raw = self._score(batch, examples)
+                raw = self._score(ro, examples)
                 shaped = raw + self._overlong(batch)
             rounds += 1
             if not fg.enabled:
-                return batch, examples, raw, shaped, {}
+                return batch, examples, raw, shaped, ro.metrics
             last = (batch, examples, raw, shaped)
             drawn.append(raw)
             keep = varied_groups(raw if fg.metric == "acc" else shaped, batch.group_ids, len(examples))
@@ -179,7 +186,7 @@ class RLTrainer:
         drawn = torch.cat(drawn)
         seen_all, dropped_all, drawn_sum, drawn_n = all_reduce_sum([float(seen), float(dropped),
                                                                      float(drawn.sum()), float(len(drawn))])
-        return (*out, {"filter/kept_groups": float(k * self.world), "filter/rounds": float(rounds),
+        return (*out, {**ro.metrics,"filter/kept_groups": float(k * self.world), "filter/rounds": float(rounds),
                        "filter/zero_variance_fraction": dropped_all / max(seen_all, 1.0),
                        "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0)})   # before filtering
 
@@ -192,37 +199,42 @@ class RLTrainer:
         mine = self.val_prompts[self.rank::self.world]
         ids = [e["prompt_ids"] for e in mine]
         tag = f"val{self.global_step}"          # seeds apart from every training step's
-        greedy = generate_distributed(self.rollout, ids, 1, 0.0, 1.0, r.max_new_tokens, run_seed=cfg.trainer.seed,
-                                      step=tag)
-        sampled = generate_distributed(self.rollout, ids, k, r.temperature, r.top_p, r.max_new_tokens,
-                                       run_seed=cfg.trainer.seed, step=tag, round_=1)
+        greedy = episodes.collect(self.rollout, mine, ids, 1, 0.0, 1.0, r.max_new_tokens, run_seed=cfg.trainer.seed,
+                                  step=tag, **self.episode_kw)
+        sampled = episodes.collect(self.rollout, mine, ids, k, r.temperature, r.top_p, r.max_new_tokens,
+                                   run_seed=cfg.trainer.seed, step=tag, round_=1, **self.episode_kw)
         self.rollout.sleep()
-        acc = self._score(greedy, mine)
-        scores = self._score(sampled, mine).view(len(mine), k) if mine else torch.zeros(0, k)
+        acc = _per_episode(self._score(greedy, mine), greedy.episode)
+        scores = _per_episode(self._score(sampled, mine), sampled.episode).view(len(mine), k) if mine \
+            else torch.zeros(0, k)
         passed = [algos.pass_at_k(k, int((row >= 1).sum()), k) for row in scores]
         tot = all_reduce_sum([float(acc.sum()), float(scores.mean(-1).sum()) if mine else 0.0, sum(passed),
-                              float(greedy.response_mask.sum()), float(len(mine))])
+                              float(greedy.batch.loss_mask.sum()), float(len(mine))])
         n = max(tot[4], 1.0)
         if self.rank == 0 and mine:
-            rows = [(e["prompt"], text, float(s)) for e, text, s in zip(mine, self._decode(greedy), acc)][:16]
+            first = [int((greedy.episode == e).nonzero()[-1]) for e in range(len(mine))]   # its last row
+            texts = self._decode(greedy.batch.select(first))
+            rows = [(e["prompt"], text, float(s)) for e, text, s in zip(mine, texts, acc)][:16]
             self.logger.log_samples(rows, self.global_step, key="val_samples")
         return {f"val/{name}/accuracy": tot[0] / n, f"val/{name}/mean@{k}": tot[1] / n,
                 f"val/{name}/pass@{k}": tot[2] / n, "val/response_length/mean": tot[3] / n}
 
     def _overlong(self, batch) -> torch.Tensor:
         o, r = self.cfg.algorithm.overlong, self.cfg.rollout
-        lengths = batch.response_mask.sum(-1)
+        lengths = batch.loss_mask.sum(-1)
         return algos.overlong_penalty(lengths, r.max_new_tokens, o.buffer_len, o.penalty) if o.buffer_len \
             else torch.zeros_like(lengths)
 
-    def _score(self, batch, examples) -> torch.Tensor:
+    def _score(self, ro: episodes.Rollout, examples) -> torch.Tensor:
+        """Each row's score: the reward model's on the whole row, or the task's reward function on
+        its episode's final answer; plus the environment's reward (0 in single-turn jobs)."""
+        batch = ro.batch
         if self.reward_model is not None:
             return self.reward_model.score({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-                                            "response_mask": batch.response_mask}).cpu()
-        out = []
-        for i, resp in enumerate(self._decode(batch)):
-            out.append(float(self.reward_fn(resp, examples[int(batch.group_ids[i])]["answer"])))
-        return torch.tensor(out)
+                                            "response_mask": batch.response_mask}).cpu() + ro.env_rewards
+        texts = self.tokenizer.batch_decode(ro.final_ids, skip_special_tokens=True)
+        out = [float(self.reward_fn(t, examples[int(g)]["answer"])) for t, g in zip(texts, batch.group_ids)]
+        return torch.tensor(out) + ro.env_rewards
 
     def _normalize(self, scores: torch.Tensor) -> torch.Tensor:
         a = self.cfg.algorithm
@@ -248,10 +260,15 @@ class RLTrainer:
         """This rank's rows per mini-batch (all `n` when trainer.mini_batch_size is unset)."""
         return (self.cfg.trainer.mini_batch_size or n * self.world) // self.world
 
-    def _update(self, train: dict, timer: Timer, first_is_old: bool = False):
-        """`ppo_epochs` over mini-batches -> (metrics, the first epoch's fp32 logprobs or None).
-        `first_is_old`: `train` has no old logprobs yet; the first epoch (one mini-batch, in order)
-        computes them and stores them, buffered, in `train` for the later epochs."""
+    def _mini_batches(self, n: int) -> int:
+        """Mini-batches per epoch, the same on every rank (forked multi-turn episodes give ranks
+        different row counts): the most any rank needs for `n` rows of `_mini_rows` each."""
+        return max(1, int(all_reduce_max(float(-(-n // max(self._mini_rows(n), 1))))))   # collective: no early exit
+
+    def _update(self, train: dict, timer: Timer, n_minis: int, first_is_old: bool = False):
+        """`ppo_epochs` over `n_minis` mini-batches -> (metrics, the first epoch's fp32 logprobs or
+        None). `first_is_old`: `train` has no old logprobs yet; the first epoch (one mini-batch, in
+        order) computes them and stores them, buffered, in `train` for the later epochs."""
         n = train["input_ids"].shape[0]
         mini = self._mini_rows(n)
         sums: dict[str, float] = {}
@@ -260,8 +277,10 @@ class RLTrainer:
             collect = first_is_old and epoch == 0
             perm = torch.arange(n) if collect else torch.randperm(n)
             self.actor.collected = [] if collect else None
-            for start in range(0, n, mini):
-                mb = {k: v[perm[start:start + mini]] for k, v in train.items()}
+            # mini-batches of `mini` rows; a rank with fewer rows than another splits them as evenly
+            parts = perm.split(mini) if -(-n // mini) == n_minis else perm.tensor_split(n_minis)
+            for rows in parts:
+                mb = {k: v[rows] for k, v in train.items()}
                 tokens, seqs = _global_counts(mb["response_mask"])
                 with timer("update_actor", stage="update", role="actor"):
                     m = self.actor.accumulate(mb, tokens, seqs)
@@ -288,7 +307,7 @@ class RLTrainer:
         return out, first_lp
 
     def _batch_metrics(self, batch, raw_scores, scores, old_lp, kl_mean, step_s) -> dict[str, float]:
-        mask = batch.response_mask
+        mask = batch.loss_mask
         rollout_perf = {k: v for k, v in getattr(self.rollout, "last_metrics", {}).items() if k.startswith("perf/")}
         return {
             "reward/mean": raw_scores.mean().item(), "reward/normalized_mean": scores.mean().item(),
@@ -311,9 +330,21 @@ class RLTrainer:
         return out
 
     def _decode(self, batch) -> list[str]:
+        """Each row's response as text; multi-turn rows with their turns marked ([model] / [env])."""
         lens = batch.response_mask.sum(1).long().tolist()   # right-padded: the first n are the response
-        return self.tokenizer.batch_decode([ids[:n] for ids, n in zip(batch.response_ids.tolist(), lens)],
-                                           skip_special_tokens=True)
+        rows = [ids[:n] for ids, n in zip(batch.response_ids.tolist(), lens)]
+        if not batch.multi_turn:
+            return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
+        out = []
+        for ids, m in zip(rows, batch.loss_mask.tolist()):
+            runs, start = [], 0
+            for t in range(1, len(ids) + 1):
+                if t == len(ids) or m[t] != m[start]:
+                    tag = "[model] " if m[start] else "[env] "
+                    runs.append(tag + self.tokenizer.decode(ids[start:t], skip_special_tokens=False))
+                    start = t
+            out.append("\n".join(runs))
+        return out
 
     def _log_samples(self, batch, examples, scores):
         rows = [(examples[int(g)]["prompt"], resp, float(s))
@@ -419,6 +450,12 @@ def _token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.T
     last = (mask.cumsum(-1).argmax(-1))            # index of the last response token
     rewards[torch.arange(len(scores)), last] = scores.to(rewards.dtype)
     return rewards - kl_penalty if kl_penalty is not None else rewards
+
+
+def _per_episode(row_scores: torch.Tensor, episode: torch.Tensor) -> torch.Tensor:
+    """One score per episode from its rows' (the rows of a forked episode score alike)."""
+    n = int(episode.max()) + 1 if len(episode) else 0
+    return torch.zeros(n, dtype=row_scores.dtype).scatter_(0, episode, row_scores)
 
 
 def _global_counts(mask: torch.Tensor) -> tuple[float, float]:

@@ -1,0 +1,71 @@
+"""The environment contract and `load_env_factory`: `rollout.multi_turn.env` -> a per-episode factory."""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable, Protocol, Union
+
+from verl_ds.errors import ConfigError
+
+Observation = Union[str, list, None]
+
+
+class Environment(Protocol):
+    """What the episode loop calls: `reset` once, then `step` after every model turn until done."""
+
+    def reset(self, example: dict) -> Observation: ...
+
+    def step(self, action: str) -> tuple[Observation, float, bool, dict]: ...
+
+
+EnvFactory = Callable[[], Environment]
+
+# built-in names for rollout.multi_turn.env (a `pkg.module:Class` path loads a user's class)
+BUILTIN_ENVS = {"tools": "verl_ds.envs.tools:ToolEnv", "retry": "verl_ds.envs.retry:RetryEnv"}
+
+
+def import_object(spec: str, key: str) -> Any:
+    """`pkg.module:Name` (or `pkg.module.Name`) importable from PYTHONPATH; a ConfigError naming `key`."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep:
+        mod_name, _, attr = spec.rpartition(".")
+    if not mod_name or not attr:
+        raise ConfigError(key, f"'{spec}' is not a 'pkg.module:Name' path")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(key, f"cannot import module '{mod_name}' ({e}); is it on PYTHONPATH?") from None
+    if not hasattr(module, attr):
+        raise ConfigError(key, f"module '{mod_name}' has no '{attr}'")
+    return getattr(module, attr)
+
+
+def _check_method(cls, name: str, n_args: int, key: str) -> None:
+    fn = getattr(cls, name, None)
+    if not callable(fn):
+        raise ConfigError(key, f"{cls.__name__} has no method {name}() (an environment needs reset and step)")
+    try:
+        inspect.signature(fn).bind(None, *([None] * n_args))
+    except TypeError:
+        raise ConfigError(key, f"{cls.__name__}.{name} must take {n_args} argument(s) besides self, "
+                               f"got {name}{inspect.signature(fn)}") from None
+
+
+def load_env_factory(spec: str, env_kwargs: dict, tools: list | None = None,
+                     key: str = "rollout.multi_turn.env") -> EnvFactory:
+    """A zero-argument factory building one environment per episode. Checked now (import, methods,
+    constructor arguments), so a bad path or signature is one line at start, not a crash mid-run.
+    The tool environment also gets `tools` (the functions of `data.tools`)."""
+    cls = import_object(BUILTIN_ENVS.get(spec, spec), key)
+    if not inspect.isclass(cls):
+        raise ConfigError(key, f"'{spec}' is not a class")
+    _check_method(cls, "reset", 1, key)
+    _check_method(cls, "step", 1, key)
+    kwargs = dict(env_kwargs)
+    if "tools" in inspect.signature(cls).parameters and tools is not None:
+        kwargs.setdefault("tools", tools)
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError("rollout.multi_turn.env_kwargs", f"{cls.__name__}({', '.join(kwargs)}): {e}") from None
+    return lambda: cls(**kwargs)

@@ -1,0 +1,228 @@
+"""Episodes: the one rollout path. A single-turn job is the one-turn case of the same loop.
+
+Token-in, token-out: each turn, every live episode of this rank goes to the engine in one call
+with its context *as ids* (its prompt, the model's sampled ids, the environment's ids); the
+trainer later trains on exactly those ids. An environment's observation becomes ids through the
+`ChatCodec` (the chat template's delta after an assistant turn), never by re-rendering earlier turns.
+Model tokens carry loss mask 1 and their rollout logprobs; environment tokens mask 0, logprob 0.
+With a chat template a turn cut at its token budget ends the episode (it has no end-of-turn to
+continue after); without one (plain text, e.g. the char-level model) the observation follows it.
+
+Turn 0 samples the n episodes of each prompt in one request per prompt, seeded exactly as a
+single-turn step (`prompt_seed`); later turns send one request per live episode, seeded from
+(run seed, step, prompt position, sample, turn) (`turn_seed`): episodes stay independent of each
+other, of the batch order and of the rank, and a resumed run draws the same episodes.
+
+A template that rewrites history (one that renders earlier turns differently once later ones
+exist) cannot be continued as ids: the episode forks, and continues as a new training row whose
+prompt is the template's rendering of the conversation so far.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verl_ds import dist as vdist
+
+from .batch import RolloutBatch
+from .distributed import generate_distributed, prompt_positions
+from .seeding import turn_seed
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    """`rollout.multi_turn` limits. Tokens count the response region (model + environment tokens)."""
+    max_turns: int = 1
+    max_env_tokens: int = 0        # an observation's content is cut to this many tokens (0: no cut)
+    max_total_tokens: int = 0      # model + environment tokens of a row (0: only max_model_len bounds it)
+    max_model_len: int = 256       # prompt + response; an episode that would pass it ends truncated
+
+
+@dataclass
+class Segment:
+    """One training row: a prompt and what followed it, with the conversation as text."""
+    prompt_ids: list[int]
+    messages: list[dict]
+    ids: list[int] = field(default_factory=list)
+    mask: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def add(self, ids: list[int], model: bool, logprobs: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [1.0 if model else 0.0] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+
+@dataclass
+class Episode:
+    group: int                     # the prompt's index in this call
+    sample: int                    # 0 .. n-1
+    env: object
+    segments: list[Segment] = field(default_factory=list)
+    reward: float = 0.0            # the sum of the environment's step rewards
+    turns: int = 0
+    finish: str = "stop"           # stop | length
+    last_action: list[int] = field(default_factory=list)
+    tool_calls: float = 0.0
+    tool_failures: float = 0.0
+    live: bool = True
+
+    @property
+    def seg(self) -> Segment:
+        return self.segments[-1]
+
+
+@dataclass
+class Rollout:
+    """What a rollout hands the trainer: the rows, and per row its episode's final answer (the
+    text the task's reward function scores), the environment's reward, and the episode index."""
+    batch: RolloutBatch
+    final_ids: list[list[int]]
+    env_rewards: torch.Tensor      # [rows] float32
+    episode: torch.Tensor          # [rows] long: rows of one episode (forks) share it
+    metrics: dict[str, float] = field(default_factory=dict)
+    episodes: list[Episode] = field(default_factory=list)
+
+
+def collect(rollout, examples: list[dict], prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+            max_new_tokens: int, run_seed: int, step: int | str, round_: int = 0, env_factory=None, codec=None,
+            limits: TurnLimits = TurnLimits(), strict: bool = True) -> Rollout:
+    """`n` episodes per prompt on this rank. Without an environment every episode is one turn: the
+    engine's batch is the rows, as it always was. Collective within a tensor-parallel group."""
+    if env_factory is None:
+        batch = generate_distributed(rollout, prompt_ids, n, temperature, top_p, max_new_tokens, run_seed, step,
+                                     round_)
+        final = [row[:int(k)] for row, k in zip(batch.response_ids.tolist(), batch.response_mask.sum(1).tolist())]
+        return Rollout(batch, final, torch.zeros(len(batch)), torch.arange(len(batch)))
+    episodes = [Episode(group=g, sample=j, env=env_factory()) for g in range(len(prompt_ids)) for j in range(n)]
+    batched = True
+    for ep in episodes:
+        ex = examples[ep.group]
+        ep.segments.append(Segment(list(prompt_ids[ep.group]), codec.prompt_messages(ex["prompt"])))
+        first = ep.env.reset(ex)
+        if first is not None:          # the environment opens the conversation: a prompt of its own
+            msgs = _messages(first, "user")
+            seg = ep.seg
+            seg.messages += msgs
+            seg.prompt_ids = codec.render_ids(seg.messages, add_generation_prompt=True) if codec.use_template \
+                else seg.prompt_ids + codec.observation_ids(msgs)
+            batched = False
+    positions = prompt_positions(len(prompt_ids), round_)
+    sampling = dict(temperature=temperature, top_p=top_p, run_seed=run_seed, step=step)
+    turn, tp = 0, getattr(rollout, "tp", 1)
+    while True:
+        live = [ep for ep in episodes if ep.live]
+        if tp > 1:    # every member of a tensor-parallel group generates until the whole group is done
+            if vdist.all_reduce_max(float(len(live))) == 0:
+                break
+        elif not live:
+            break
+        budgets = [_budget(ep, max_new_tokens, limits) for ep in live]
+        if turn == 0 and batched:
+            out = generate_distributed(rollout, prompt_ids, n, max_new_tokens=max_new_tokens, round_=round_,
+                                       **sampling)
+        else:
+            seeds = [turn_seed(run_seed, step, positions[ep.group], ep.sample, turn) for ep in live]
+            out = generate_distributed(rollout, [ep.seg.prompt_ids + ep.seg.ids for ep in live], 1,
+                                       max_new_tokens=max(budgets, default=1), seeds=seeds, **sampling)
+        rows = out.to_lists()
+        for ep, budget, ids, lps, reason in zip(live, budgets, rows["responses"], rows["logprobs"],
+                                                rows["finish_reasons"]):
+            if len(ids) > budget:      # this episode's own budget (the call ran to the largest one)
+                ids, lps, reason = ids[:budget], lps[:budget], "length"
+            _act(ep, ids, lps, reason, codec, limits)
+        turn += 1
+    return _assemble(episodes, codec, out.pad_id if episodes else rollout.pad_id, strict)
+
+
+def _budget(ep: Episode, max_new_tokens: int, limits: TurnLimits) -> int:
+    """New tokens this episode may still generate this turn (at least 1; the limits are checked
+    before an episode continues)."""
+    seg = ep.seg
+    room = [max_new_tokens, limits.max_model_len - len(seg.prompt_ids) - len(seg.ids)]
+    if limits.max_total_tokens:
+        room.append(limits.max_total_tokens - len(seg.ids))
+    return max(1, min(room))
+
+
+def _messages(obs, role: str) -> list[dict]:
+    return [{"role": role, "content": obs}] if isinstance(obs, str) else [dict(m) for m in obs]
+
+
+def _act(ep: Episode, ids: list[int], lps: list[float], reason: str, codec, limits: TurnLimits) -> None:
+    """The model's turn: append it, let the environment answer, append the answer (or end)."""
+    seg = ep.seg
+    seg.add(ids, model=True, logprobs=lps)
+    ep.turns += 1
+    ep.last_action = ids
+    text = codec.action_text(ids)
+    seg.messages.append({"role": "assistant", "content": text})
+    ep.finish = reason
+    if reason == "length" and codec.use_template:   # cut mid-turn: no end-of-turn token to continue after
+        ep.live = False
+        return
+    obs, reward, done, info = ep.env.step(text)
+    ep.reward += float(reward)
+    ep.tool_calls += float(info.get("tool_calls", 0.0))
+    ep.tool_failures += float(info.get("tool_failures", 0.0))
+    if done or obs is None or ep.turns >= limits.max_turns:
+        ep.live = False
+        return
+    msgs = _messages(obs, getattr(ep.env, "observation_role", "tool" if "tool_calls" in info else "user"))
+    if limits.max_env_tokens:
+        for m in msgs:
+            ids_ = codec.content_ids(m["content"])
+            if len(ids_) > limits.max_env_tokens:
+                m["content"] = codec.decode(ids_[:limits.max_env_tokens])
+    if codec.extends(seg.messages, seg.messages + msgs):
+        delta = codec.observation_ids(msgs)
+        used, total = len(seg.ids) + len(delta), len(seg.prompt_ids) + len(seg.ids) + len(delta)
+        if total >= limits.max_model_len or (limits.max_total_tokens and used >= limits.max_total_tokens):
+            ep.finish, ep.live = "length", False   # no room left for another model turn
+            return
+        seg.add(delta, model=False)
+        seg.messages += msgs
+    else:                              # the template rewrote history: continue as a new row
+        messages = seg.messages + msgs
+        prompt = codec.render_ids(messages, add_generation_prompt=True)
+        if len(prompt) >= limits.max_model_len:
+            ep.finish, ep.live = "length", False
+            return
+        ep.segments.append(Segment(prompt, messages))
+
+
+def _assemble(episodes: list[Episode], codec, pad_id: int, strict: bool) -> Rollout:
+    lists = dict(prompts=[], responses=[], logprobs=[], finish_reasons=[], group_ids=[], loss_masks=[])
+    final, env_r, index, mismatched, checked = [], [], [], 0, 0
+    for e, ep in enumerate(episodes):
+        for k, seg in enumerate(ep.segments):
+            lists["prompts"].append(seg.prompt_ids)
+            lists["responses"].append(seg.ids)
+            lists["logprobs"].append(seg.logprobs)
+            lists["loss_masks"].append(seg.mask)
+            lists["finish_reasons"].append(ep.finish if k == len(ep.segments) - 1 else "stop")
+            lists["group_ids"].append(ep.group)
+            final.append(ep.last_action)
+            env_r.append(ep.reward)
+            index.append(e)
+            if strict and seg.ids:
+                checked += 1
+                mismatched += not codec.matches_one_shot(seg.prompt_ids, seg.messages, seg.ids)
+    batch = RolloutBatch.from_lists(**lists, pad_id=pad_id)
+    n_ep = max(len(episodes), 1)
+    turns = [ep.turns for ep in episodes] or [0]
+    model_tok = batch.loss_mask.sum(1)
+    metrics = {
+        "multi_turn/turns/mean": sum(turns) / n_ep, "multi_turn/turns/max": float(max(turns)),
+        "multi_turn/forks": float(sum(len(ep.segments) - 1 for ep in episodes)),
+        "tools/call_frequency": sum(ep.tool_calls for ep in episodes) / max(sum(turns), 1),
+        "tools/failure_frequency": sum(ep.tool_failures for ep in episodes) /
+        max(sum(ep.tool_calls for ep in episodes), 1.0),
+        "response/model_tokens/mean": float(model_tok.mean()) if len(batch) else 0.0,
+        "response/env_tokens/mean": float((batch.response_mask.sum(1) - model_tok).mean()) if len(batch) else 0.0,
+    }
+    if strict:
+        metrics["multi_turn/token_mismatch_fraction"] = mismatched / max(checked, 1)
+    return Rollout(batch, final, torch.tensor(env_r, dtype=torch.float32), torch.tensor(index, dtype=torch.long),
+                   metrics, episodes)
