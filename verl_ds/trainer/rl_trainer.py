@@ -216,8 +216,11 @@ class RLTrainer:
             texts = self._decode(greedy.batch.select(first))
             rows = [(e["prompt"], text, float(s)) for e, text, s in zip(mine, texts, acc)][:16]
             self.logger.log_samples(rows, self.global_step, key="val_samples")
-        return {f"val/{name}/accuracy": tot[0] / n, f"val/{name}/mean@{k}": tot[1] / n,
-                f"val/{name}/pass@{k}": tot[2] / n, "val/response_length/mean": tot[3] / n}
+        out = {f"val/{name}/accuracy": tot[0] / n, f"val/{name}/mean@{k}": tot[1] / n,
+               f"val/{name}/pass@{k}": tot[2] / n, "val/response_length/mean": tot[3] / n}
+        # multi-turn: the greedy episodes' turns and tool use (mean over ranks, as every metric)
+        out.update({f"val/{k}": v for k, v in greedy.metrics.items() if k.startswith(("tools/", "multi_turn/turns"))})
+        return out
 
     def _overlong(self, batch) -> torch.Tensor:
         o, r = self.cfg.algorithm.overlong, self.cfg.rollout
