@@ -90,6 +90,7 @@ class DataConfig:
     reward_fn: str = "arithmetic"          # a registry name, a dotted path module:function, or none (env reward only)
     apply_chat_template: bool = False
     system_prompt: Optional[str] = None    # a system message before every prompt (chat template only)
+    few_shot: list = field(default_factory=list)   # chat messages ({role, content}) between the system prompt and each prompt
     tools: list = field(default_factory=list)   # calculator | pkg.module:function; for rollout.multi_turn.env: tools
     max_prompt_length: int = 64
     shuffle: bool = True
@@ -457,6 +458,11 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError("data.tools", "rollout.multi_turn.env: tools needs at least one tool (e.g. [calculator])")
     if d.system_prompt is not None and not d.apply_chat_template:
         raise ConfigError("data.system_prompt", "a system prompt needs data.apply_chat_template: true")
+    if d.few_shot and not d.apply_chat_template:
+        raise ConfigError("data.few_shot", "few-shot chat messages need data.apply_chat_template: true")
+    for i, m in enumerate(d.few_shot):
+        if not (isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())):
+            raise ConfigError(f"data.few_shot[{i}]", f"expected {{role: ..., content: ...}} (strings), got {m!r}")
     if d.task == "files" and not d.train_files:
         raise ConfigError("data.train_files", "task 'files' needs at least one jsonl or parquet file")
     # batch geometry over `world` ranks

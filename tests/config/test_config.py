@@ -153,6 +153,13 @@ BAD_INPUTS = {
     "bad_float": ("{}\n", ["roles.actor.lr=fast"], "roles.actor.lr: expected float"),
     "zero_temperature": ("rollout: {temperature: 0}\n", [], "rollout.temperature: must be > 0"),
     "kl_target_with_kl_loss": ("algorithm: {kl_target: 0.1, use_kl_loss: true}\n", [], "algorithm.kl_target"),
+    "tools_without_tool_env": ("data: {tools: [calculator]}\n", [], "data.tools: tools are called through the tool environment"),
+    "tool_env_without_tools": ("rollout: {multi_turn: {env: tools}}\n", [], "data.tools: rollout.multi_turn.env: tools needs"),
+    "tokenization_check": ("rollout: {multi_turn: {tokenization_check: loose}}\n", [],
+                           "rollout.multi_turn.tokenization_check: 'loose' is not one of strict, off"),
+    "max_turns_zero": ("rollout: {multi_turn: {env: retry, max_turns: 0}}\n", [], "rollout.multi_turn.max_turns: must be > 0"),
+    "few_shot_shape": ("data: {apply_chat_template: true, few_shot: [{role: user}]}\n", [], "data.few_shot[0]: expected"),
+    "system_prompt_without_template": ("data: {system_prompt: hi}\n", [], "data.system_prompt: a system prompt needs"),
     "explicit_train_batch": ("roles:\n  actor: {ds_config: TBS}\n", [], "train_batch_size 7 != the run's mini-batch"),
     "frozen_role_zero2": ("roles:\n  reference: {ds_config: STAGE2}\n", [], "inference-only"),
     "max_model_len": ("rollout: {max_model_len: 16, max_new_tokens: 8}\ndata: {max_prompt_length: 12}\n", [],
@@ -227,3 +234,18 @@ def test_train_with_a_validation_file_missing_the_prompt_key_is_one_line(tmp_pat
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: data.prompt_key: 'prompt' missing in {val}:1 (keys: ['answer', 'question'])"], out.stderr
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("rollout.multi_turn.env=no_such_pkg.envs:Env",
+     "error: rollout.multi_turn.env: cannot import module 'no_such_pkg.envs' (No module named 'no_such_pkg'); "
+     "is it on PYTHONPATH?"),
+    ("rollout.multi_turn.env_kwargs={max_tries: 3, colour: red}",
+     "error: rollout.multi_turn.env_kwargs: RetryEnv(max_tries, colour): got an unexpected keyword argument 'colour'"),
+])
+def test_train_with_a_bad_environment_is_one_line_at_start(tmp_path, override, expected):
+    out = cli("train", "--config", str(ROOT / "examples" / "grpo_cpu_tiny_retry.yaml"), override,
+              f"trainer.run_dir={tmp_path}", "logging.wandb.mode=disabled", "rollout.engine=hf")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert [line for line in out.stderr.strip().splitlines() if line.startswith("error")] == [expected], out.stderr
+    assert "Traceback" not in out.stderr

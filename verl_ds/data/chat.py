@@ -21,14 +21,16 @@ TOOLS_SYSTEM_PROMPT = (
 class ChatCodec:
     """Prompt and observation ids for one tokenizer. `use_template`: data.apply_chat_template.
     `tools`: JSON schemas, given to the template (`tools=`) or, when it has no tools section,
-    described in a system message. `model`: named in errors."""
+    described in a system message. `few_shot`: chat messages before every prompt. `model`: named
+    in errors."""
 
     def __init__(self, tokenizer, use_template: bool, tools: list[dict] | None = None,
-                 system_prompt: str | None = None, model: str = "the model", eos_ids: list[int] | None = None):
+                 system_prompt: str | None = None, model: str = "the model", eos_ids: list[int] | None = None,
+                 few_shot: list[dict] | None = None):
         import json
 
         self.tok, self.use_template, self.model = tokenizer, use_template, model
-        self.tools, self.system = tools or None, system_prompt
+        self.tools, self.system, self.few_shot = tools or None, system_prompt, list(few_shot or [])
         self.eos_ids = set(eos_ids or [tokenizer.eos_token_id])
         self._separator: list[int] = []
         if not use_template:
@@ -70,8 +72,9 @@ class ChatCodec:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def prompt_messages(self, prompt: str) -> list[dict]:
+        """[system] + few-shot messages (a demonstration, e.g. of a tool call) + the user's prompt."""
         return ([{"role": "system", "content": self.system}] if self.system else []) + \
-            [{"role": "user", "content": prompt}]
+            [dict(m) for m in self.few_shot] + [{"role": "user", "content": prompt}]
 
     def prompt_texts(self, prompts: list[str]) -> list[str]:
         """What the tokenizer reads for each prompt: the rendered conversation, or the text itself."""

@@ -45,7 +45,7 @@ def build_codec(cfg: RunConfig, tokenizer, model_path: str) -> ChatCodec:
     d = cfg.data
     schemas = tool_schemas(load_tools(d.tools)) if d.tools else None
     codec = ChatCodec(tokenizer, d.apply_chat_template, schemas, d.system_prompt, model=cfg.model.path,
-                      eos_ids=eos_token_ids(model_path))
+                      eos_ids=eos_token_ids(model_path), few_shot=d.few_shot)
     if cfg.rollout.multi_turn.env:
         codec.check_turns()
     return codec
