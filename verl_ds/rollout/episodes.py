@@ -111,6 +111,8 @@ def collect(rollout, examples: list[dict], prompt_ids: list[list[int]], n: int, 
     positions = prompt_positions(len(prompt_ids), round_)
     sampling = dict(temperature=temperature, top_p=top_p, run_seed=run_seed, step=step)
     turn, tp = 0, getattr(rollout, "tp", 1)
+    if tp > 1:        # a tensor-parallel group's members must send the same kind of request
+        batched = vdist.all_reduce_min(float(batched)) > 0
     while True:
         live = [ep for ep in episodes if ep.live]
         if tp > 1:    # every member of a tensor-parallel group generates until the whole group is done
@@ -133,7 +135,7 @@ def collect(rollout, examples: list[dict], prompt_ids: list[list[int]], n: int, 
                 ids, lps, reason = ids[:budget], lps[:budget], "length"
             _act(ep, ids, lps, reason, codec, limits)
         turn += 1
-    return _assemble(episodes, codec, out.pad_id if episodes else rollout.pad_id, strict)
+    return _assemble(episodes, codec, rollout.pad_id, strict)
 
 
 def _budget(ep: Episode, max_new_tokens: int, limits: TurnLimits) -> int:
@@ -169,7 +171,7 @@ def _act(ep: Episode, ids: list[int], lps: list[float], reason: str, codec, limi
     if done or obs is None or ep.turns >= limits.max_turns:
         ep.live = False
         return
-    msgs = _messages(obs, getattr(ep.env, "observation_role", "tool" if "tool_calls" in info else "user"))
+    msgs = _messages(obs, getattr(ep.env, "observation_role", "user"))   # a string: one message of that role
     if limits.max_env_tokens:
         for m in msgs:
             ids_ = codec.content_ids(m["content"])
