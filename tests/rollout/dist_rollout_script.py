@@ -18,7 +18,7 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
     import psutil
     import torch.distributed as dist
 
-    from tests.rollout.helpers import load_hf, max_logprob_diff
+    from tests.rollout.helpers import hf_response_logprobs, load_hf, max_logprob_diff
     from verl_ds.config import RolloutConfig
     from verl_ds.dist import init_distributed, rank, world_size
     from verl_ds.ds_config import read_ds_json, render_role
@@ -57,6 +57,25 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
     repeated = [generate_distributed(rollout, [PROMPTS[0][0]] * 8, **SAMPLE, run_seed=0, step=step)
                 .to_lists()["responses"] for step in (2, 3)]
     report["repeated"] = [x for step in repeated for x in step]
+    # multi-turn: rank 0's episodes run 3 turns, rank 1's one; under TP=2 rank 1 keeps generating with
+    # its group until rank 0 is done. The model's tokens' logprobs match HF on the interleaved rows.
+    from tests.rollout.test_episodes import Nag
+    from verl_ds.data.chat import ChatCodec
+    from verl_ds.data.tiny import load_tokenizer
+    from verl_ds.rollout.episodes import TurnLimits, collect
+    codec = ChatCodec(load_tokenizer(trained_path), False)
+    turns = 3 if r == 0 else 1
+    ro = collect(rollout, [{"prompt": "", "answer": ""}] * 2, PROMPTS[r], 2, 1.0, 1.0, 4, run_seed=0, step=9,
+                 env_factory=lambda: Nag("#", turns), codec=codec, limits=TurnLimits(3, 0, 0, 128))
+    worst = 0.0
+    for row in range(len(ro.batch)):
+        n = int(ro.batch.response_mask[row].sum())
+        p = ro.batch.to_lists()["prompts"][row]
+        ids = ro.batch.response_ids[row, :n].tolist()
+        want = hf_response_logprobs(hf_new, p, ids)
+        model = ro.batch.loss_mask[row, :n].bool()
+        worst = max(worst, float((want - ro.batch.rollout_logprobs[row, :n])[model].abs().max()))
+    report["multi_turn"] = {"turns": ro.metrics["multi_turn/turns/mean"], "max_dlogprob": worst}
     # 500 syncs: memory stays flat (RSS after 50 warm-up syncs vs after 500)
     proc = psutil.Process()
     for i in range(500):

@@ -49,6 +49,7 @@ def test_colocated_engines_under_deepspeed(model_pair, standalone, tmp_path, tp)
         assert rep["max_dlogprob"] <= 1e-5 and rep["max_dlogprob_after_500"] <= 1e-5
         assert rep["stale_dlogprob"] > 1e-2                        # the synced weights, not the start ones
         assert rep["rss_500"] - rep["rss_50"] < 32 * 2**20, rep     # 450 more syncs: flat memory
+        assert rep["multi_turn"]["turns"] == (3.0 if r == 0 else 1.0) and rep["multi_turn"]["max_dlogprob"] <= 1e-5
     # every rank's samples are what a standalone engine draws for those prompts with the same seeds
     for step in ("0", "1"):
         got = ranks[0]["samples"][step] + ranks[1]["samples"][step]

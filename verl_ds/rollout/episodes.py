@@ -126,8 +126,11 @@ def collect(rollout, examples: list[dict], prompt_ids: list[list[int]], n: int, 
                                        **sampling)
         else:
             seeds = [turn_seed(run_seed, step, positions[ep.group], ep.sample, turn) for ep in live]
+            new_tokens = max(budgets, default=1)
+            if tp > 1:    # the group's members send identical requests, token limit included
+                new_tokens = int(vdist.all_reduce_max(float(new_tokens)))
             out = generate_distributed(rollout, [ep.seg.prompt_ids + ep.seg.ids for ep in live], 1,
-                                       max_new_tokens=max(budgets, default=1), seeds=seeds, **sampling)
+                                       max_new_tokens=new_tokens, seeds=seeds, **sampling)
         rows = out.to_lists()
         for ep, budget, ids, lps, reason in zip(live, budgets, rows["responses"], rows["logprobs"],
                                                 rows["finish_reasons"]):
