@@ -456,6 +456,9 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
                                         "rollout.multi_turn.env: tools")
     if mt.env == "tools" and not d.tools:
         raise ConfigError("data.tools", "rollout.multi_turn.env: tools needs at least one tool (e.g. [calculator])")
+    if mt.env and a.overlong.buffer_len:
+        raise ConfigError("algorithm.overlong.buffer_len", "the overlong penalty measures one response against "
+                                                           "rollout.max_new_tokens; multi-turn rows hold several turns")
     if d.system_prompt is not None and not d.apply_chat_template:
         raise ConfigError("data.system_prompt", "a system prompt needs data.apply_chat_template: true")
     if d.few_shot and not d.apply_chat_template:

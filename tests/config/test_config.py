@@ -159,6 +159,8 @@ BAD_INPUTS = {
                            "rollout.multi_turn.tokenization_check: 'loose' is not one of strict, off"),
     "max_turns_zero": ("rollout: {multi_turn: {env: retry, max_turns: 0}}\n", [], "rollout.multi_turn.max_turns: must be > 0"),
     "few_shot_shape": ("data: {apply_chat_template: true, few_shot: [{role: user}]}\n", [], "data.few_shot[0]: expected"),
+    "overlong_multi_turn": ("rollout: {max_new_tokens: 8, multi_turn: {env: retry}}\nalgorithm: {overlong: {buffer_len: 4}}\n",
+                            [], "algorithm.overlong.buffer_len: the overlong penalty measures one response"),
     "system_prompt_without_template": ("data: {system_prompt: hi}\n", [], "data.system_prompt: a system prompt needs"),
     "explicit_train_batch": ("roles:\n  actor: {ds_config: TBS}\n", [], "train_batch_size 7 != the run's mini-batch"),
     "frozen_role_zero2": ("roles:\n  reference: {ds_config: STAGE2}\n", [], "inference-only"),

@@ -186,7 +186,7 @@ class RLTrainer:
         drawn = torch.cat(drawn)
         seen_all, dropped_all, drawn_sum, drawn_n = all_reduce_sum([float(seen), float(dropped),
                                                                      float(drawn.sum()), float(len(drawn))])
-        return (*out, {**ro.metrics,"filter/kept_groups": float(k * self.world), "filter/rounds": float(rounds),
+        return (*out, {**ro.metrics, "filter/kept_groups": float(k * self.world), "filter/rounds": float(rounds),
                        "filter/zero_variance_fraction": dropped_all / max(seen_all, 1.0),
                        "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0)})   # before filtering
 
@@ -212,8 +212,8 @@ class RLTrainer:
                               float(greedy.batch.loss_mask.sum()), float(len(mine))])
         n = max(tot[4], 1.0)
         if self.rank == 0 and mine:
-            first = [int((greedy.episode == e).nonzero()[-1]) for e in range(len(mine))]   # its last row
-            texts = self._decode(greedy.batch.select(first))
+            last_rows = [int((greedy.episode == e).nonzero()[-1]) for e in range(len(mine))]   # forks: the last
+            texts = self._decode(greedy.batch.select(last_rows))
             rows = [(e["prompt"], text, float(s)) for e, text, s in zip(mine, texts, acc)][:16]
             self.logger.log_samples(rows, self.global_step, key="val_samples")
         out = {f"val/{name}/accuracy": tot[0] / n, f"val/{name}/mean@{k}": tot[1] / n,
