@@ -129,16 +129,23 @@ def test_lora_zero3_two_ranks_sync_and_kill_resume(tmp_path):
     for r in rows:
         assert r["rollout_corr/logprob_abs_diff_max"] <= 1e-5, r["rollout_corr/logprob_abs_diff_max"]
     assert rows[-1]["actor/kl_ref"] > 0                          # the adapters moved the policy off the base
+    _kill_at_3_then_resume_reproduces(tmp_path, "grpo_cpu_tiny.yaml", [*FAST, *lora], rows,
+                                      ("reward/mean", "actor/pg_loss", "actor/kl_ref", "data/position"))
+
+
+def _kill_at_3_then_resume_reproduces(tmp_path, config, overrides, rows, keys):
+    """kill -9 once step 3 is logged, keep the checkpoints up to step 2 (as if the kill landed before
+    step 4's), resume: auto to step 4: steps 3-4 equal the uninterrupted run's `rows[2:]` on `keys`."""
     killed = tmp_path / "killed"
-    run_until_step("grpo_cpu_tiny.yaml", killed, 3, *FAST, *lora, "trainer.steps=50", "checkpoint.every=2")
-    for late in (killed / "checkpoints").glob("step_*"):   # as if the kill landed before step 4's checkpoint
+    run_until_step(config, killed, 3, *overrides, "trainer.steps=50", "checkpoint.every=2")
+    for late in (killed / "checkpoints").glob("step_*"):
         if int(late.name.split("_")[1]) > 2:
             shutil.rmtree(late)
-    run_train("grpo_cpu_tiny.yaml", killed, *FAST, *lora, "trainer.resume=auto", "checkpoint.every=2")
+    run_train(config, killed, *overrides, "trainer.resume=auto", "checkpoint.every=2")
     resumed = [r for r in read_metrics(killed) if r["step"] >= 3]
     assert [r["step"] for r in resumed] == [3, 4]
     for got, want in zip(resumed, rows[2:]):
-        for key in ("reward/mean", "actor/pg_loss", "actor/kl_ref", "data/position"):
+        for key in keys:
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (key, got[key], want[key])
 
 
@@ -166,15 +173,6 @@ def test_multi_turn_zero3_vllm_lora_filter_groups_kill_resume(tmp_path):
         assert r["multi_turn/turns/mean"] > 1.5 and r["multi_turn/turns/max"] == 3.0
         assert r["response/env_tokens/mean"] > 0.5 and r["multi_turn/token_mismatch_fraction"] == 0.0
         assert r["rollout_corr/logprob_abs_diff_max"] <= 1e-5, r["rollout_corr/logprob_abs_diff_max"]
-    killed = tmp_path / "killed"
-    run_until_step("grpo_cpu_tiny_retry.yaml", killed, 3, *FAST, *mt, "trainer.steps=50", "checkpoint.every=2")
-    for late in (killed / "checkpoints").glob("step_*"):   # as if the kill landed before step 4's checkpoint
-        if int(late.name.split("_")[1]) > 2:
-            shutil.rmtree(late)
-    run_train("grpo_cpu_tiny_retry.yaml", killed, *FAST, *mt, "trainer.resume=auto", "checkpoint.every=2")
-    resumed = [r for r in read_metrics(killed) if r["step"] >= 3]
-    assert [r["step"] for r in resumed] == [3, 4]
-    for got, want in zip(resumed, rows[2:]):
-        for key in ("reward/mean", "actor/pg_loss", "multi_turn/turns/mean", "response/env_tokens/mean",
-                    "data/position"):
-            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (key, got[key], want[key])
+    _kill_at_3_then_resume_reproduces(tmp_path, "grpo_cpu_tiny_retry.yaml", [*FAST, *mt], rows,
+                                      ("reward/mean", "actor/pg_loss", "multi_turn/turns/mean",
+                                       "response/env_tokens/mean", "data/position"))

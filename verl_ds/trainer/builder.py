@@ -37,13 +37,13 @@ def resolve_model_path(cfg: RunConfig) -> str:
     return str(out)
 
 
-def build_codec(cfg: RunConfig, tokenizer, model_path: str) -> ChatCodec:
-    """How prompts and observations become ids: the chat template (with the tools of `data.tools`
+def build_codec(cfg: RunConfig, tokenizer, model_path: str, tools: list) -> ChatCodec:
+    """How prompts and observations become ids: the chat template (with the `tools` of `data.tools`
     and `data.system_prompt`), or the tokenizer alone. Multi-turn runs check the template now."""
     from verl_ds.rollout.weights import eos_token_ids
 
     d = cfg.data
-    schemas = tool_schemas(load_tools(d.tools)) if d.tools else None
+    schemas = tool_schemas(tools) if tools else None
     codec = ChatCodec(tokenizer, d.apply_chat_template, schemas, d.system_prompt, model=cfg.model.path,
                       eos_ids=eos_token_ids(model_path), few_shot=d.few_shot)
     if cfg.rollout.multi_turn.env:
@@ -51,15 +51,14 @@ def build_codec(cfg: RunConfig, tokenizer, model_path: str) -> ChatCodec:
     return codec
 
 
-def build_episodes(cfg: RunConfig, codec: ChatCodec) -> dict:
+def build_episodes(cfg: RunConfig, codec: ChatCodec, tools: list) -> dict:
     """`episodes.collect`'s keyword arguments: the environment factory (None: single-turn), the
     codec and the limits."""
     mt = cfg.rollout.multi_turn
     if not mt.env:
         return {}
-    tools = load_tools(cfg.data.tools) if cfg.data.tools else None
     limits = TurnLimits(mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len)
-    return dict(env_factory=load_env_factory(mt.env, mt.env_kwargs, tools), codec=codec, limits=limits,
+    return dict(env_factory=load_env_factory(mt.env, mt.env_kwargs, tools or None), codec=codec, limits=limits,
                 strict=mt.tokenization_check == "strict")
 
 

@@ -21,6 +21,7 @@ from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.dist import (all_gather_object, all_reduce_max, all_reduce_min, all_reduce_sum, init_distributed, rank,
                           world_size)
 from verl_ds.ds_config import resolve
+from verl_ds.envs import load_tools
 from verl_ds.errors import ConfigError
 from verl_ds.roles import align_overflow, iter_full_params
 from verl_ds.roles.base import in_row_order
@@ -50,8 +51,9 @@ class RLTrainer:
         # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
         self.cfg = cfg = replace(cfg, rollout=replace(cfg.rollout, engine=resolve_engine(cfg.rollout, self.model_path)))
         self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
-        self.codec = builder.build_codec(cfg, self.tokenizer, self.model_path)
-        self.episode_kw = builder.build_episodes(cfg, self.codec)   # {}: single-turn
+        tools = load_tools(cfg.data.tools)                       # imported and checked once
+        self.codec = builder.build_codec(cfg, self.tokenizer, self.model_path, tools)
+        self.episode_kw = builder.build_episodes(cfg, self.codec, tools)   # {}: single-turn
         self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer, self.codec)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
         self.reward_fn = reward_fn or task_reward_fn(cfg.data)
