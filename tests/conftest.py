@@ -1,4 +1,5 @@
 """Shared fixtures: one tiny char-level Llama (and tokenizer) per test session, built offline."""
+
 import glob
 import os
 

@@ -2,6 +2,7 @@
 
 User mistakes (ConfigError) print one line `error: <where>: <message>` and exit 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--config", required=True)
     step.add_argument("--steps", type=int, default=5)
     step.add_argument("overrides", nargs="*")
-    prec = bsub.add_parser("precision", help="the same training under fp32/bf16/fp16: memory, speed, reward, loss scale")
+    prec = bsub.add_parser(
+        "precision", help="the same training under fp32/bf16/fp16: memory, speed, reward, loss scale"
+    )
     prec.add_argument("--config", required=True)
     prec.add_argument("--dtypes", default="fp32,bf16,fp16")
     prec.add_argument("--steps", type=int, default=5)
@@ -66,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--compare", nargs=2, metavar=("A_YAML", "B_YAML"), help="Markdown delta of two configs")
     mem.add_argument("--metric", default="peak_memory", choices=("peak_memory", "rollout", "score", "update", "sync"))
     mem.add_argument("overrides", nargs="*")
-    prec = dsub.add_parser("precision", help="per role: value ranges and what fp32/bf16/fp16 would do; "
-                                             "a recommended precision: block")
+    prec = dsub.add_parser(
+        "precision", help="per role: value ranges and what fp32/bf16/fp16 would do; a recommended precision: block"
+    )
     prec.add_argument("--config", required=True)
     prec.add_argument("--steps", type=int, default=3)
     prec.add_argument("--out", default=None, help="output folder (default: <trainer.run_dir>/debug_precision)")
@@ -80,7 +84,7 @@ def cmd_render(args) -> int:
     from verl_ds.ds_config import render_ds_configs, resolve
 
     cfg = load_config(args.config, args.overrides)
-    validate_paths(cfg)   # what a run would check first
+    validate_paths(cfg)  # what a run would check first
     precision = resolve(cfg)
     rendered = render_ds_configs(cfg, args.world_size, precision)
     print("# run config (as given; `auto` resolves to the precision below)")
@@ -114,8 +118,10 @@ def cmd_bench(args) -> int:
 
         if args.steps <= 0:
             raise ConfigError("--steps", f"must be > 0, got {args.steps}")
-        cfg = load_config(args.config, args.overrides + ["logging.wandb.mode=disabled", "trainer.val_every=0",
-                                                         "trainer.val_before_train=false"])
+        cfg = load_config(
+            args.config,
+            args.overrides + ["logging.wandb.mode=disabled", "trainer.val_every=0", "trainer.val_before_train=false"],
+        )
         bench_step(cfg, RLTrainer, args.steps)
         return 0
     from verl_ds.diagnostics.bench import bench_rollout
@@ -161,8 +167,14 @@ def cmd_debug(args) -> int:
         for path in args.compare:
             cfg = load_config(path, args.overrides)
             precision = resolve(cfg)
-            est = memory.estimate_memory(cfg, shape_of(cfg), render_ds_configs(cfg, world, precision), world,
-                                         precision.rollout, args.gpu_memory_gb)
+            est = memory.estimate_memory(
+                cfg,
+                shape_of(cfg),
+                render_ds_configs(cfg, world, precision),
+                world,
+                precision.rollout,
+                args.gpu_memory_gb,
+            )
             tables.append(memory.peak_by_role(est) if args.metric == "peak_memory" else est[args.metric])
         print(f"## {args.metric}: {args.compare[0]} vs {args.compare[1]} (analytic estimate, world size {world})\n")
         print(memory.compare_table(*tables, names=tuple(Path(p).stem for p in args.compare)))
@@ -172,8 +184,11 @@ def cmd_debug(args) -> int:
     cfg = load_config(args.config, args.overrides)
     measured = None
     if not args.model_config:  # build the real roles and measure one step (own run dir, no W&B)
-        cfg = load_config(args.config, args.overrides + [
-            "logging.wandb.mode=disabled", f"trainer.run_dir={Path(cfg.trainer.run_dir) / 'debug_memory'}"])
+        cfg = load_config(
+            args.config,
+            args.overrides
+            + ["logging.wandb.mode=disabled", f"trainer.run_dir={Path(cfg.trainer.run_dir) / 'debug_memory'}"],
+        )
         from verl_ds.trainer.rl_trainer import RLTrainer
 
         with RLTrainer(cfg) as trainer:
@@ -196,7 +211,7 @@ def cmd_debug_precision(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.exiting = argv is None        # a program (not a call from Python): the process ends after the command
+    args.exiting = argv is None  # a program (not a call from Python): the process ends after the command
     logging.basicConfig(level=logging.INFO, format="[verl-ds] %(message)s", stream=sys.stdout)
     # torch.distributed's deprecation notices for calls DeepSpeed makes: not actionable by users
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")

@@ -3,11 +3,13 @@
 `load_config(path, overrides)` is the one entry point. Every user mistake raises `ConfigError`
 naming the key or file; the CLI turns it into one line and exit code 2.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import os
 import difflib
+import json
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,17 +17,47 @@ from typing import Any, Optional
 
 import yaml
 
-from verl_ds.algos import (ADVANTAGE_ESTIMATORS, AGG_LOSS_MODES, ESTIMATORS_NEEDING_CRITIC, GROUP_ESTIMATORS,
-                           KL_KINDS, POLICY_LOSSES)
+from verl_ds.algos import (
+    ADVANTAGE_ESTIMATORS,
+    AGG_LOSS_MODES,
+    ESTIMATORS_NEEDING_CRITIC,
+    GROUP_ESTIMATORS,
+    KL_KINDS,
+    POLICY_LOSSES,
+)
 from verl_ds.errors import ConfigError
 from verl_ds.precision import TRAINED_ROLES, PrecisionConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+
+
+def resolve_ds_path(name: str) -> Path:
+    p = Path(name)
+    if p.is_absolute() or p.exists():
+        return p
+    return DS_CONFIG_DIR / name
+
+
+def read_ds_json(name: str, key: str) -> dict:
+    path = resolve_ds_path(name)
+    if not name:
+        raise ConfigError(key, "no DeepSpeed JSON file given")
+    if not path.is_file():
+        raise ConfigError(key, f"DeepSpeed config file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(str(path), f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "a DeepSpeed config must be a JSON object")
+    return data
 
 
 @dataclass
 class TinyModelConfig:
     """Used when `model.path: tiny`: a random-init char-level Llama is built in the run dir."""
+
     hidden: int = 128
     layers: int = 2
     heads: int = 4
@@ -36,21 +68,23 @@ class TinyModelConfig:
 @dataclass
 class LoraConfig:
     """A LoRA actor (peft): rank 0 = off. The reference is the base with adapters disabled."""
+
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                          "up_proj", "down_proj"])
-    modules_to_save: list = field(default_factory=list)   # trained in full besides the adapters (e.g. norm)
+    target_modules: list = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    modules_to_save: list = field(default_factory=list)  # trained in full besides the adapters (e.g. norm)
 
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"                     # HF directory, or "tiny"
-    tokenizer_path: Optional[str] = None   # defaults to `path`
-    trust_remote_code: bool = False        # only when asked for
-    critic_path: Optional[str] = None      # None: the critic starts from the actor's backbone
-    reward_path: Optional[str] = None      # an HF sequence classifier; None: the task's rule reward
+    path: str = "tiny"  # HF directory, or "tiny"
+    tokenizer_path: Optional[str] = None  # defaults to `path`
+    trust_remote_code: bool = False  # only when asked for
+    critic_path: Optional[str] = None  # None: the critic starts from the actor's backbone
+    reward_path: Optional[str] = None  # an HF sequence classifier; None: the task's rule reward
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     # actor/reference passes run each distinct prompt once, its keys/values shared by its n responses
@@ -70,28 +104,31 @@ class ArithmeticConfig:
 @dataclass
 class ReasoningGymConfig:
     """`data.task: reasoning_gym`: a generator of the reasoning-gym package (offline)."""
+
     name: str = "basic_arithmetic"
     size: int = 2000
     seed: int = 0
-    val_size: int = 64                     # validation: another seed, questions seen in training removed
+    val_size: int = 64  # validation: another seed, questions seen in training removed
     val_seed: int = 100003
-    config: dict = field(default_factory=dict)   # the generator's own options
-    reward_threshold: Optional[float] = None     # partial credit -> 1 if >= threshold else 0
+    config: dict = field(default_factory=dict)  # the generator's own options
+    reward_threshold: Optional[float] = None  # partial credit -> 1 if >= threshold else 0
 
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"               # arithmetic | files
-    train_files: list = field(default_factory=list)   # jsonl or parquet, for task: files
-    val_files: list = field(default_factory=list)     # held-out prompts, same keys (task: files)
-    val_fraction: float = 0.0              # built-in task: distinct prompts held out for validation
+    task: str = "arithmetic"  # arithmetic | files
+    train_files: list = field(default_factory=list)  # jsonl or parquet, for task: files
+    val_files: list = field(default_factory=list)  # held-out prompts, same keys (task: files)
+    val_fraction: float = 0.0  # built-in task: distinct prompts held out for validation
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    reward_fn: str = "arithmetic"          # a registry name, a dotted path module:function, or none (env reward only)
+    reward_fn: str = "arithmetic"  # a registry name, a dotted path module:function, or none (env reward only)
     apply_chat_template: bool = False
-    system_prompt: Optional[str] = None    # a system message before every prompt (chat template only)
-    few_shot: list = field(default_factory=list)   # chat messages ({role, content}) between the system prompt and each prompt
-    tools: list = field(default_factory=list)   # calculator | pkg.module:function; for rollout.multi_turn.env: tools
+    system_prompt: Optional[str] = None  # a system message before every prompt (chat template only)
+    few_shot: list = field(
+        default_factory=list
+    )  # chat messages ({role, content}) between the system prompt and each prompt
+    tools: list = field(default_factory=list)  # calculator | pkg.module:function; for rollout.multi_turn.env: tools
     max_prompt_length: int = 64
     shuffle: bool = True
     seed: int = 0
@@ -102,21 +139,23 @@ class DataConfig:
 @dataclass
 class FilterGroupsConfig:
     """DAPO dynamic sampling: drop groups whose samples all scored alike, sample more prompts."""
+
     enabled: bool = False
-    metric: str = "acc"                    # acc: the rule reward as returned | score: after shaping
-    max_rounds: int = 4                    # generation rounds per step at most
+    metric: str = "acc"  # acc: the rule reward as returned | score: after shaping
+    max_rounds: int = 4  # generation rounds per step at most
 
 
 @dataclass
 class OverlongConfig:
     """DAPO soft overlong punishment: linear penalty over the last `buffer_len` tokens."""
-    buffer_len: int = 0                    # 0: off
+
+    buffer_len: int = 0  # 0: off
     penalty: float = 1.0
 
 
 @dataclass
 class AlgorithmConfig:
-    estimator: str = "grpo"                # gae | grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
+    estimator: str = "grpo"  # gae | grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
     gamma: float = 1.0
     lam: float = 1.0
     ppo_epochs: int = 1
@@ -125,61 +164,62 @@ class AlgorithmConfig:
     dual_clip_c: Optional[float] = None
     loss_agg_mode: str = "token-mean"
     entropy_coef: float = 0.0
-    vf_clip: Optional[float] = 0.5        # null: no value clipping
+    vf_clip: Optional[float] = 0.5  # null: no value clipping
     vf_coef: float = 1.0
     kl_estimator: str = "k3"
-    use_kl_loss: bool = True               # KL as a loss term (GRPO style) ...
-    kl_coef: float = 0.04                  # ... or, when use_kl_loss is false, in the reward
-    kl_target: Optional[float] = None      # set for the adaptive KL controller (in-reward KL)
+    use_kl_loss: bool = True  # KL as a loss term (GRPO style) ...
+    kl_coef: float = 0.04  # ... or, when use_kl_loss is false, in the reward
+    kl_target: Optional[float] = None  # set for the adaptive KL controller (in-reward KL)
     kl_horizon: int = 10000
-    reward_normalization: str = "none"     # none | batch | running
+    reward_normalization: str = "none"  # none | batch | running
     reward_clip: Optional[float] = None
-    tis_cap: Optional[float] = None        # truncated IS against the rollout policy when set
-    policy_loss: str = "vanilla"           # vanilla (PPO clip) | gspo (sequence ratio) | cispo
+    tis_cap: Optional[float] = None  # truncated IS against the rollout policy when set
+    policy_loss: str = "vanilla"  # vanilla (PPO clip) | gspo (sequence ratio) | cispo
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
-    mask_truncated: bool = False           # samples cut at max_new_tokens contribute no loss
+    mask_truncated: bool = False  # samples cut at max_new_tokens contribute no loss
 
 
 @dataclass
 class MultiTurnConfig:
     """Multi-turn episodes (agents, tools, environments); see docs/ENVIRONMENTS.md. No `env`: every
     episode is one turn (a single-turn job)."""
-    env: str = ""                          # tools | retry | pkg.module:Class (importable from PYTHONPATH)
-    env_kwargs: dict = field(default_factory=dict)   # keyword arguments of the environment's constructor
-    max_turns: int = 4                     # model turns per episode at most
-    max_env_tokens: int = 0                # an observation's content is cut to this many tokens (0: no cut)
-    max_total_tokens: int = 0              # model + environment tokens per row (0: rollout.max_model_len bounds it)
-    tokenization_check: str = "strict"     # strict: compare each episode's ids with a one-shot render (metric) | off
+
+    env: str = ""  # tools | retry | pkg.module:Class (importable from PYTHONPATH)
+    env_kwargs: dict = field(default_factory=dict)  # keyword arguments of the environment's constructor
+    max_turns: int = 4  # model turns per episode at most
+    max_env_tokens: int = 0  # an observation's content is cut to this many tokens (0: no cut)
+    max_total_tokens: int = 0  # model + environment tokens per row (0: rollout.max_model_len bounds it)
+    tokenization_check: str = "strict"  # strict: compare each episode's ids with a one-shot render (metric) | off
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "vllm"                   # vllm | hf | auto (CPU: HF generate for models under 2M params)
-    n: int = 8                             # samples per prompt
-    temperature: float = 1.0               # > 0; the trainer scores with the same temperature
-    top_p: float = 1.0                     # < 1: rollout logprobs are of the truncated distribution
+    engine: str = "vllm"  # vllm | hf | auto (CPU: HF generate for models under 2M params)
+    n: int = 8  # samples per prompt
+    temperature: float = 1.0  # > 0; the trainer scores with the same temperature
+    top_p: float = 1.0  # < 1: rollout logprobs are of the truncated distribution
     max_new_tokens: int = 8
-    tensor_parallel_size: int = 1          # ranks that share one vLLM engine; must divide the world size
+    tensor_parallel_size: int = 1  # ranks that share one vLLM engine; must divide the world size
     enforce_eager: bool = True
     max_model_len: int = 256
-    kv_cache_gb: float = 0.25              # CPU: the KV cache size (GPU: gpu_memory_utilization)
-    block_size: int = 0                    # KV-cache block, tokens (multiple of 32); 0: vLLM's (CPU 128)
-    bucket_mb: int = 256                   # weight-sync bucket size (bounds peak extra memory)
-    gpu_memory_utilization: float = 0.5    # GPU: fraction of device memory vLLM may take
-    sleep: bool = True                     # GPU: free vLLM's weights and KV cache while training
+    kv_cache_gb: float = 0.25  # CPU: the KV cache size (GPU: gpu_memory_utilization)
+    block_size: int = 0  # KV-cache block, tokens (multiple of 32); 0: vLLM's (CPU 128)
+    bucket_mb: int = 256  # weight-sync bucket size (bounds peak extra memory)
+    gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory vLLM may take
+    sleep: bool = True  # GPU: free vLLM's weights and KV cache while training
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
 class RoleConfig:
-    ds_config: str = ""                    # a DeepSpeed JSON file (relative: to ds_configs/)
+    ds_config: str = ""  # a DeepSpeed JSON file (relative: to ds_configs/)
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
-    micro_batch_size: int = 8              # per rank
-    max_tokens_per_micro_batch: int = 0    # > 0: micro-batches by padded tokens instead (dynamic size)
-    zero_stage: Any = None                 # None: the JSON's | 0-3 | auto: the lowest stage that fits
+    micro_batch_size: int = 8  # per rank
+    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by padded tokens instead (dynamic size)
+    zero_stage: Any = None  # None: the JSON's | 0-3 | auto: the lowest stage that fits
 
 
 def _role(ds: str, lr: float = 1e-6) -> RoleConfig:
@@ -196,7 +236,7 @@ class RolesConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"                  # online | offline | disabled
+    mode: str = "offline"  # online | offline | disabled
     project: str = "verl-ds"
     run_name: Optional[str] = None
     entity: Optional[str] = None
@@ -205,32 +245,32 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    sample_every: int = 10                 # a table of generations every K steps
-    memory_every: int = 1                  # memory/<stage>/<role>/* every K steps (0: never)
+    sample_every: int = 10  # a table of generations every K steps
+    memory_every: int = 1  # memory/<stage>/<role>/* every K steps (0: never)
     level: str = "INFO"
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0                         # 0: only at the end
+    every: int = 0  # 0: only at the end
     keep_last: int = 2
-    export_dtype: str = "fp32"             # the final HF export of the actor
-    export: str = "merged"                 # LoRA: merged (an HF model) | adapter (peft format)
+    export_dtype: str = "fp32"  # the final HF export of the actor
+    export: str = "merged"  # LoRA: merged (an HF model) | adapter (peft format)
 
 
 @dataclass
 class TrainerConfig:
     steps: int = 100
-    prompts_per_step: int = 16             # rollout batch, in prompts (x rollout.n samples)
-    mini_batch_size: int = 0               # samples per optimizer step; 0: the whole rollout batch
+    prompts_per_step: int = 16  # rollout batch, in prompts (x rollout.n samples)
+    mini_batch_size: int = 0  # samples per optimizer step; 0: the whole rollout batch
     max_grad_norm: float = 1.0
     seed: int = 1
     run_dir: str = "runs/default"
-    resume: str = "none"                   # none | auto | <checkpoint dir>
-    device: str = "auto"                   # auto | cpu | cuda
-    val_every: int = 0                     # validate every K steps (0: never during training)
+    resume: str = "none"  # none | auto | <checkpoint dir>
+    device: str = "auto"  # auto | cpu | cuda
+    val_every: int = 0  # validate every K steps (0: never during training)
     val_before_train: Optional[bool] = None  # None: yes when a validation set exists
-    val_n: int = 4                         # samples per validation prompt (mean@k, pass@k)
+    val_n: int = 4  # samples per validation prompt (mean@k, pass@k)
 
 
 @dataclass
@@ -248,6 +288,7 @@ class RunConfig:
 
 # ---------------------------------------------------------------- building from dicts
 
+
 def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
     """Check (and lightly coerce: int -> float) a YAML value against a dataclass field type."""
     origin = typing.get_origin(tp)
@@ -259,7 +300,7 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)
-        try:        # YAML 1.1 reads `5e-3` (no dot) as a string: accept what parses as a number
+        try:  # YAML 1.1 reads `5e-3` (no dot) as a string: accept what parses as a number
             return isinstance(value, str), float(value)
         except ValueError:
             return False, value
@@ -396,11 +437,18 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         if value not in allowed:
             raise ConfigError(key, f"'{value}' is not one of {', '.join(allowed)}")
     positive = {
-        "trainer.steps": t.steps, "trainer.prompts_per_step": t.prompts_per_step,
-        "rollout.n": r.n, "rollout.max_new_tokens": r.max_new_tokens, "rollout.tensor_parallel_size":
-        r.tensor_parallel_size, "algorithm.ppo_epochs": a.ppo_epochs, "rollout.temperature": r.temperature,
-        "algorithm.kl_horizon": a.kl_horizon, "trainer.val_n": t.val_n, "data.max_prompt_length": d.max_prompt_length,
-        "rollout.bucket_mb": r.bucket_mb, "algorithm.filter_groups.max_rounds": a.filter_groups.max_rounds,
+        "trainer.steps": t.steps,
+        "trainer.prompts_per_step": t.prompts_per_step,
+        "rollout.n": r.n,
+        "rollout.max_new_tokens": r.max_new_tokens,
+        "rollout.tensor_parallel_size": r.tensor_parallel_size,
+        "algorithm.ppo_epochs": a.ppo_epochs,
+        "rollout.temperature": r.temperature,
+        "algorithm.kl_horizon": a.kl_horizon,
+        "trainer.val_n": t.val_n,
+        "data.max_prompt_length": d.max_prompt_length,
+        "rollout.bucket_mb": r.bucket_mb,
+        "algorithm.filter_groups.max_rounds": a.filter_groups.max_rounds,
         "rollout.multi_turn.max_turns": r.multi_turn.max_turns,
     }
     for key, value in positive.items():
@@ -417,48 +465,63 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         if a.kl_target <= 0:
             raise ConfigError("algorithm.kl_target", f"must be > 0, got {a.kl_target}")
         if a.use_kl_loss:
-            raise ConfigError("algorithm.kl_target", "the adaptive KL controller acts on the in-reward KL; "
-                                                     "set algorithm.use_kl_loss: false or drop kl_target")
+            raise ConfigError(
+                "algorithm.kl_target",
+                "the adaptive KL controller acts on the in-reward KL; "
+                "set algorithm.use_kl_loss: false or drop kl_target",
+            )
     if not 0 <= d.val_fraction < 1:
         raise ConfigError("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
     if t.val_every < 0:
         raise ConfigError("trainer.val_every", f"must be >= 0, got {t.val_every}")
     if d.val_files and d.task != "files":
-        raise ConfigError("data.val_files", "validation files go with task 'files' (the built-in task uses "
-                                            "data.val_fraction)")
+        raise ConfigError(
+            "data.val_files", "validation files go with task 'files' (the built-in task uses data.val_fraction)"
+        )
     if cfg.model.lora.rank < 0 or (cfg.model.lora.rank and not cfg.model.lora.target_modules):
         raise ConfigError("model.lora", "rank must be >= 0 and target_modules non-empty")
     if cfg.model.lora.rank and "critic" in active_roles(cfg):
         raise ConfigError("model.lora.rank", "LoRA is for the actor of critic-free estimators here (grpo, rloo, ...)")
     if a.dual_clip_c is not None and a.policy_loss != "vanilla":
-        raise ConfigError("algorithm.dual_clip_c", f"dual clip applies to the vanilla PPO loss only, not "
-                                                   f"'{a.policy_loss}'")
+        raise ConfigError(
+            "algorithm.dual_clip_c", f"dual clip applies to the vanilla PPO loss only, not '{a.policy_loss}'"
+        )
     if not 0 <= a.overlong.buffer_len <= r.max_new_tokens:
-        raise ConfigError("algorithm.overlong.buffer_len", f"must be in [0, rollout.max_new_tokens = "
-                                                           f"{r.max_new_tokens}], got {a.overlong.buffer_len}")
+        raise ConfigError(
+            "algorithm.overlong.buffer_len",
+            f"must be in [0, rollout.max_new_tokens = {r.max_new_tokens}], got {a.overlong.buffer_len}",
+        )
     if a.filter_groups.enabled and r.n < 2:
         raise ConfigError("algorithm.filter_groups.enabled", "filtering groups by reward variance needs rollout.n >= 2")
     if a.estimator in GROUP_ESTIMATORS and r.n < 2:
-        raise ConfigError("rollout.n", f"estimator '{a.estimator}' compares samples of one prompt: needs n >= 2, "
-                                       f"got {r.n}")
+        raise ConfigError(
+            "rollout.n", f"estimator '{a.estimator}' compares samples of one prompt: needs n >= 2, got {r.n}"
+        )
     if r.block_size < 0 or r.block_size % 32:
         raise ConfigError("rollout.block_size", f"must be 0 (vLLM's default) or a multiple of 32, got {r.block_size}")
     if not 0 < r.top_p <= 1:
         raise ConfigError("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     if r.max_model_len < d.max_prompt_length + r.max_new_tokens:
-        raise ConfigError("rollout.max_model_len", f"{r.max_model_len} < data.max_prompt_length "
-                          f"{d.max_prompt_length} + rollout.max_new_tokens {r.max_new_tokens}")
+        raise ConfigError(
+            "rollout.max_model_len",
+            f"{r.max_model_len} < data.max_prompt_length "
+            f"{d.max_prompt_length} + rollout.max_new_tokens {r.max_new_tokens}",
+        )
     mt = r.multi_turn
     if mt.max_env_tokens < 0 or mt.max_total_tokens < 0:
         raise ConfigError("rollout.multi_turn", "max_env_tokens and max_total_tokens must be >= 0 (0: no limit)")
     if d.tools and mt.env != "tools":
-        raise ConfigError("data.tools", "tools are called through the tool environment: set "
-                                        "rollout.multi_turn.env: tools")
+        raise ConfigError(
+            "data.tools", "tools are called through the tool environment: set rollout.multi_turn.env: tools"
+        )
     if mt.env == "tools" and not d.tools:
         raise ConfigError("data.tools", "rollout.multi_turn.env: tools needs at least one tool (e.g. [calculator])")
     if mt.env and a.overlong.buffer_len:
-        raise ConfigError("algorithm.overlong.buffer_len", "the overlong penalty measures one response against "
-                                                           "rollout.max_new_tokens; multi-turn rows hold several turns")
+        raise ConfigError(
+            "algorithm.overlong.buffer_len",
+            "the overlong penalty measures one response against "
+            "rollout.max_new_tokens; multi-turn rows hold several turns",
+        )
     if d.system_prompt is not None and not d.apply_chat_template:
         raise ConfigError("data.system_prompt", "a system prompt needs data.apply_chat_template: true")
     if d.few_shot and not d.apply_chat_template:
@@ -470,16 +533,20 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> None:
         raise ConfigError("data.train_files", "task 'files' needs at least one jsonl or parquet file")
     # batch geometry over `world` ranks
     if world % r.tensor_parallel_size:
-        raise ConfigError("rollout.tensor_parallel_size", f"{r.tensor_parallel_size} does not divide the "
-                                                          f"world size {world}")
+        raise ConfigError(
+            "rollout.tensor_parallel_size", f"{r.tensor_parallel_size} does not divide the world size {world}"
+        )
     batch = t.prompts_per_step * r.n
     mini = t.mini_batch_size or batch
     if mini <= 0 or batch % mini:
-        raise ConfigError("trainer.mini_batch_size", f"{mini} does not divide the rollout batch "
-                          f"{batch} (trainer.prompts_per_step x rollout.n)")
-    if t.prompts_per_step % world:   # every rank must run the same number of micro-batches
-        raise ConfigError("trainer.prompts_per_step", f"{t.prompts_per_step} prompts do not split "
-                                                      f"evenly over {world} ranks")
+        raise ConfigError(
+            "trainer.mini_batch_size",
+            f"{mini} does not divide the rollout batch {batch} (trainer.prompts_per_step x rollout.n)",
+        )
+    if t.prompts_per_step % world:  # every rank must run the same number of micro-batches
+        raise ConfigError(
+            "trainer.prompts_per_step", f"{t.prompts_per_step} prompts do not split evenly over {world} ranks"
+        )
     _validate_ds_files(cfg, world, mini)
 
 
@@ -502,27 +569,32 @@ def validate_paths(cfg: RunConfig) -> None:
         if key != "tokenizer_path" and not (p / "config.json").is_file():
             raise ConfigError(f"model.{key}", f"{value} has no config.json: not an HF model directory")
     tok = m.tokenizer_path or (m.path if m.path != "tiny" else None)
-    if tok and not any((Path(tok) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                            "vocab.json", "tokenizer.model")):
+    if tok and not any(
+        (Path(tok) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    ):
         key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
         raise ConfigError(key, f"{tok} has no tokenizer (tokenizer.json / tokenizer_config.json)")
 
 
 def _validate_ds_files(cfg: RunConfig, world: int, mini: int) -> None:
     """ZeRO-stage rules and batch keys of each active role's DeepSpeed JSON."""
-    from verl_ds.ds_config import read_ds_json, resolve_ds_path
-
     for role in active_roles(cfg):
         rc: RoleConfig = getattr(cfg.roles, role)
         ds = read_ds_json(rc.ds_config, f"roles.{role}.ds_config")
         src = str(resolve_ds_path(rc.ds_config))
+        if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
+            raise ConfigError(src, f"fp16 and bf16 are both enabled for the {role}")
         if rc.zero_stage not in (None, "auto", 0, 1, 2, 3):
             raise ConfigError(f"roles.{role}.zero_stage", f"use 0, 1, 2, 3 or auto, got {rc.zero_stage!r}")
-        stage = rc.zero_stage if isinstance(rc.zero_stage, int) else int(ds.get("zero_optimization", {}).get("stage", 0))
+        stage = (
+            rc.zero_stage if isinstance(rc.zero_stage, int) else int(ds.get("zero_optimization", {}).get("stage", 0))
+        )
         trained = role in TRAINED_ROLES
         if not trained and stage in (1, 2):
-            raise ConfigError(src, f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO "
-                                   f"stage {stage}; use stage 0 or 3")
+            raise ConfigError(
+                src,
+                f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO stage {stage}; use stage 0 or 3",
+            )
         if role == "reward" and cfg.precision.reward_dtype == "int8" and stage != 0:
             raise ConfigError("roles.reward.ds_config", "an int8 reward model needs a ZeRO stage-0 config")
         total = mini if trained else rc.micro_batch_size * world
@@ -530,15 +602,21 @@ def _validate_ds_files(cfg: RunConfig, world: int, mini: int) -> None:
         micro = rc.micro_batch_size if micro == "auto" else micro
         where = f"{src} (roles.{role}.micro_batch_size)"
         if ds.get("train_batch_size", "auto") not in ("auto", total):
-            raise ConfigError(where, f"train_batch_size {ds['train_batch_size']} != the run's mini-batch {total} "
-                                     "(trainer.mini_batch_size); use \"auto\"")
+            raise ConfigError(
+                where,
+                f"train_batch_size {ds['train_batch_size']} != the run's mini-batch {total} "
+                '(trainer.mini_batch_size); use "auto"',
+            )
         if micro <= 0 or total % (micro * world):
-            raise ConfigError(where, f"train_batch_size {total} is not divisible by micro batch {micro} x "
-                                     f"{world} ranks")
+            raise ConfigError(
+                where, f"train_batch_size {total} is not divisible by micro batch {micro} x {world} ranks"
+            )
         gas = ds.get("gradient_accumulation_steps", "auto")
         if gas != "auto" and gas != total // (micro * world):
-            raise ConfigError(where, f"gradient_accumulation_steps {gas} != train_batch_size {total} / "
-                                     f"(micro {micro} x {world} ranks)")
+            raise ConfigError(
+                where,
+                f"gradient_accumulation_steps {gas} != train_batch_size {total} / (micro {micro} x {world} ranks)",
+            )
 
 
 def active_roles(cfg: RunConfig) -> list[str]:
@@ -547,7 +625,7 @@ def active_roles(cfg: RunConfig) -> list[str]:
     roles = ["actor"]
     if cfg.algorithm.estimator in ESTIMATORS_NEEDING_CRITIC:
         roles.append("critic")
-    if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.rank:   # LoRA: the actor with adapters off
+    if cfg.algorithm.kl_coef > 0 and not cfg.model.lora.rank:  # LoRA: the actor with adapters off
         roles.append("reference")
     if cfg.model.reward_path:
         roles.append("reward")

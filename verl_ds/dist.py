@@ -4,6 +4,7 @@ Every layer uses these; nobody re-implements them. Works in a single process (py
 and under the deepspeed launcher / torchrun. Collectives run on the accelerator's device, as NCCL
 needs (gloo takes CPU tensors).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,7 +35,7 @@ def init_distributed() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if torch.cuda.is_available():   # one GPU per local rank, before NCCL picks cuda:0 for everyone
+    if torch.cuda.is_available():  # one GPU per local rank, before NCCL picks cuda:0 for everyone
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
     if not torch.cuda.is_available():
@@ -43,8 +44,10 @@ def init_distributed() -> None:
 
 def _remove_shm_buffer() -> None:
     """DeepSpeed's CPU shm all-reduce leaves a ~66 MB /dev/shm file per rank and run; remove ours."""
-    name = f"deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_" \
-           f"{os.environ.get('RANK', '0')}"
+    name = (
+        f"deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_"
+        f"{os.environ.get('RANK', '0')}"
+    )
     for f in glob.glob(os.path.join("/dev/shm", name)):
         try:
             os.remove(f)
@@ -55,23 +58,27 @@ def _remove_shm_buffer() -> None:
 def is_distributed() -> bool:
     """True when a process group with more than one rank is up."""
     import torch.distributed as dist
+
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank() -> int:
     import torch.distributed as dist
+
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def barrier() -> None:
     if is_distributed():
         import torch.distributed as dist
+
         dist.barrier()
 
 
 def device_tensor(values, dtype=torch.float64) -> torch.Tensor:
     """A tensor on this rank's accelerator, as NCCL all-reduces need (gloo takes CPU)."""
     from deepspeed.accelerator import get_accelerator
+
     return torch.tensor(values, dtype=dtype, device=get_accelerator().current_device_name())
 
 
@@ -86,9 +93,14 @@ def sum_(t: torch.Tensor) -> None:
     import deepspeed.comm as dsc
     import torch.distributed as dist
 
-    if (t.device.type == "cpu" and t.dtype in _SHM_DTYPES and t.is_contiguous() and dsc.is_initialized()
-            and os.environ.get("LOCAL_SIZE") == str(dist.get_world_size())):
-        dsc.inference_all_reduce(t)   # itself falls back to the process group where the CPU lacks its ISA
+    if (
+        t.device.type == "cpu"
+        and t.dtype in _SHM_DTYPES
+        and t.is_contiguous()
+        and dsc.is_initialized()
+        and os.environ.get("LOCAL_SIZE") == str(dist.get_world_size())
+    ):
+        dsc.inference_all_reduce(t)  # itself falls back to the process group where the CPU lacks its ISA
     else:
         dist.all_reduce(t)
 
@@ -106,6 +118,7 @@ def all_reduce_min(value: float) -> float:
     """The smallest `value` over ranks, as float32 (counts; identity in a 1-rank world): each rank
     fills its own slot of a zero vector and the sum gathers them, so one cheap SUM serves."""
     import torch.distributed as dist
+
     if not is_distributed():
         return value
     t = device_tensor([0.0] * dist.get_world_size(), torch.float32)
@@ -134,7 +147,7 @@ class BucketAllReduce:
             return
         import torch.distributed as dist
 
-        scale = 1.0 / dist.get_world_size()       # sum, then scale: DeepSpeed's order (bitwise alike)
+        scale = 1.0 / dist.get_world_size()  # sum, then scale: DeepSpeed's order (bitwise alike)
         pending, size = [], 0
         for t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -153,9 +166,10 @@ class BucketAllReduce:
     def _flush(self, tensors: list, scale: float) -> None:
         key = (tensors[0].dtype, tensors[0].device)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty(self.bucket_bytes // tensors[0].element_size(), dtype=key[0],
-                                             device=key[1])
-        flat = self._buffers[key][:sum(t.numel() for t in tensors)]
+            self._buffers[key] = torch.empty(
+                self.bucket_bytes // tensors[0].element_size(), dtype=key[0], device=key[1]
+            )
+        flat = self._buffers[key][: sum(t.numel() for t in tensors)]
         views = flat.split([t.numel() for t in tensors])
         for v, t in zip(views, tensors):
             v.copy_(t.reshape(-1))
@@ -168,6 +182,7 @@ class BucketAllReduce:
 def all_gather_object(obj) -> list:
     """Every rank's `obj`, in rank order (`[obj]` in a 1-rank world). Off the hot path only."""
     import torch.distributed as dist
+
     if not is_distributed():
         return [obj]
     out: list = [None] * dist.get_world_size()
@@ -177,6 +192,7 @@ def all_gather_object(obj) -> list:
 
 def world_size() -> int:
     import torch.distributed as dist
+
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -188,6 +204,7 @@ def tp_group(size: int):
     on first use for a size (every rank creates every group), cached after."""
     if size not in _TP_GROUPS:
         import torch.distributed as dist
+
         mine, _ = dist.new_subgroups(group_size=size)
         first = rank() // size * size
         _TP_GROUPS[size] = (mine, list(range(first, first + size)))

@@ -3,60 +3,61 @@ resolved precision (fp16/bf16, loss scaling, grad-accum and communication dtypes
 sizes, optimizer settings and gradient clipping the run config implies.
 
 `render_ds_configs(cfg, world, resolved)` is what `verl-ds config render` prints and what every role
-is built from. Static checks live in `config.validate`; what is left here are facts only the JSON
-files know (their fp16/bf16 blocks, ZeRO stage, batch keys), each a ConfigError naming the file.
+is built from. The checks of the YAML and of the JSON files it names live in `config.validate`; the
+one left here needs the merged precision (bf16 with fp32 gradient accumulation at ZeRO stage 0).
 """
+
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
+import os
 
+from verl_ds.config import active_roles, read_ds_json, validate
 from verl_ds.errors import ConfigError
-from verl_ds.precision import TRAINED_ROLES, LossScaling, ResolvedPrecision
-
-DS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
-
-
-def resolve_ds_path(name: str) -> Path:
-    p = Path(name)
-    if p.is_absolute() or p.exists():
-        return p
-    return DS_CONFIG_DIR / name
-
-
-def read_ds_json(name: str, key: str) -> dict:
-    path = resolve_ds_path(name)
-    if not name:
-        raise ConfigError(key, "no DeepSpeed JSON file given")
-    if not path.is_file():
-        raise ConfigError(key, f"DeepSpeed config file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(str(path), f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(str(path), "a DeepSpeed config must be a JSON object")
-    return data
+from verl_ds.precision import (
+    TRAINED_ROLES,
+    Hardware,
+    LossScaling,
+    ResolvedPrecision,
+    detect_hardware,
+    resolve_precision,
+)
 
 
 def precision_blocks(dtype: str, scaling: LossScaling | None) -> dict:
     """The fp16/bf16 blocks DeepSpeed reads for a compute dtype (fp32 and int8: neither)."""
     if dtype == "fp16":
         s = scaling or LossScaling()
-        return {"fp16": {"enabled": True, "auto_cast": False, "loss_scale": s.loss_scale,
-                         "initial_scale_power": s.initial_scale_power,
-                         "loss_scale_window": s.loss_scale_window, "hysteresis": s.hysteresis,
-                         "consecutive_hysteresis": s.consecutive_hysteresis,
-                         "min_loss_scale": s.min_loss_scale}}
+        return {
+            "fp16": {
+                "enabled": True,
+                "auto_cast": False,
+                "loss_scale": s.loss_scale,
+                "initial_scale_power": s.initial_scale_power,
+                "loss_scale_window": s.loss_scale_window,
+                "hysteresis": s.hysteresis,
+                "consecutive_hysteresis": s.consecutive_hysteresis,
+                "min_loss_scale": s.min_loss_scale,
+            }
+        }
     if dtype == "bf16":
         return {"bf16": {"enabled": True}}
     return {}
 
 
-def render_role(role: str, base: dict, source: str, precision: ResolvedPrecision, *,
-                micro_batch_size: int, train_batch_size: int, world_size: int,
-                max_grad_norm: float, optimizer_params: dict | None, json_loss_scaling: bool = True) -> dict:
+def render_role(
+    role: str,
+    base: dict,
+    source: str,
+    precision: ResolvedPrecision,
+    *,
+    micro_batch_size: int,
+    train_batch_size: int,
+    world_size: int,
+    max_grad_norm: float,
+    optimizer_params: dict | None,
+    json_loss_scaling: bool = True,
+) -> dict:
     """Merge one role's DeepSpeed JSON with its resolved precision and batch settings.
 
     Trained roles get an optimizer; frozen ones lose any optimizer block. `json_loss_scaling`: an
@@ -70,15 +71,18 @@ def render_role(role: str, base: dict, source: str, precision: ResolvedPrecision
     # int8 is weight-only quantization applied by the reward role; DeepSpeed itself runs fp32.
     ds.update(precision_blocks(dtype, getattr(precision, f"{role}_loss_scaling", None)))
     if dtype == "fp16" and json_fp16.get("enabled") and json_loss_scaling:
-        ds["fp16"].update(json_fp16)      # the JSON's own loss-scaling keys
+        ds["fp16"].update(json_fp16)  # the JSON's own loss-scaling keys
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
 
     trained = role in TRAINED_ROLES
     if trained:
         if precision.grad_accum:
             if dtype == "bf16" and precision.grad_accum == "fp32" and stage == 0:
-                raise ConfigError("precision.grad_accum",
-                                  f"bf16 with fp32 grad accumulation at ZeRO stage 0 is rejected by DeepSpeed ({source}); use stage >= 1")
+                raise ConfigError(
+                    "precision.grad_accum",
+                    f"bf16 with fp32 grad accumulation at ZeRO stage 0 is rejected by DeepSpeed ({source}); "
+                    "use stage >= 1",
+                )
             ds.setdefault("data_types", {})["grad_accum_dtype"] = precision.grad_accum
         comm = getattr(precision, f"{role}_comm")
         if comm:
@@ -126,31 +130,26 @@ def ds_dtype(ds: dict) -> str:
 
 def json_dtypes(cfg) -> dict[str, str]:
     """The compute dtype each active role's JSON file asks for (`auto` defers to it)."""
-    from verl_ds.config import active_roles
-    out = {}
-    for role in active_roles(cfg):
-        name = getattr(cfg.roles, role).ds_config
-        ds = read_ds_json(name, f"roles.{role}.ds_config")
-        if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
-            raise ConfigError(str(resolve_ds_path(name)), f"fp16 and bf16 are both enabled for the {role}")
-        out[role] = ds_dtype(ds)
-    return out
+    return {
+        role: ds_dtype(read_ds_json(getattr(cfg.roles, role).ds_config, f"roles.{role}.ds_config"))
+        for role in active_roles(cfg)
+    }
 
 
-def resolve(cfg, hw=None) -> ResolvedPrecision:
+def resolve(cfg, hw: Hardware | None = None) -> ResolvedPrecision:
     """The run's precision, resolved once against this machine's (or the injected) hardware."""
-    from verl_ds.precision import detect_hardware, resolve_precision
     return resolve_precision(cfg.precision, hw or detect_hardware(cfg.trainer.device), json_dtypes(cfg))
 
 
-def render_ds_configs(cfg, world_size: int | None = None, precision: ResolvedPrecision | None = None,
-                      zero_stages: dict[str, int] | None = None) -> dict[str, dict]:
+def render_ds_configs(
+    cfg,
+    world_size: int | None = None,
+    precision: ResolvedPrecision | None = None,
+    zero_stages: dict[str, int] | None = None,
+) -> dict[str, dict]:
     """Every active role's final DeepSpeed config, as DeepSpeed will receive it. A role's ZeRO stage
     is `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
     see trainer/builder.py), else its JSON file's."""
-    import os
-
-    from verl_ds.config import active_roles, validate
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world)
     precision = precision or resolve(cfg)
@@ -163,9 +162,15 @@ def render_ds_configs(cfg, world_size: int | None = None, precision: ResolvedPre
         if stage is not None:
             base.setdefault("zero_optimization", {})["stage"] = stage
         out[role] = render_role(
-            role, base, rc.ds_config, precision,
-            micro_batch_size=rc.micro_batch_size, train_batch_size=mini, world_size=world,
+            role,
+            base,
+            rc.ds_config,
+            precision,
+            micro_batch_size=rc.micro_batch_size,
+            train_batch_size=mini,
+            world_size=world,
             max_grad_norm=cfg.trainer.max_grad_norm,
             optimizer_params={"lr": rc.lr, "weight_decay": rc.weight_decay, "betas": list(rc.betas)},
-            json_loss_scaling=cfg.precision.role_dtype(role) == "auto")
+            json_loss_scaling=cfg.precision.role_dtype(role) == "auto",
+        )
     return out

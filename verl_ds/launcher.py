@@ -8,6 +8,7 @@ saves its own import of deepspeed and torch and two interpreter teardowns (~3-4 
 cores); ending as soon as the ranks have succeeded saves the launcher's final poll and sleep (~1.5 s).
 Multi-node runs (a hostfile) go through the `deepspeed` runner.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,17 +32,22 @@ def main(argv: list[str] | None = None) -> None:
     from deepspeed.launcher.runner import encode_world_info
 
     world = encode_world_info({"localhost": list(range(args.num_ranks))})
-    sys.argv = ["deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
-                f"--master_port={args.master_port}", *script]
+    sys.argv = [
+        "deepspeed.launcher.launch",
+        f"--world_info={world}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={args.master_port}",
+        *script,
+    ]
     threading.Thread(target=_end_when_ranks_succeed, args=(args.num_ranks,), daemon=True).start()
     try:
         launch.main()
         rc = 0
-    except SystemExit as e:   # a rank failed or a signal arrived: the launcher has already cleaned up
+    except SystemExit as e:  # a rank failed or a signal arrived: the launcher has already cleaned up
         rc = e.code if isinstance(e.code, int) else int(e.code is not None)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(rc)              # the ranks are gone; skip the ~1 s teardown of an interpreter holding torch
+    os._exit(rc)  # the ranks are gone; skip the ~1 s teardown of an interpreter holding torch
 
 
 def _end_when_ranks_succeed(n: int) -> None:
@@ -64,7 +70,7 @@ def _exit_code(pid: int) -> int | None:
     """The exit code of a child that has ended (left for its parent to reap), else None."""
     try:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:       # already reaped by the launcher: it has the code
+    except ChildProcessError:  # already reaped by the launcher: it has the code
         return None
     if info is None or info.si_pid == 0:
         return None

@@ -14,7 +14,7 @@ from verl_ds.algos import (
     rloo_advantages,
 )
 
-pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+pytestmark = pytest.mark.numerics  # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
 
 
 def test_gae_hand():
@@ -109,7 +109,11 @@ def test_reinforce_pp_baseline_hand():
     torch.testing.assert_close(adv[:, 0], torch.tensor(c) / std)
 
 
-def _call(name, values=torch.zeros(2, 2)):
+_ZEROS = object()   # the default: critic values of zeros (None means "no critic")
+
+
+def _call(name, values=_ZEROS):
+    values = torch.zeros(2, 2) if values is _ZEROS else values
     return get_advantage_estimator(name)(
         token_rewards=torch.tensor([[0.0, 1.0], [0.0, 3.0]]),
         scores=torch.tensor([1.0, 3.0]),
@@ -134,7 +138,9 @@ def test_registry_values():
     torch.testing.assert_close(_call("gae")[1], torch.tensor([[1.0, 1.0], [3.0, 3.0]]))
     torch.testing.assert_close(_call("dr_grpo")[0], torch.tensor([[-1.0, -1.0], [1.0, 1.0]]))
     torch.testing.assert_close(_call("rloo")[0], torch.tensor([[-2.0, -2.0], [2.0, 2.0]]))
-    torch.testing.assert_close(_call("grpo")[0], grpo_advantages(torch.tensor([1.0, 3.0]), torch.tensor([0, 0]), torch.ones(2, 2)))
+    torch.testing.assert_close(
+        _call("grpo")[0], grpo_advantages(torch.tensor([1.0, 3.0]), torch.tensor([0, 0]), torch.ones(2, 2))
+    )
 
 
 def test_registry_errors():

@@ -25,17 +25,38 @@ def test_algos_imports_only_torch_numpy_and_itself():
         for level, name in _imports(ast.parse(path.read_text(), filename=str(path))):
             if level == 1:  # relative import within verl_ds.algos
                 continue
-            ok = level == 0 and (name.split(".")[0] in ALLOWED or name == "verl_ds.algos" or name.startswith("verl_ds.algos."))
+            ok = level == 0 and (
+                name.split(".")[0] in ALLOWED or name == "verl_ds.algos" or name.startswith("verl_ds.algos.")
+            )
             assert ok, f"{path.name} imports {'.' * level}{name}"
 
 
 def test_public_api_exported():
     names = {
-        "compute_gae", "masked_mean", "masked_var", "masked_whiten", "grpo_advantages", "rloo_advantages",
-        "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "kl_penalty", "policy_loss",
-        "value_loss", "agg_loss", "logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits", "tis_weights",
-        "mismatch_metrics", "RunningMeanStd", "normalize_rewards", "FixedKLController", "AdaptiveKLController",
-        "get_advantage_estimator", "ESTIMATORS_NEEDING_CRITIC", "ADVANTAGE_ESTIMATORS",
+        "compute_gae",
+        "masked_mean",
+        "masked_var",
+        "masked_whiten",
+        "grpo_advantages",
+        "rloo_advantages",
+        "reinforce_pp_advantages",
+        "reinforce_pp_baseline_advantages",
+        "kl_penalty",
+        "policy_loss",
+        "value_loss",
+        "agg_loss",
+        "logprobs_from_logits",
+        "logprobs_and_entropy",
+        "entropy_from_logits",
+        "tis_weights",
+        "mismatch_metrics",
+        "RunningMeanStd",
+        "normalize_rewards",
+        "FixedKLController",
+        "AdaptiveKLController",
+        "get_advantage_estimator",
+        "ESTIMATORS_NEEDING_CRITIC",
+        "ADVANTAGE_ESTIMATORS",
     }
     assert names <= set(verl_ds.algos.__all__)
     assert all(hasattr(verl_ds.algos, n) for n in verl_ds.algos.__all__)

@@ -3,10 +3,9 @@ import math
 import pytest
 import torch
 
-from verl_ds.algos import (entropy_from_logits, logprobs_and_entropy, logprobs_from_logits, mismatch_metrics,
-                           tis_weights)
+from verl_ds.algos import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits, mismatch_metrics, tis_weights
 
-pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+pytestmark = pytest.mark.numerics  # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
 
 
 def test_logprobs_and_entropy_hand():
@@ -127,7 +126,7 @@ def test_chunked_sliced_logits_take_few_blocks_not_one_per_sequence():
 def test_logprobs_and_entropy_in_one_pass_equal_the_separate_ones(chunk_size):
     g = torch.Generator().manual_seed(3)
     full = torch.randn(3, 6, 13, generator=g)
-    full[0, 0, 5] = float("-inf")                       # a masked token: entropy stays finite
+    full[0, 0, 5] = float("-inf")  # a masked token: entropy stays finite
     labels = torch.randint(0, 13, (3, 5), generator=g)
     labels[0, 0] = 0
     x = full.clone().requires_grad_(True)

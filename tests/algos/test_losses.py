@@ -5,7 +5,7 @@ import torch
 
 from verl_ds.algos import AdaptiveKLController, FixedKLController, kl_penalty, policy_loss, value_loss
 
-pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+pytestmark = pytest.mark.numerics  # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
 
 
 def test_kl_penalty_hand():
@@ -100,10 +100,18 @@ def test_value_loss_hand():
     # tok0: max(1, (0.5 - 2)^2 = 2.25) clipped; tok1: 0.04 both
     assert loss.item() == pytest.approx(0.5 * (2.25 + 0.04) / 2)
     assert m["vf_clipfrac"].item() == pytest.approx(0.5)
-    loss, m = value_loss(torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2), torch.tensor([[2.0, 0.2]]), torch.ones(1, 2), clip=None)
+    loss, m = value_loss(
+        torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2), torch.tensor([[2.0, 0.2]]), torch.ones(1, 2), clip=None
+    )
     assert loss.item() == pytest.approx(0.5 * (1.0 + 0.04) / 2) and m["vf_clipfrac"].item() == 0.0
-    loss, _ = value_loss(torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2), torch.tensor([[2.0, 0.2]]), torch.ones(1, 2),
-                         agg_mode="seq-mean-token-sum", global_seqs=2)
+    loss, _ = value_loss(
+        torch.tensor([[1.0, 0.0]]),
+        torch.zeros(1, 2),
+        torch.tensor([[2.0, 0.2]]),
+        torch.ones(1, 2),
+        agg_mode="seq-mean-token-sum",
+        global_seqs=2,
+    )
     assert loss.item() == pytest.approx(0.5 * (2.25 + 0.04) / 2)
 
 

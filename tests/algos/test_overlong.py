@@ -5,7 +5,7 @@ import torch
 
 from verl_ds.algos import overlong_penalty
 
-pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+pytestmark = pytest.mark.numerics  # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
 
 
 def _verl(valid_response_length, max_resp_len, overlong_buffer_len, overlong_penalty_factor):
@@ -34,8 +34,9 @@ def test_overlong_penalty_table(lengths, max_new, buf, pen, expected):
     assert out.dtype == torch.float32 and out.shape == (len(lengths),)
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float32))
     if buf > 0:
-        torch.testing.assert_close(out, torch.tensor([_verl(n, max_new, buf, pen) for n in lengths],
-                                                     dtype=torch.float32))
+        torch.testing.assert_close(
+            out, torch.tensor([_verl(n, max_new, buf, pen) for n in lengths], dtype=torch.float32)
+        )
 
 
 def test_overlong_penalty_float_lengths_and_bad_buffer():

@@ -17,7 +17,7 @@ from verl_ds.algos import (
     policy_loss,
 )
 
-pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+pytestmark = pytest.mark.numerics  # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
 
 
 def _verl_masked_sum(values, mask, axis=None):
@@ -54,8 +54,17 @@ def _verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, batch_num_tokens=None, gl
     raise ValueError(loss_agg_mode)
 
 
-def _verl_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_ratio_low, clip_ratio_high,
-               rollout_is_weights=None, **batch_info):
+def _verl_gspo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    clip_ratio_low,
+    clip_ratio_high,
+    rollout_is_weights=None,
+    **batch_info,
+):
     negative_approx_kl = log_prob - old_log_prob
     seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
     negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
@@ -73,8 +82,17 @@ def _verl_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
     return pg_loss, {"pg_clipfrac": pg_clipfrac.item(), "ppo_kl": ppo_kl.item(), "pg_clipfrac_lower": 0.0}
 
 
-def _verl_cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip_ratio_low, clip_ratio_high,
-                rollout_is_weights=None, **batch_info):
+def _verl_cispo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    clip_ratio_low,
+    clip_ratio_high,
+    rollout_is_weights=None,
+    **batch_info,
+):
     negative_approx_kl = log_prob - old_log_prob
     negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
@@ -107,8 +125,16 @@ def _batch(seed=0, empty_row=False):
 def _compare(ours, verl, ours_kwargs, verl_kwargs, empty_row=False, is_weights=None):
     old, new, adv, mask = _batch(empty_row=empty_row)
     loss, metrics = ours(old, new, adv, mask, CLIP_LOW, CLIP_HIGH, is_weights=is_weights, **ours_kwargs)
-    ref, ref_metrics = verl(old, new, adv, mask, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH,
-                            rollout_is_weights=is_weights, **verl_kwargs)
+    ref, ref_metrics = verl(
+        old,
+        new,
+        adv,
+        mask,
+        clip_ratio_low=CLIP_LOW,
+        clip_ratio_high=CLIP_HIGH,
+        rollout_is_weights=is_weights,
+        **verl_kwargs,
+    )
     torch.testing.assert_close(loss, ref, atol=1e-6, rtol=0)
     (grad,) = torch.autograd.grad(loss, new)
     (ref_grad,) = torch.autograd.grad(ref, new)
@@ -133,10 +159,20 @@ def test_matches_verl_with_global_counts_and_is_weights(ours, verl, mode):
     # Our global_tokens / global_seqs are verl's batch_num_tokens / global_batch_size. With a fully masked
     # row our local seq-mean counts every row while verl's skips empty ones: equal once the count is given.
     is_weights = torch.rand(5, 6, generator=torch.Generator().manual_seed(1)) + 0.5
-    _compare(ours, verl, {"agg_mode": mode, "global_tokens": 37, "global_seqs": 9},
-             {"loss_agg_mode": mode, "batch_num_tokens": 37, "global_batch_size": 9}, is_weights=is_weights)
-    _compare(ours, verl, {"agg_mode": mode, "global_seqs": 5}, {"loss_agg_mode": mode, "global_batch_size": 5},
-             empty_row=True)
+    _compare(
+        ours,
+        verl,
+        {"agg_mode": mode, "global_tokens": 37, "global_seqs": 9},
+        {"loss_agg_mode": mode, "batch_num_tokens": 37, "global_batch_size": 9},
+        is_weights=is_weights,
+    )
+    _compare(
+        ours,
+        verl,
+        {"agg_mode": mode, "global_seqs": 5},
+        {"loss_agg_mode": mode, "global_batch_size": 5},
+        empty_row=True,
+    )
 
 
 def test_gspo_matches_verl_past_the_log_ratio_clamp():

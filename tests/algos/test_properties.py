@@ -17,7 +17,7 @@ from verl_ds.algos import (  # noqa: E402
     rloo_advantages,
 )
 
-pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+pytestmark = pytest.mark.numerics  # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
 
 SETTINGS = settings(max_examples=25, deadline=None)
 
@@ -46,8 +46,13 @@ def test_gae_lam1_zero_values_equals_discounted_return(seed, b, t, gamma):
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 6), t=st.integers(1, 5), split=st.integers(0, 6),
-       mode=st.sampled_from(AGG_LOSS_MODES))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    b=st.integers(1, 6),
+    t=st.integers(1, 5),
+    split=st.integers(0, 6),
+    mode=st.sampled_from(AGG_LOSS_MODES),
+)
 def test_agg_loss_split_sums_to_full(seed, b, t, split, mode):
     g, mask = _batch(seed, b, t)
     loss = torch.randn(b, t, generator=g, dtype=torch.float64)
@@ -88,4 +93,6 @@ def test_chunked_logprobs_agree(seed, rows, vocab, chunk):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g) * 3
     labels = torch.randint(0, vocab, (rows,), generator=g)
-    torch.testing.assert_close(logprobs_from_logits(logits, labels, chunk_size=chunk), logprobs_from_logits(logits, labels))
+    torch.testing.assert_close(
+        logprobs_from_logits(logits, labels, chunk_size=chunk), logprobs_from_logits(logits, labels)
+    )

@@ -5,7 +5,7 @@ import torch
 
 from verl_ds.algos import RunningMeanStd, normalize_rewards
 
-pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+pytestmark = pytest.mark.numerics  # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
 
 
 def test_running_mean_std_hand_and_state():
@@ -27,7 +27,9 @@ def test_normalize_batch_hand():
     out = normalize_rewards(torch.tensor([1.0, 2.0, 3.0]))
     s = math.sqrt(2 / 3)
     torch.testing.assert_close(out, torch.tensor([-1 / s, 0.0, 1 / s]))
-    torch.testing.assert_close(normalize_rewards(torch.tensor([1.0, 2.0, 3.0]), clip=1.0), torch.tensor([-1.0, 0.0, 1.0]))
+    torch.testing.assert_close(
+        normalize_rewards(torch.tensor([1.0, 2.0, 3.0]), clip=1.0), torch.tensor([-1.0, 0.0, 1.0])
+    )
     assert normalize_rewards(torch.tensor([4.0])).item() == 0.0
     assert normalize_rewards(torch.tensor([1, 3])).dtype == torch.float32
 

@@ -5,7 +5,7 @@ import torch
 
 from verl_ds.algos import AGG_LOSS_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten
 
-pytestmark = pytest.mark.numerics   # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
+pytestmark = pytest.mark.numerics  # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
 
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 M = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
@@ -59,10 +59,15 @@ def test_agg_loss_microbatches_with_global_counts_equal_full_batch(mode):
     full = agg_loss(loss, mask, mode)
     tokens, seqs = mask.sum(), loss.shape[0]
     # 2 micro-batches of unequal size, e.g. on 2 ranks or 2 accumulation steps
-    parts = [agg_loss(loss[s], mask[s], mode, global_tokens=tokens, global_seqs=seqs) for s in (slice(0, 2), slice(2, 6))]
+    parts = [
+        agg_loss(loss[s], mask[s], mode, global_tokens=tokens, global_seqs=seqs) for s in (slice(0, 2), slice(2, 6))
+    ]
     torch.testing.assert_close(sum(parts), full)
     # python-number counts work too
-    parts = [agg_loss(loss[s], mask[s], mode, global_tokens=int(tokens), global_seqs=seqs) for s in (slice(0, 3), slice(3, 6))]
+    parts = [
+        agg_loss(loss[s], mask[s], mode, global_tokens=int(tokens), global_seqs=seqs)
+        for s in (slice(0, 3), slice(3, 6))
+    ]
     torch.testing.assert_close(sum(parts), full)
 
 

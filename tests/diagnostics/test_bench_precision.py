@@ -1,4 +1,5 @@
 """`verl-ds bench precision`: 2 steps per dtype on a tiny model, HF rollout; table, JSON and PNG."""
+
 import json
 
 from tests.diagnostics.helpers import parse_md_tables, tiny_overrides
@@ -7,8 +8,22 @@ from verl_ds import cli
 
 def test_bench_precision_two_steps_per_dtype(tmp_path, capsys):
     out = tmp_path / "bench"
-    args = ["bench", "precision", "--config", "examples/grpo_cpu_tiny.yaml", "--dtypes", "fp32,bf16,fp16",
-            "--steps", "2", "--out", str(out)] + tiny_overrides(tmp_path / "run") + ["trainer.prompts_per_step=2"]
+    args = (
+        [
+            "bench",
+            "precision",
+            "--config",
+            "examples/grpo_cpu_tiny.yaml",
+            "--dtypes",
+            "fp32,bf16,fp16",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ]
+        + tiny_overrides(tmp_path / "run")
+        + ["trainer.prompts_per_step=2"]
+    )
     assert cli.main(args) == 0
     (table,) = parse_md_tables(capsys.readouterr().out)
     assert [r[0] for r in table[1:]] == ["fp32", "bf16", "fp16"]

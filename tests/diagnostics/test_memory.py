@@ -1,5 +1,6 @@
 """Memory diagnostics: analytic estimate vs real DeepSpeed tensors, per-stage trainer metrics,
 the Markdown compare, the will-it-fit verdict for an 8B Llama, and the autocast warning."""
+
 import json
 import warnings
 from pathlib import Path
@@ -32,20 +33,27 @@ def test_estimate_matches_tensor_bytes(ppo_step):
     assert shape.params("lm") == sum(p.numel() for p in trainer.reference.module.parameters())
     est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1, resolve(cfg).rollout)["update"]
     measured = M.stages_from_metrics(metrics)["update"]
-    for role, comps in {"actor": ("weights_fp32", "master", "grads", "optimizer"),
-                        "critic": ("weights_fp32", "master", "grads", "optimizer"),
-                        "reference": ("weights_fp32",)}.items():
+    for role, comps in {
+        "actor": ("weights_fp32", "master", "grads", "optimizer"),
+        "critic": ("weights_fp32", "master", "grads", "optimizer"),
+        "reference": ("weights_fp32",),
+    }.items():
         for c in comps:
             e, m = est[role][c], measured[role][c]
             assert abs(e - m) <= 0.05 * m, f"{role}/{c}: estimate {e} vs measured {m}"
-    assert measured["actor"]["activations"] > 0          # saved-for-backward peak was tracked
+    assert measured["actor"]["activations"] > 0  # saved-for-backward peak was tracked
 
 
 def test_trainer_step_logs_memory_per_stage(ppo_step):
     _, _, metrics = ppo_step
-    for key in ("memory/rollout/rollout/weights_fp32_mib", "memory/score/reference/weights_fp32_mib",
-                "memory/update/actor/optimizer_mib", "memory/update/critic/grads_mib",
-                "memory/sync/actor/total_mib", "memory/update/process/rss_mib"):
+    for key in (
+        "memory/rollout/rollout/weights_fp32_mib",
+        "memory/score/reference/weights_fp32_mib",
+        "memory/update/actor/optimizer_mib",
+        "memory/update/critic/grads_mib",
+        "memory/sync/actor/total_mib",
+        "memory/update/process/rss_mib",
+    ):
         assert metrics.get(key, 0) > 0, key
     assert any(k.startswith("precision/actor/") for k in metrics)
 
@@ -59,7 +67,7 @@ def test_autocast_warning_fires_once(ppo_step, monkeypatch):
     monkeypatch.setattr(base, "_AUTOCAST_WARNED", False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        trainer.reference.logprobs(batch)                               # no autocast: silent
+        trainer.reference.logprobs(batch)  # no autocast: silent
         with torch.autocast("cpu", dtype=torch.bfloat16):
             trainer.reference.logprobs(batch)
             trainer.actor.logprobs(batch)
@@ -67,8 +75,11 @@ def test_autocast_warning_fires_once(ppo_step, monkeypatch):
 
 
 def test_compare_fp16_vs_fp32_is_markdown_and_halves_weights(tmp_path, capsys):
-    base = {"model": {"path": "tiny", "tiny": {"hidden": 32, "ffn": 64}}, "rollout": {"engine": "hf"},
-            "trainer": {"run_dir": str(tmp_path / "run")}}
+    base = {
+        "model": {"path": "tiny", "tiny": {"hidden": 32, "ffn": 64}},
+        "rollout": {"engine": "hf"},
+        "trainer": {"run_dir": str(tmp_path / "run")},
+    }
     a = write_yaml(tmp_path / "fp32.yaml", {**base, "precision": {"actor_dtype": "fp32", "reference_dtype": "fp32"}})
     b = write_yaml(tmp_path / "fp16.yaml", {**base, "precision": {"actor_dtype": "fp16", "reference_dtype": "fp16"}})
     assert cli.main(["debug", "memory", "--compare", a, b, "--metric", "peak_memory"]) == 0
@@ -77,7 +88,7 @@ def test_compare_fp16_vs_fp32_is_markdown_and_halves_weights(tmp_path, capsys):
     rows = {(r[0], r[1]): r for r in table[1:]}
     for role in ("actor", "reference"):
         assert rows[(role, "weights (fp32 → fp16)")][5] == "0.50"
-    assert rows[("actor", "optimizer")][5] == "1.00"             # fp32 Adam states either way
+    assert rows[("actor", "optimizer")][5] == "1.00"  # fp32 Adam states either way
 
 
 def test_debug_memory_measured_report_is_markdown(tmp_path, capsys):
@@ -87,18 +98,34 @@ def test_debug_memory_measured_report_is_markdown(tmp_path, capsys):
     tables = parse_md_tables(out)
     assert len(tables) == 2 and "### stage: update" in out and "### stage: sync" in out
     rows = {(r[0], r[1]): r for r in tables[0][1:]}
-    assert rows[("actor", "optimizer")][3] != "n/a"              # measured column filled
+    assert rows[("actor", "optimizer")][3] != "n/a"  # measured column filled
 
 
 @pytest.mark.parametrize("world,fits", [(1, False), (8, True)])
 def test_llama8b_zero3_verdict(world, fits, capsys):
     assert M.load_shape(str(LLAMA_8B)).params() == 8_030_261_248
-    args = ["debug", "memory", "--config", "examples/grpo_cpu_tiny.yaml", "--model-config", str(LLAMA_8B),
-            "--world-size", str(world), "--gpu-memory-gb", "80", "precision.actor_dtype=bf16",
-            "precision.reference_dtype=bf16", "precision.rollout_dtype=bf16",
-            "roles.reference.ds_config=ref_zero3.json", "precision.enable_grad_checkpointing=true",
-            "roles.actor.micro_batch_size=4", "roles.reference.micro_batch_size=4",
-            "data.max_prompt_length=512", "rollout.max_new_tokens=512", "rollout.max_model_len=1024"]
+    args = [
+        "debug",
+        "memory",
+        "--config",
+        "examples/grpo_cpu_tiny.yaml",
+        "--model-config",
+        str(LLAMA_8B),
+        "--world-size",
+        str(world),
+        "--gpu-memory-gb",
+        "80",
+        "precision.actor_dtype=bf16",
+        "precision.reference_dtype=bf16",
+        "precision.rollout_dtype=bf16",
+        "roles.reference.ds_config=ref_zero3.json",
+        "precision.enable_grad_checkpointing=true",
+        "roles.actor.micro_batch_size=4",
+        "roles.reference.micro_batch_size=4",
+        "data.max_prompt_length=512",
+        "rollout.max_new_tokens=512",
+        "rollout.max_model_len=1024",
+    ]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert ("**Verdict: fits**" in out) == fits and "n/a" in out
@@ -106,37 +133,65 @@ def test_llama8b_zero3_verdict(world, fits, capsys):
 
 
 def test_missing_model_config_is_a_user_error(capsys):
-    assert cli.main(["debug", "memory", "--config", "examples/grpo_cpu_tiny.yaml",
-                     "--model-config", "nope/config.json"]) == 2
+    assert (
+        cli.main(["debug", "memory", "--config", "examples/grpo_cpu_tiny.yaml", "--model-config", "nope/config.json"])
+        == 2
+    )
     assert "error: --model-config" in capsys.readouterr().err
 
 
 def test_zero_stage_auto_picks_the_lowest_stage_that_fits():
-    cfg = load_config("examples/grpo_cpu_tiny.yaml", ["roles.actor.zero_stage=auto", "roles.reference.zero_stage=auto",
-                                                      "rollout.max_model_len=1024", "data.max_prompt_length=256",
-                                                      "roles.actor.micro_batch_size=4", "roles.reference.micro_batch_size=4",
-                                                      "precision.actor_dtype=bf16", "precision.reference_dtype=bf16"])
+    cfg = load_config(
+        "examples/grpo_cpu_tiny.yaml",
+        [
+            "roles.actor.zero_stage=auto",
+            "roles.reference.zero_stage=auto",
+            "rollout.max_model_len=1024",
+            "data.max_prompt_length=256",
+            "roles.actor.micro_batch_size=4",
+            "roles.reference.micro_batch_size=4",
+            "precision.actor_dtype=bf16",
+            "precision.reference_dtype=bf16",
+        ],
+    )
     shape = M.load_shape(str(LLAMA_8B))
     ds = render_ds_configs(cfg, 8)
     roomy = M.choose_zero_stages(cfg, shape, ds, 8, 1e15, ["actor", "reference"])
     tight = M.choose_zero_stages(cfg, shape, ds, 8, 80 * 2**30, ["actor", "reference"])
     hopeless = M.choose_zero_stages(cfg, shape, ds, 8, 2**30, ["actor", "reference"])
     assert roomy == {"actor": 0, "reference": 0}
-    assert tight["actor"] >= 1                                           # an 8B model on 80 GB needs sharding
-    assert hopeless == {"actor": 3, "reference": 3}                      # nothing fits: ZeRO-3
+    assert tight["actor"] >= 1  # an 8B model on 80 GB needs sharding
+    assert hopeless == {"actor": 3, "reference": 3}  # nothing fits: ZeRO-3
     rendered = render_ds_configs(cfg, 8, zero_stages=tight)
     assert rendered["actor"]["zero_optimization"]["stage"] == tight["actor"]
 
 
 def test_bench_step_prints_phases_and_floor(tmp_path, capsys):
-    assert cli.main(["bench", "step", "--config", "examples/grpo_cpu_tiny.yaml", "--steps", "1",
-                     "rollout.engine=hf", "trainer.prompts_per_step=4", "rollout.n=4", "model.tiny.hidden=32",
-                     "model.tiny.ffn=64", f"trainer.run_dir={tmp_path}", "roles.actor.micro_batch_size=16",
-                     "roles.reference.micro_batch_size=16"]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "step",
+                "--config",
+                "examples/grpo_cpu_tiny.yaml",
+                "--steps",
+                "1",
+                "rollout.engine=hf",
+                "trainer.prompts_per_step=4",
+                "rollout.n=4",
+                "model.tiny.hidden=32",
+                "model.tiny.ffn=64",
+                f"trainer.run_dir={tmp_path}",
+                "roles.actor.micro_batch_size=16",
+                "roles.reference.micro_batch_size=16",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     tables = parse_md_tables(out)
     phases = {row[0] for row in tables[0][1:]}
     assert {"update_actor", "gen", "**step**"} <= phases
-    floor = {row[0]: row[3] for row in tables[0][1:]}          # the floor's own phases, same names
+    floor = {row[0]: row[3] for row in tables[0][1:]}  # the floor's own phases, same names
     assert all(float(floor[k]) > 0 for k in ("gen", "update_actor", "ref", "**step**")), floor
     assert "verl-ds / floor =" in out and "training MFU" in out

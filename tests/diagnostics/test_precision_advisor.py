@@ -1,6 +1,7 @@
 """`verl-ds debug precision` on the tiny PPO example with a reward model: real DeepSpeed engines,
 real steps. Each test plants one known problem and checks that exactly that role is flagged with
 the right recommendation; the YAML block renders; the memory column is `debug memory`'s estimate."""
+
 import time
 from pathlib import Path
 
@@ -47,8 +48,11 @@ def _reward_dir(out: Path, planted: bool) -> str:
 
 def _overrides(tmp: Path, reward_dir: str) -> list[str]:
     # rollout.n=4: 6 within-group pairs per prompt; every role's dtype pinned to fp32 (any CPU kind)
-    return tiny_overrides(tmp / "run") + [f"model.reward_path={reward_dir}", "rollout.n=4",
-                                          "precision.reward_dtype=fp32"]
+    return tiny_overrides(tmp / "run") + [
+        f"model.reward_path={reward_dir}",
+        "rollout.n=4",
+        "precision.reward_dtype=fp32",
+    ]
 
 
 def _recommendations(text: str) -> dict[str, str]:
@@ -63,8 +67,11 @@ def _weights_column(table) -> dict[tuple[str, str], str]:
 
 def _debug_memory_weights(capsys, overrides, model_config, dtype) -> dict[str, str]:
     """`verl-ds debug memory` (estimate only): each role's weights_<dtype> row of the update stage."""
-    args = ["debug", "memory", "--config", EXAMPLE, "--model-config", model_config] + overrides + \
-        [f"precision.{r}_dtype={dtype}" for r in ROLES]
+    args = (
+        ["debug", "memory", "--config", EXAMPLE, "--model-config", model_config]
+        + overrides
+        + [f"precision.{r}_dtype={dtype}" for r in ROLES]
+    )
     assert cli.main(args) == 0
     text = capsys.readouterr().out
     update = parse_md_tables(text.split("### stage: update", 1)[1])[0]
@@ -91,9 +98,9 @@ def test_planted_reward_resolution_flags_reward_fp32_through_cli(tmp_path, capsy
     ranges = parse_md_tables(text)[1]
     reward = next(r for r in ranges if r[0] == "reward")
     lo, hi = (float(x) for x in reward[4].strip("[]").split(","))
-    assert 99 < lo <= hi < 101                                     # the planted scores sit near 100
-    assert float(reward[-1].split("%")[0]) > 50                    # most differences vanish in bf16
-    assert "timings are not representative" in text                # fp16 is emulated on CPU
+    assert 99 < lo <= hi < 101  # the planted scores sit near 100
+    assert float(reward[-1].split("%")[0]) > 50  # most differences vanish in bf16
+    assert "timings are not representative" in text  # fp16 is emulated on CPU
 
     # the block loads unchanged when merged into the run config
     block = yaml.safe_load((out / "precision.yaml").read_text())
@@ -105,7 +112,7 @@ def test_planted_reward_resolution_flags_reward_fp32_through_cli(tmp_path, capsy
 
     # the memory column is what `debug memory` estimates for the same config, dtype by dtype
     table = _weights_column(parse_md_tables(text)[0])
-    model_config = str(out / "init_model" / "config.json")     # model.path: tiny, built in the run dir
+    model_config = str(out / "init_model" / "config.json")  # model.path: tiny, built in the run dir
     for dtype in ("fp32", "bf16", "fp16"):
         mem = _debug_memory_weights(capsys, ov, model_config, dtype)
         assert {r: table[(r, dtype)] for r in ROLES} == {r: mem[r] for r in ROLES}, dtype
@@ -128,6 +135,7 @@ def test_planted_tiny_actor_gradients_flag_actor_fp16_underflow(tmp_path, capsys
             def micro_loss(mb, counts):
                 loss, metrics = loss_fn(mb, counts)
                 return loss * 1e-12, metrics
+
             self.actor.micro_loss = micro_loss
 
     rm = _reward_dir(tmp_path, planted=False)
@@ -173,4 +181,4 @@ def test_vanish_fraction_counts_erased_differences(dtype):
     scores = torch.tensor([100.0, 100.01, 100.02, 1.0, 2.0])
     groups = torch.tensor([0, 0, 0, 1, 1])
     frac, pairs = vanish_fraction(scores, groups, dtype)
-    assert pairs == 4 and frac == pytest.approx(3 / 4)       # 1.0 vs 2.0 survives; the three near 100 do not
+    assert pairs == 4 and frac == pytest.approx(3 / 4)  # 1.0 vs 2.0 survives; the three near 100 do not

@@ -1,4 +1,5 @@
 """Run `verl-ds train` through the real deepspeed launcher (2 CPU ranks, gloo, vLLM) and read results."""
+
 import json
 import os
 import signal
@@ -13,8 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def train_cmd(config: str, run_dir, *overrides, ranks: int = 2):
     # the launcher picks a free port; don't inherit this test process's own process-group env
-    return ["bash", str(ROOT / "launch" / "train.sh"), str(ROOT / "examples" / config),
-            f"trainer.run_dir={run_dir}", *overrides], child_env(NUM_RANKS=str(ranks))
+    return [
+        "bash",
+        str(ROOT / "launch" / "train.sh"),
+        str(ROOT / "examples" / config),
+        f"trainer.run_dir={run_dir}",
+        *overrides,
+    ], child_env(NUM_RANKS=str(ranks))
 
 
 def run_train(config: str, run_dir, *overrides, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -27,8 +33,9 @@ def run_train(config: str, run_dir, *overrides, timeout: int = 600) -> subproces
 def run_until_step(config: str, run_dir, step: int, *overrides, timeout: int = 600):
     """Start training and kill the whole launcher process group once `step` is logged."""
     cmd, env = train_cmd(config, run_dir, *overrides)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True
+    )
     deadline = time.time() + timeout
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -49,8 +56,9 @@ def read_metrics(run_dir) -> list[dict]:
 def wandb_history(run_dir) -> list[dict]:
     runs = sorted((Path(run_dir) / "wandb").glob("offline-run-*"))
     assert runs, "no W&B offline run written"
-    out = subprocess.run(["wandb", "leet", "inspect", "--json", str(runs[-1])], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        ["wandb", "leet", "inspect", "--json", str(runs[-1])], capture_output=True, text=True, timeout=120
+    )
     recs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return [r["history"] for r in recs if r.get("type") == "history"]
 

@@ -1,4 +1,5 @@
 """End to end through the deepspeed launcher with 2 CPU ranks, gloo and a real vLLM engine."""
+
 import math
 import shutil
 import subprocess
@@ -10,17 +11,40 @@ from safetensors.torch import load_file
 from tests.e2e.helpers import ROOT, read_metrics, run_train, run_until_step, train_cmd, wandb_history
 
 pytestmark = pytest.mark.e2e
-FAST = ["trainer.prompts_per_step=8", "rollout.n=8", "logging.sample_every=2", "roles.actor.micro_batch_size=16",
-        "roles.actor.zero_stage=3",   # the ZeRO-3 gather into vLLM (the example picks auto -> 0 at this size)
-        "rollout.engine=vllm",        # the example's auto picks HF generate for its 330k model on CPU
-        "roles.critic.micro_batch_size=16", "roles.reference.micro_batch_size=16",
-        "data.reward_fn=tests.e2e.helpers:length_reward", "trainer.val_every=0", "trainer.val_before_train=false",
-        # pinned: the fp32 rollout-vs-trainer bound below must not follow the CPU kind (`auto`)
-        *[f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "rollout", "buffer")]]
-KEYS = ["reward/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
-        "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
-        "timing_s/step", "perf/throughput", "precision/actor/loss_scale", "precision/actor/skipped_steps",
-        "rollout_corr/logprob_abs_diff_mean", "rollout_corr/logprob_abs_diff_max", "rollout_corr/k3_kl"]
+FAST = [
+    "trainer.prompts_per_step=8",
+    "rollout.n=8",
+    "logging.sample_every=2",
+    "roles.actor.micro_batch_size=16",
+    "roles.actor.zero_stage=3",  # the ZeRO-3 gather into vLLM (the example picks auto -> 0 at this size)
+    "rollout.engine=vllm",  # the example's auto picks HF generate for its 330k model on CPU
+    "roles.critic.micro_batch_size=16",
+    "roles.reference.micro_batch_size=16",
+    "data.reward_fn=tests.e2e.helpers:length_reward",
+    "trainer.val_every=0",
+    "trainer.val_before_train=false",
+    # pinned: the fp32 rollout-vs-trainer bound below must not follow the CPU kind (`auto`)
+    *[f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "rollout", "buffer")],
+]
+KEYS = [
+    "reward/mean",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "response_length/mean",
+    "timing_s/gen",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "perf/throughput",
+    "precision/actor/loss_scale",
+    "precision/actor/skipped_steps",
+    "rollout_corr/logprob_abs_diff_mean",
+    "rollout_corr/logprob_abs_diff_max",
+    "rollout_corr/k3_kl",
+]
 
 
 def _check_run(run_dir, steps, extra_keys=()):
@@ -55,8 +79,17 @@ def test_quickstart_example_engine_auto_picks_hf_generate(tmp_path):
 
 def test_ppo_gae_critic_three_steps(tmp_path):
     run_train("ppo_cpu_tiny.yaml", tmp_path, "trainer.steps=3", *FAST)
-    _check_run(tmp_path, 3, ["critic/vf_loss", "critic/vf_explained_var", "timing_s/values",
-                             "timing_s/update_critic", "precision/critic/loss_scale"])
+    _check_run(
+        tmp_path,
+        3,
+        [
+            "critic/vf_loss",
+            "critic/vf_explained_var",
+            "timing_s/values",
+            "timing_s/update_critic",
+            "precision/critic/loss_scale",
+        ],
+    )
 
 
 def test_kill_after_step_2_then_resume_auto(tmp_path):
@@ -70,9 +103,10 @@ def test_kill_after_step_2_then_resume_auto(tmp_path):
     run_train("grpo_cpu_tiny.yaml", ref, f"trainer.steps={last + 1}", *FAST)
     want = read_metrics(ref)[last]["data/position"]
 
-    run_train("grpo_cpu_tiny.yaml", killed, f"trainer.steps={last + 1}", "trainer.resume=auto",
-              "checkpoint.every=2", *FAST)
-    rows = read_metrics(killed)      # the killed run's own steps after the checkpoint are replaced, not duplicated
+    run_train(
+        "grpo_cpu_tiny.yaml", killed, f"trainer.steps={last + 1}", "trainer.resume=auto", "checkpoint.every=2", *FAST
+    )
+    rows = read_metrics(killed)  # the killed run's own steps after the checkpoint are replaced, not duplicated
     assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, last + 2))
     resumed = [r for r in rows if r["step"] > last]
     assert len(resumed) == 1
@@ -83,12 +117,29 @@ def test_dapo_features_gspo_in_the_loop(tmp_path):
     """Dynamic sampling on the sparse arithmetic reward, overlong shaping, truncated samples masked,
     the GSPO loss: 3 steps under the launcher."""
     fast = [o for o in FAST if not o.startswith("data.reward_fn")]
-    run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=3", *fast, "algorithm.filter_groups.enabled=true",
-              "algorithm.filter_groups.max_rounds=2", "algorithm.overlong.buffer_len=1",
-              "algorithm.mask_truncated=true", "algorithm.policy_loss=gspo")
-    rows = _check_run(tmp_path, 3, ["filter/kept_groups", "filter/rounds", "filter/zero_variance_fraction",
-                                    "response/truncated_fraction", "filter/reward_mean_drawn"])
-    for r in rows:   # an untrained model mostly fails every sample: most groups carry no gradient
+    run_train(
+        "grpo_cpu_tiny.yaml",
+        tmp_path,
+        "trainer.steps=3",
+        *fast,
+        "algorithm.filter_groups.enabled=true",
+        "algorithm.filter_groups.max_rounds=2",
+        "algorithm.overlong.buffer_len=1",
+        "algorithm.mask_truncated=true",
+        "algorithm.policy_loss=gspo",
+    )
+    rows = _check_run(
+        tmp_path,
+        3,
+        [
+            "filter/kept_groups",
+            "filter/rounds",
+            "filter/zero_variance_fraction",
+            "response/truncated_fraction",
+            "filter/reward_mean_drawn",
+        ],
+    )
+    for r in rows:  # an untrained model mostly fails every sample: most groups carry no gradient
         assert r["filter/rounds"] >= 1 and r["filter/kept_groups"] <= 8 and r["filter/zero_variance_fraction"] > 0
 
 
@@ -96,8 +147,15 @@ def test_cispo_with_fp32_lm_head_in_bf16(tmp_path):
     """CISPO loss and the fp32 LM head with a bf16 actor and reference (the rollout stays fp32 and gets
     vLLM's fp32-head override: a bf16 vLLM on an AVX2-only CPU is emulated and slow)."""
     bf16 = [f"precision.{k}_dtype=bf16" for k in ("actor", "reference")] + ["precision.rollout_dtype=fp32"]
-    run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=2", *FAST, *bf16, "precision.lm_head_fp32=true",
-              "algorithm.policy_loss=cispo")
+    run_train(
+        "grpo_cpu_tiny.yaml",
+        tmp_path,
+        "trainer.steps=2",
+        *FAST,
+        *bf16,
+        "precision.lm_head_fp32=true",
+        "algorithm.policy_loss=cispo",
+    )
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -107,14 +165,25 @@ def test_cispo_with_fp32_lm_head_in_bf16(tmp_path):
 def test_validation_before_and_every_k_steps(tmp_path):
     """Held-out arithmetic prompts, validated at step 0 and every 2 steps on the rollout engine."""
     fast = [o for o in FAST if not o.startswith(("trainer.val", "data.reward_fn"))]
-    run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=4", *fast, "data.val_fraction=0.2",
-              "trainer.val_every=2", "trainer.val_n=4")
+    run_train(
+        "grpo_cpu_tiny.yaml",
+        tmp_path,
+        "trainer.steps=4",
+        *fast,
+        "data.val_fraction=0.2",
+        "trainer.val_every=2",
+        "trainer.val_n=4",
+    )
     rows = read_metrics(tmp_path)
     val = {r["step"]: r for r in rows if "val/arithmetic/accuracy" in r}
     assert sorted(val) == [0, 2, 4]
     for r in val.values():
-        for key in ("val/arithmetic/accuracy", "val/arithmetic/mean@4", "val/arithmetic/pass@4",
-                    "val/response_length/mean"):
+        for key in (
+            "val/arithmetic/accuracy",
+            "val/arithmetic/mean@4",
+            "val/arithmetic/pass@4",
+            "val/response_length/mean",
+        ):
             assert 0 <= r[key] <= 3 and math.isfinite(r[key])
         assert r["val/arithmetic/pass@4"] >= r["val/arithmetic/mean@4"]
 
@@ -128,9 +197,14 @@ def test_lora_zero3_two_ranks_sync_and_kill_resume(tmp_path):
     rows = _check_run(ref, 4)
     for r in rows:
         assert r["rollout_corr/logprob_abs_diff_max"] <= 1e-5, r["rollout_corr/logprob_abs_diff_max"]
-    assert rows[-1]["actor/kl_ref"] > 0                          # the adapters moved the policy off the base
-    _kill_at_3_then_resume_reproduces(tmp_path, "grpo_cpu_tiny.yaml", [*FAST, *lora], rows,
-                                      ("reward/mean", "actor/pg_loss", "actor/kl_ref", "data/position"))
+    assert rows[-1]["actor/kl_ref"] > 0  # the adapters moved the policy off the base
+    _kill_at_3_then_resume_reproduces(
+        tmp_path,
+        "grpo_cpu_tiny.yaml",
+        [*FAST, *lora],
+        rows,
+        ("reward/mean", "actor/pg_loss", "actor/kl_ref", "data/position"),
+    )
 
 
 def _kill_at_3_then_resume_reproduces(tmp_path, config, overrides, rows, keys):
@@ -164,8 +238,13 @@ def test_multi_turn_zero3_vllm_lora_filter_groups_kill_resume(tmp_path):
     """The retry environment on 2 ranks under the launcher (ZeRO-3, vLLM, a LoRA actor, dynamic
     sampling): episodes run several turns with environment tokens in the rows, the trainer's
     logprobs match vLLM's on the model's tokens, and kill -9 + resume: auto reproduces steps 3-4."""
-    mt = ["model.lora.rank=8", "roles.actor.lr=0.01", "trainer.steps=4", "algorithm.filter_groups.enabled=true",
-          "algorithm.filter_groups.max_rounds=2"]
+    mt = [
+        "model.lora.rank=8",
+        "roles.actor.lr=0.01",
+        "trainer.steps=4",
+        "algorithm.filter_groups.enabled=true",
+        "algorithm.filter_groups.max_rounds=2",
+    ]
     ref = tmp_path / "ref"
     run_train("grpo_cpu_tiny_retry.yaml", ref, *FAST, *mt)
     rows = _check_run(ref, 4, ["multi_turn/turns/mean", "response/env_tokens/mean", "filter/kept_groups"])
@@ -173,6 +252,10 @@ def test_multi_turn_zero3_vllm_lora_filter_groups_kill_resume(tmp_path):
         assert r["multi_turn/turns/mean"] > 1.5 and r["multi_turn/turns/max"] == 3.0
         assert r["response/env_tokens/mean"] > 0.5 and r["multi_turn/token_mismatch_fraction"] == 0.0
         assert r["rollout_corr/logprob_abs_diff_max"] <= 1e-5, r["rollout_corr/logprob_abs_diff_max"]
-    _kill_at_3_then_resume_reproduces(tmp_path, "grpo_cpu_tiny_retry.yaml", [*FAST, *mt], rows,
-                                      ("reward/mean", "actor/pg_loss", "multi_turn/turns/mean",
-                                       "response/env_tokens/mean", "data/position"))
+    _kill_at_3_then_resume_reproduces(
+        tmp_path,
+        "grpo_cpu_tiny_retry.yaml",
+        [*FAST, *mt],
+        rows,
+        ("reward/mean", "actor/pg_loss", "multi_turn/turns/mean", "response/env_tokens/mean", "data/position"),
+    )

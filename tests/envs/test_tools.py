@@ -1,4 +1,5 @@
 """The tool environment and the environment loader: parse, never execute; failures are answers."""
+
 import time
 
 import pytest
@@ -51,13 +52,17 @@ def test_calculator_walks_the_parse_tree_and_refuses_code():
 
 
 def test_hermes_parser_reads_calls_and_reports_malformed_ones():
-    text = ('think <tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call> and '
-            '<tool_call>{not json}</tool_call> <tool_call>["x"]</tool_call> <tool_call>{"name": "f"')
+    text = (
+        'think <tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call> and '
+        '<tool_call>{not json}</tool_call> <tool_call>["x"]</tool_call> <tool_call>{"name": "f"'
+    )
     calls = parse_hermes_tool_calls(text)
     assert calls[0] == {"name": "calculator", "arguments": {"expression": "1+1"}}
-    assert [c.split(" (")[0] for c in calls[1:]] == ["error: the tool call is not valid JSON",
-                                                    'error: a tool call must be {"name": "...", "arguments": {...}}',
-                                                    "error: the tool call is not valid JSON"]
+    assert [c.split(" (")[0] for c in calls[1:]] == [
+        "error: the tool call is not valid JSON",
+        'error: a tool call must be {"name": "...", "arguments": {...}}',
+        "error: the tool call is not valid JSON",
+    ]
     assert parse_hermes_tool_calls("The answer is 4.") == []
 
 
@@ -65,11 +70,17 @@ def test_tool_env_answers_every_call_and_counts_failures():
     env = ToolEnv([calculator, slow, broken], timeout_s=0.2)
     assert env.reset({"prompt": "p", "answer": "1"}) is None
     call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'.format
-    action = (call("calculator", '{"expression": "6*7"}') + call("slow", '{"seconds": 2}') + call("broken", '{"x": 1}')
-              + call("nope", "{}") + call("calculator", '{"expression": "import os"}') + "<tool_call>{bad")
+    action = (
+        call("calculator", '{"expression": "6*7"}')
+        + call("slow", '{"seconds": 2}')
+        + call("broken", '{"x": 1}')
+        + call("nope", "{}")
+        + call("calculator", '{"expression": "import os"}')
+        + "<tool_call>{bad"
+    )
     t0 = time.perf_counter()
     obs, reward, done, info = env.step(action)
-    assert time.perf_counter() - t0 < 1.5                       # the slow tool was abandoned at 0.2 s
+    assert time.perf_counter() - t0 < 1.5  # the slow tool was abandoned at 0.2 s
     assert not done and reward == 0.0 and [m["role"] for m in obs] == ["tool"] * 6
     results = [m["content"] for m in obs]
     assert results[0] == "42"
@@ -87,14 +98,19 @@ def test_tools_and_envs_load_from_config_paths_with_one_line_errors():
     assert tool_schemas([calculator])[0]["function"]["parameters"]["required"] == ["expression"]
     env = load_env_factory("tools", {"timeout_s": 1.0}, tools)()
     assert isinstance(env, ToolEnv) and set(env.tools) == {"calculator", "slow"}
-    cases = [(lambda: load_tools(["tests.envs.test_tools:undocumented"]), "data.tools[0]", "no JSON schema"),
-             (lambda: load_tools(["no_such_pkg.mod:f"]), "data.tools[0]", "cannot import module"),
-             (lambda: load_env_factory("tests.envs.test_tools:Missing", {}), "rollout.multi_turn.env", "has no 'Missing'"),
-             (lambda: load_env_factory("tests.envs.test_tools:NoStep", {}), "rollout.multi_turn.env", "no method step()"),
-             (lambda: load_env_factory("tests.envs.test_tools:BadStep", {}), "rollout.multi_turn.env",
-              "must take 1 argument"),
-             (lambda: load_env_factory("retry", {"tries": 3}), "rollout.multi_turn.env_kwargs", "tries"),
-             (lambda: load_env_factory("nodots", {}), "rollout.multi_turn.env", "not a 'pkg.module:Name' path")]
+    cases = [
+        (lambda: load_tools(["tests.envs.test_tools:undocumented"]), "data.tools[0]", "no JSON schema"),
+        (lambda: load_tools(["no_such_pkg.mod:f"]), "data.tools[0]", "cannot import module"),
+        (lambda: load_env_factory("tests.envs.test_tools:Missing", {}), "rollout.multi_turn.env", "has no 'Missing'"),
+        (lambda: load_env_factory("tests.envs.test_tools:NoStep", {}), "rollout.multi_turn.env", "no method step()"),
+        (
+            lambda: load_env_factory("tests.envs.test_tools:BadStep", {}),
+            "rollout.multi_turn.env",
+            "must take 1 argument",
+        ),
+        (lambda: load_env_factory("retry", {"tries": 3}), "rollout.multi_turn.env_kwargs", "tries"),
+        (lambda: load_env_factory("nodots", {}), "rollout.multi_turn.env", "not a 'pkg.module:Name' path"),
+    ]
     for make, key, text in cases:
         with pytest.raises(ConfigError) as e:
             make()
@@ -106,6 +122,6 @@ def test_the_documented_example_environment_plays_by_the_contract():
     assert env.reset({"prompt": "guess", "answer": "7"}) is None
     assert env.step("I think 3") == ("higher", 0.0, False, {"valid": 1.0})
     assert env.step("nine?") == ("Answer with a number.", 0.0, False, {"valid": 0.0})
-    assert env.step("9") == (None, 0.0, True, {"valid": 1.0})                # the third guess: out of guesses
+    assert env.step("9") == (None, 0.0, True, {"valid": 1.0})  # the third guess: out of guesses
     env.reset({"answer": "7"})
     assert env.step("10")[0] == "lower" and env.step("7") == (None, 0.8, True, {"valid": 1.0})

@@ -1,11 +1,12 @@
 """Build real role engines from rendered configs for tests."""
+
 import torch
 
-from verl_ds.config import AlgorithmConfig
-from verl_ds.ds_config import read_ds_json, render_role
+from verl_ds.config import AlgorithmConfig, read_ds_json
+from verl_ds.ds_config import render_role
 from verl_ds.precision import Hardware, LossScaling, PrecisionConfig, resolve_precision
 
-FP32_CPU = Hardware("cpu")   # `auto` -> fp32: the tests pin every dtype they assert on anyway
+FP32_CPU = Hardware("cpu")  # `auto` -> fp32: the tests pin every dtype they assert on anyway
 
 
 def Cfg(**kw) -> AlgorithmConfig:
@@ -14,26 +15,39 @@ def Cfg(**kw) -> AlgorithmConfig:
 
 
 def ds_config(role: str, stage: int, dtype: str, micro: int = 2, total: int = 4, hysteresis: int = 2) -> dict:
-    files = {"actor": "actor_zero3_fp32.json", "critic": "critic_zero2_fp32.json",
-             "reference": "ref_zero3.json", "reward": "reward_zero0.json"}
+    files = {
+        "actor": "actor_zero3_fp32.json",
+        "critic": "critic_zero2_fp32.json",
+        "reference": "ref_zero3.json",
+        "reward": "reward_zero0.json",
+    }
     base = read_ds_json(files[role], "test")
     base.setdefault("zero_optimization", {})["stage"] = stage
-    prec = PrecisionConfig(**{f"{role}_dtype": dtype},
-                           **({f"{role}_loss_scaling": LossScaling(hysteresis=hysteresis)} if role in ("actor", "critic") else {}))
-    return render_role(role, base, files[role], resolve_precision(prec, FP32_CPU), micro_batch_size=micro,
-                       train_batch_size=total,
-                       world_size=1, max_grad_norm=1.0, optimizer_params={"lr": 1e-2, "weight_decay": 0.0,
-                                                                          "betas": [0.9, 0.999]})
+    prec = PrecisionConfig(
+        **{f"{role}_dtype": dtype},
+        **({f"{role}_loss_scaling": LossScaling(hysteresis=hysteresis)} if role in ("actor", "critic") else {}),
+    )
+    return render_role(
+        role,
+        base,
+        files[role],
+        resolve_precision(prec, FP32_CPU),
+        micro_batch_size=micro,
+        train_batch_size=total,
+        world_size=1,
+        max_grad_norm=1.0,
+        optimizer_params={"lr": 1e-2, "weight_decay": 0.0, "betas": [0.9, 0.999]},
+    )
 
 
 def make_batch(vocab: int, b: int = 4, p: int = 5, r: int = 3, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (b, p + r), generator=g)
     attn = torch.ones(b, p + r, dtype=torch.long)
-    attn[0, :2] = 0                      # left padding in the prompt
+    attn[0, :2] = 0  # left padding in the prompt
     ids[0, :2] = 0
     resp = torch.ones(b, r)
-    resp[1, -1] = 0                      # right padding in the response
+    resp[1, -1] = 0  # right padding in the response
     attn[1, -1] = 0
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
 
@@ -49,8 +63,8 @@ def make_group_batch(vocab: int, prompt_lens=(2, 5, 4), resp_lens=(1, 3, 2, 3), 
         prompt = torch.randint(3, vocab, (p,), generator=g)
         for j, r in enumerate(resp_lens):
             i = k * n + j
-            ids[i, P - p:P], ids[i, P:P + r] = prompt, torch.randint(3, vocab, (r,), generator=g)
-            attn[i, P - p:P + r], resp[i, :r] = 1, 1
+            ids[i, P - p : P], ids[i, P : P + r] = prompt, torch.randint(3, vocab, (r,), generator=g)
+            attn[i, P - p : P + r], resp[i, :r] = 1, 1
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
 
 
@@ -59,7 +73,9 @@ def accumulated_grads(actor, batch: dict) -> dict:
     `accumulate` and before the optimizer step; `step()` then applies it."""
     from deepspeed.utils import safe_get_full_grad
 
-    actor.accumulate(batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=float(len(batch["input_ids"])))
+    actor.accumulate(
+        batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=float(len(batch["input_ids"]))
+    )
     grads = {n: safe_get_full_grad(p).detach().float().clone() for n, p in actor.module.named_parameters()}
     actor.step()
     return grads

@@ -1,12 +1,22 @@
 """Every role is a real DeepSpeed engine with its own precision (single process, gloo, CPU)."""
+
 import math
 
 import pytest
 import torch
 
 from tests.roles.helpers import Cfg, accumulated_grads, assert_same_gradients, ds_config, make_batch, make_group_batch
-from verl_ds.roles import (Actor, Critic, Reference, RewardModel, align_overflow, iter_full_params,
-                           load_causal_lm, load_reward_model, load_value_model)
+from verl_ds.roles import (
+    Actor,
+    Critic,
+    Reference,
+    RewardModel,
+    align_overflow,
+    iter_full_params,
+    load_causal_lm,
+    load_reward_model,
+    load_value_model,
+)
 from verl_ds.roles.base import pack_by_tokens, trim_padding
 from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 
@@ -15,8 +25,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def ppo_batch(actor, batch):
     lp = actor.logprobs(batch)
-    return {**batch, "old_logprobs": lp, "advantages": torch.randn_like(lp), "returns": torch.randn_like(lp),
-            "old_values": torch.zeros_like(lp)}
+    return {
+        **batch,
+        "old_logprobs": lp,
+        "advantages": torch.randn_like(lp),
+        "returns": torch.randn_like(lp),
+        "old_values": torch.zeros_like(lp),
+    }
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -32,10 +47,10 @@ def test_trained_roles_forward_and_step(tiny_model_dir, stage, dtype):
     assert math.isfinite(m["pg_loss"]) and math.isfinite(v["vf_loss"])
     after = dict(iter_full_params(actor.engine))
     assert any(not torch.equal(before[n], after[n].float()) for n in before), "actor did not step"
-    inner = actor.engine.optimizer           # DeepSpeed's wrappers hold the torch optimizer
+    inner = actor.engine.optimizer  # DeepSpeed's wrappers hold the torch optimizer
     while not isinstance(inner, torch.optim.Optimizer):
         inner = inner.optimizer
-    assert isinstance(inner, torch.optim.AdamW) and inner.defaults["fused"]    # one kernel, not a loop
+    assert isinstance(inner, torch.optim.AdamW) and inner.defaults["fused"]  # one kernel, not a loop
     stats = actor.precision_stats()
     assert stats["param_dtype"] == str(DTYPES[dtype]).split(".")[1]
     if dtype != "fp32":  # DeepSpeed keeps fp32 master weights for 16-bit compute
@@ -72,7 +87,7 @@ def test_fp16_overflow_skips_both_roles_and_follows_hysteresis(tiny_model_dir, s
     for _ in range(2):
         a0 = {n: t.clone() for n, t in iter_full_params(actor.engine)}
         c0 = {n: t.clone() for n, t in iter_full_params(critic.engine)}
-        actor.force_overflow = True                      # loss x inf: a real fp16 overflow in the actor only
+        actor.force_overflow = True  # loss x inf: a real fp16 overflow in the actor only
         actor.accumulate(batch, n_tok, 4.0)
         critic.accumulate(batch, n_tok, 4.0)
         assert align_overflow(actor, critic)
@@ -83,11 +98,11 @@ def test_fp16_overflow_skips_both_roles_and_follows_hysteresis(tiny_model_dir, s
             assert torch.equal(t, a0[n]), f"actor param {n} changed on an overflow step"
         for n, t in iter_full_params(critic.engine):
             assert torch.equal(t, c0[n]), f"critic param {n} changed on the aligned skip"
-    assert scales == [2048.0, 1024.0]                   # hysteresis 2: first overflow keeps the scale
+    assert scales == [2048.0, 1024.0]  # hysteresis 2: first overflow keeps the scale
     a, c = actor.precision_stats(), critic.precision_stats()
     assert a["skipped_steps"] == 2 and a["overflow"] == 1.0
     assert c["skipped_steps"] == 2 and c["aligned_skips"] == 2
-    actor.force_overflow = False                        # a clean step applies again
+    actor.force_overflow = False  # a clean step applies again
     actor.accumulate(batch, n_tok, 4.0)
     critic.accumulate(batch, n_tok, 4.0)
     assert not align_overflow(actor, critic)
@@ -102,7 +117,7 @@ def test_iter_full_params_equals_hf_state_dict(tiny_model_dir, stage):
     sd = hf.state_dict()
     ref = Reference(load_causal_lm(tiny_model_dir), ds_config("reference", stage, "fp32"))
     got = dict(iter_full_params(ref.engine))
-    assert set(got) == {n for n, _ in hf.named_parameters()}     # plain HF names, tied weight once
+    assert set(got) == {n for n, _ in hf.named_parameters()}  # plain HF names, tied weight once
     for n, t in got.items():
         assert torch.equal(t, sd[n]), n
 
@@ -133,7 +148,7 @@ def test_int8_reward_close_to_fp32_smaller_and_really_int8(reward_dir):
     linear_weights = [m.weight() for m in int8.module.modules() if hasattr(m, "weight") and callable(m.weight)]
     assert linear_weights and all(w.dtype == torch.qint8 for w in linear_weights)
     b32, b8 = fp32.precision_stats()["weight_bytes"], int8.precision_stats()["weight_bytes"]
-    print(f"reward weights fp32 {b32/1024:.1f} KiB -> int8 {b8/1024:.1f} KiB")
+    print(f"reward weights fp32 {b32 / 1024:.1f} KiB -> int8 {b8 / 1024:.1f} KiB")
     assert b8 < b32
 
 
@@ -174,7 +189,7 @@ def test_frozen_head_does_not_expand_its_weight_per_sequence(tiny_model_dir):
         return sum(e.count for e in prof.key_averages() if e.key == "aten::bmm")
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    assert bmm_calls(plain) > 0            # the slow path exists (or this test proves nothing)
+    assert bmm_calls(plain) > 0  # the slow path exists (or this test proves nothing)
     assert bmm_calls(load_causal_lm(tiny_model_dir)) == 0
 
 
@@ -208,34 +223,38 @@ def test_padding_removal_runs_each_micro_batch_on_the_columns_it_uses(tiny_model
     ref = Reference(load_causal_lm(tiny_model_dir), ds_config("reference", 0, "fp32", micro=2))
     critic = Critic(load_value_model(tiny_model_dir), ds_config("critic", 0, "fp32", micro=2), Cfg())
     vocab = ref.module.config.vocab_size
-    lens = [(3, 1), (2, 1), (5, 3), (4, 2)]            # (prompt, response) per row: micro-batch 0 is short
+    lens = [(3, 1), (2, 1), (5, 3), (4, 2)]  # (prompt, response) per row: micro-batch 0 is short
     rows = [(torch.randint(3, vocab, (p,)), torch.randint(3, vocab, (r,))) for p, r in lens]
     P, R = 5 + 3, 3 + 2
     ids, attn = torch.zeros(4, P + R, dtype=torch.long), torch.zeros(4, P + R, dtype=torch.long)
     resp = torch.zeros(4, R)
     for i, (p, r) in enumerate(rows):
-        ids[i, P - len(p):P], ids[i, P:P + len(r)] = p, r
-        attn[i, P - len(p):P + len(r)] = 1
-        resp[i, :len(r)] = 1
+        ids[i, P - len(p) : P], ids[i, P : P + len(r)] = p, r
+        attn[i, P - len(p) : P + len(r)] = 1
+        resp[i, : len(r)] = 1
     batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
     widths = []
-    hooks = [role.module.register_forward_pre_hook(lambda _m, a, kw: widths.append(kw["input_ids"].shape[1]),
-                                                   with_kwargs=True) for role in (ref, critic)]
+    hooks = [
+        role.module.register_forward_pre_hook(
+            lambda _m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True
+        )
+        for role in (ref, critic)
+    ]
     lp, values = ref.logprobs(batch), critic.values(batch)
     for h in hooks:
         h.remove()
-    assert widths == [3 + 1, 5 + 3] * 2        # per micro-batch (reference, then critic), not 13 columns
+    assert widths == [3 + 1, 5 + 3] * 2  # per micro-batch (reference, then critic), not 13 columns
     assert lp.shape == values.shape == (4, R)
-    for out in (lp, values):      # columns a micro-batch did not run come back as zeros (masked)
+    for out in (lp, values):  # columns a micro-batch did not run come back as zeros (masked)
         assert (out[:2, 1:] == 0).all() and (out[2:, 3:] == 0).all()
     with torch.no_grad():
         for i, (p, r) in enumerate(rows):
             seq = torch.cat([p, r])[None]
-            logits = ref.module(input_ids=seq).logits[0, len(p) - 1:-1].float()
+            logits = ref.module(input_ids=seq).logits[0, len(p) - 1 : -1].float()
             want = torch.log_softmax(logits, -1).gather(-1, r[:, None])[:, 0]
-            torch.testing.assert_close(lp[i, :len(r)], want, rtol=0, atol=1e-5)
+            torch.testing.assert_close(lp[i, : len(r)], want, rtol=0, atol=1e-5)
             v = critic.module(seq, torch.ones_like(seq), torch.arange(seq.shape[1])[None])[0]
-            torch.testing.assert_close(values[i, :len(r)], v[len(p) - 1:-1].float(), rtol=0, atol=1e-5)
+            torch.testing.assert_close(values[i, : len(r)], v[len(p) - 1 : -1].float(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.numerics
@@ -249,8 +268,10 @@ def test_shared_prompt_logits_and_gradients_equal_the_full_sequences(tiny_model_
     inputs, r = trim_padding(batch)
     real = batch["response_mask"].bool()
     grads = []
-    for run in (lambda: model(**inputs, use_cache=False).logits[:, -r - 1:-1],
-                lambda: shared_prompt_logits(model, inputs, r)):
+    for run in (
+        lambda: model(**inputs, use_cache=False).logits[:, -r - 1 : -1],
+        lambda: shared_prompt_logits(model, inputs, r),
+    ):
         model.zero_grad()
         logits = run()
         torch.log_softmax(logits, -1)[real].square().sum().backward()
@@ -278,8 +299,9 @@ def test_shared_prompt_pass_runs_each_prompt_once_with_the_same_gradient(tiny_mo
     actors[1].share_prompts = True
     batch = ppo_batch(actors[0], make_group_batch(actors[0].module.config.vocab_size))
     shapes = []
-    actors[1].module.register_forward_pre_hook(lambda _m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
-                                               with_kwargs=True)
+    actors[1].module.register_forward_pre_hook(
+        lambda _m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     real = batch["response_mask"].bool()
     torch.testing.assert_close(actors[1].logprobs(batch)[real], batch["old_logprobs"][real], rtol=0, atol=1e-5)
     assert shapes == [(3, 5), (12, 3)]
@@ -293,13 +315,15 @@ def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():
     the budget unless it is one row. Short and long rows taken in order pair up (8 micro-batches of
     width 16); sorted by length, the short ones share micro-batches (5)."""
     g = torch.Generator().manual_seed(0)
-    cases = [(torch.randint(4, 41, (32,), generator=g), torch.randint(1, 31, (32,), generator=g), 200, None),
-             (torch.tensor([2, 10] * 8), torch.tensor([2, 6] * 8), 32, 5)]
+    cases = [
+        (torch.randint(4, 41, (32,), generator=g), torch.randint(1, 31, (32,), generator=g), 200, None),
+        (torch.tensor([2, 10] * 8), torch.tensor([2, 6] * 8), 32, 5),
+    ]
     for plen, rlen, budget, want in cases:
         n, P, R = len(plen), int(plen.max()), int(rlen.max())
         attn = torch.zeros(n, P + R, dtype=torch.long)
         for i in range(n):
-            attn[i, P - plen[i]:P + rlen[i]] = 1
+            attn[i, P - plen[i] : P + rlen[i]] = 1
         groups = pack_by_tokens({"attention_mask": attn, "response_mask": attn[:, P:].float()}, budget)
         assert sorted(torch.cat(groups).tolist()) == list(range(n))
         for idx in groups:

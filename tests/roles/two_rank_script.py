@@ -1,5 +1,6 @@
 """Run by test_two_ranks.py under `deepspeed --num_gpus 2` (CPU, gloo): ZeRO-3 gather and step sync;
 at ZeRO-0, our bucketed gradient all-reduce against DeepSpeed's own."""
+
 import hashlib
 import sys
 
@@ -7,13 +8,13 @@ import torch
 import torch.distributed as dist
 
 from tests.roles.helpers import Cfg, ds_config, make_batch, make_group_batch
-from verl_ds.roles import Actor, iter_full_params, load_causal_lm
 from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_min, all_reduce_sum, init_distributed, sum_
+from verl_ds.roles import Actor, iter_full_params, load_causal_lm
 
 
 def digest(engine) -> str:
     h = hashlib.sha256()
-    for name, t in iter_full_params(engine):   # collective under ZeRO-3: every rank iterates
+    for name, t in iter_full_params(engine):  # collective under ZeRO-3: every rank iterates
         h.update(name.encode())
         h.update(t.float().numpy().tobytes())
     return h.hexdigest()
@@ -24,14 +25,14 @@ def main(model_dir: str, stage: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     sums_are_sums(rank, world)
     ds = ds_config("actor", stage, "fp32", micro=2, total=4)
-    ds["train_batch_size"] = 2 * world          # 2 per rank, no accumulation
+    ds["train_batch_size"] = 2 * world  # 2 per rank, no accumulation
     ds["gradient_accumulation_steps"] = 1
     actor = Actor(load_causal_lm(model_dir), ds, Cfg())
     before = digest(actor.engine)
     everyone = [None] * world
     dist.all_gather_object(everyone, before)
     assert len(set(everyone)) == 1, f"ZeRO-{stage} gather differs across ranks: {everyone}"
-    batch = make_batch(actor.module.config.vocab_size, b=2, seed=rank)   # different data per rank
+    batch = make_batch(actor.module.config.vocab_size, b=2, seed=rank)  # different data per rank
     lp = actor.logprobs(batch)
     batch = {**batch, "old_logprobs": lp, "advantages": torch.randn_like(lp)}
     tokens = torch.tensor([float(batch["response_mask"].sum())])
@@ -54,7 +55,7 @@ def sums_are_sums(rank: int, world: int) -> None:
     its chunks) and through the process group where the kernel would silently do nothing (float64);
     so are min/max/sum of a few numbers."""
     g = torch.Generator().manual_seed(0)
-    parts = [torch.randn(3 << 20, generator=g) for _ in range(world)]      # 12 MB: the kernel's chunks
+    parts = [torch.randn(3 << 20, generator=g) for _ in range(world)]  # 12 MB: the kernel's chunks
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         t = parts[rank].to(dtype, copy=True)
         sum_(t)
@@ -70,14 +71,14 @@ def scoring_passes_match_across_ranks(actor, rank: int) -> None:
     logprobs equal the row-count path's."""
     batch = make_batch(actor.module.config.vocab_size, b=4, p=5 * (rank + 1), r=3 * (rank + 1), seed=20 + rank)
     actor.max_tokens = 0
-    want = actor.logprobs(batch)                       # 2-row micro-batches: 2 forwards on each rank
+    want = actor.logprobs(batch)  # 2-row micro-batches: 2 forwards on each rank
     actor.max_tokens = 16
     calls = []
     hook = actor.module.register_forward_hook(lambda *_: calls.append(1))
     got = actor.logprobs(batch)
     hook.remove()
     actor.max_tokens = 0
-    real = batch["response_mask"] > 0                  # masked positions: 0 where padding was removed
+    real = batch["response_mask"] > 0  # masked positions: 0 where padding was removed
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
     counts = [None, None]
     dist.all_gather_object(counts, len(calls))
@@ -110,7 +111,7 @@ def same_update_as_deepspeed_reduction(model_dir: str, rank: int) -> None:
     """Two accumulated micro-batches per rank: BucketAllReduce (a small bucket, so both the bucketed
     and the in-place path run) gives bitwise the weights DeepSpeed's own all-reduce gives."""
     ds = ds_config("actor", 0, "fp32", micro=1, total=4)
-    ds["train_batch_size"], ds["gradient_accumulation_steps"] = 4, 2   # 2 ranks x 1 row x 2 micro-steps
+    ds["train_batch_size"], ds["gradient_accumulation_steps"] = 4, 2  # 2 ranks x 1 row x 2 micro-steps
     ours, theirs = Actor(load_causal_lm(model_dir), ds, Cfg()), Actor(load_causal_lm(model_dir), ds, Cfg())
     assert ours._reducer is not None and not ours.engine.enable_backward_allreduce
     ours._reducer = BucketAllReduce(bucket_bytes=32 << 10)

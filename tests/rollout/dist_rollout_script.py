@@ -4,6 +4,7 @@ its weights into the in-process vLLM engine of every rank (external_launcher, TP
 argv: <tp> <model dir (engine weights)> <model dir (vLLM's start checkpoint)> <out dir>.
 Each rank writes <out>/rank<r>.json (its samples and measurements); rank 0 prints ROLLOUT_E2E_OK.
 """
+
 import json
 import os
 import sys
@@ -19,9 +20,9 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from tests.rollout.helpers import hf_response_logprobs, load_hf, max_logprob_diff
-    from verl_ds.config import RolloutConfig
+    from verl_ds.config import RolloutConfig, read_ds_json
     from verl_ds.dist import init_distributed, rank, world_size
-    from verl_ds.ds_config import read_ds_json, render_role
+    from verl_ds.ds_config import render_role
     from verl_ds.precision import Hardware, PrecisionConfig, resolve_precision
     from verl_ds.roles.params import iter_full_params
     from verl_ds.roles.policy import Reference, load_causal_lm
@@ -31,8 +32,17 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
     r, w = rank(), world_size()
     assert w == 2, w
     fp32 = resolve_precision(PrecisionConfig(reference_dtype="fp32"), Hardware("cpu"))
-    ds = render_role("reference", read_ds_json("ref_zero3.json", "x"), "ref_zero3.json", fp32, micro_batch_size=4,
-                     train_batch_size=4 * w, world_size=w, max_grad_norm=1.0, optimizer_params=None)
+    ds = render_role(
+        "reference",
+        read_ds_json("ref_zero3.json", "x"),
+        "ref_zero3.json",
+        fp32,
+        micro_batch_size=4,
+        train_batch_size=4 * w,
+        world_size=w,
+        max_grad_norm=1.0,
+        optimizer_params=None,
+    )
     ref = Reference(load_causal_lm(trained_path), ds)
     assert any(hasattr(p, "ds_id") for p in ref.engine.module.parameters()), "not ZeRO-3"
 
@@ -44,18 +54,23 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
     diffs = []
     for _ in range(3):
         sync_distributed(rollout, iter_full_params(ref.engine))
-        greedy = generate_distributed(rollout, PROMPTS[r], n=2, temperature=0.0, top_p=1.0, max_new_tokens=8,
-                                      run_seed=0, step=0)
+        greedy = generate_distributed(
+            rollout, PROMPTS[r], n=2, temperature=0.0, top_p=1.0, max_new_tokens=8, run_seed=0, step=0
+        )
         assert greedy.to_lists()["prompts"][::2] == PROMPTS[r], (r, greedy.to_lists()["prompts"])
         diffs.append(max_logprob_diff(hf_new, greedy, temperature=0.0))
     report["max_dlogprob"] = max(diffs)
     report["stale_dlogprob"] = max_logprob_diff(hf_old, greedy, temperature=0.0)
     # sampled: two steps of this rank's prompts (compared with a standalone engine by the test)
-    report["samples"] = {step: generate_distributed(rollout, PROMPTS[r], **SAMPLE, run_seed=0, step=step)
-                         .to_lists()["responses"] for step in (0, 1)}
+    report["samples"] = {
+        step: generate_distributed(rollout, PROMPTS[r], **SAMPLE, run_seed=0, step=step).to_lists()["responses"]
+        for step in (0, 1)
+    }
     # independence: one prompt repeated 8 times in a step, over two steps
-    repeated = [generate_distributed(rollout, [PROMPTS[0][0]] * 8, **SAMPLE, run_seed=0, step=step)
-                .to_lists()["responses"] for step in (2, 3)]
+    repeated = [
+        generate_distributed(rollout, [PROMPTS[0][0]] * 8, **SAMPLE, run_seed=0, step=step).to_lists()["responses"]
+        for step in (2, 3)
+    ]
     report["repeated"] = [x for step in repeated for x in step]
     # multi-turn: rank 0's episodes run 3 turns, rank 1's one; under TP=2 rank 1 keeps generating with
     # its group until rank 0 is done. The model's tokens' logprobs match HF on the interleaved rows.
@@ -63,10 +78,23 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
     from verl_ds.data.chat import ChatCodec
     from verl_ds.data.tiny import load_tokenizer
     from verl_ds.rollout.episodes import TurnLimits, collect
+
     codec = ChatCodec(load_tokenizer(trained_path), False)
     turns = 3 if r == 0 else 1
-    ro = collect(rollout, [{"prompt": "", "answer": ""}] * 2, PROMPTS[r], 2, 1.0, 1.0, 4, run_seed=0, step=9,
-                 env_factory=lambda: Nag("#", turns), codec=codec, limits=TurnLimits(3, 0, 0, 128))
+    ro = collect(
+        rollout,
+        [{"prompt": "", "answer": ""}] * 2,
+        PROMPTS[r],
+        2,
+        1.0,
+        1.0,
+        4,
+        run_seed=0,
+        step=9,
+        env_factory=lambda: Nag("#", turns),
+        codec=codec,
+        limits=TurnLimits(3, 0, 0, 128),
+    )
     worst = 0.0
     for row in range(len(ro.batch)):
         n = int(ro.batch.response_mask[row].sum())
@@ -83,17 +111,18 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
         if i == 49:
             report["rss_50"] = proc.memory_info().rss
     report["rss_500"] = proc.memory_info().rss
-    final = generate_distributed(rollout, PROMPTS[r], n=1, temperature=0.0, top_p=1.0, max_new_tokens=8,
-                                 run_seed=0, step=0)
+    final = generate_distributed(
+        rollout, PROMPTS[r], n=1, temperature=0.0, top_p=1.0, max_new_tokens=8, run_seed=0, step=0
+    )
     report["max_dlogprob_after_500"] = max_logprob_diff(hf_new, final, temperature=0.0)
     with open(os.path.join(out_dir, f"rank{r}.json"), "w") as fh:
         json.dump(report, fh)
     dist.barrier()
     if r == 0:
         print("ROLLOUT_E2E_OK", flush=True)
-    os._exit(0)   # skip vLLM's teardown of the process group under the launcher
+    os._exit(0)  # skip vLLM's teardown of the process group under the launcher
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]   # the launcher adds it
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
     main(int(args[0]), *args[1:])

@@ -1,4 +1,5 @@
 """Oracles shared by the rollout tests: HF forward logprobs and free ports."""
+
 import socket
 
 import torch
@@ -6,6 +7,7 @@ import torch
 
 def load_hf(path):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -14,7 +16,7 @@ def hf_response_logprobs(model, prompt, response, temperature=1.0):
     """Logprobs of `response` given `prompt` from one unpadded forward, after temperature
     (temperature 0: greedy, i.e. raw log-softmax)."""
     ids = torch.tensor([list(prompt) + list(response)])
-    logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]

@@ -1,4 +1,5 @@
 """`rollout.engine: auto`: vLLM on GPUs and for real models, HF generate for tiny models on CPU."""
+
 import pytest
 
 from verl_ds.config import RolloutConfig, load_config
@@ -7,15 +8,18 @@ from verl_ds.rollout import HFRollout, choose_engine, make_rollout, resolve_engi
 from verl_ds.rollout.distributed import AUTO_HF_MAX_PARAMS
 
 
-@pytest.mark.parametrize("requested,params,cuda,engine", [
-    ("auto", 330_000, False, "hf"),                       # the quickstart's model on CPU
-    ("auto", AUTO_HF_MAX_PARAMS - 1, False, "hf"),
-    ("auto", AUTO_HF_MAX_PARAMS, False, "vllm"),
-    ("auto", 135_000_000, False, "vllm"),                 # SmolLM2 on CPU
-    ("auto", 330_000, True, "vllm"),                      # any model on a GPU
-    ("vllm", 330_000, False, "vllm"),                     # an explicit choice is kept
-    ("hf", 135_000_000, True, "hf"),
-])
+@pytest.mark.parametrize(
+    "requested,params,cuda,engine",
+    [
+        ("auto", 330_000, False, "hf"),  # the quickstart's model on CPU
+        ("auto", AUTO_HF_MAX_PARAMS - 1, False, "hf"),
+        ("auto", AUTO_HF_MAX_PARAMS, False, "vllm"),
+        ("auto", 135_000_000, False, "vllm"),  # SmolLM2 on CPU
+        ("auto", 330_000, True, "vllm"),  # any model on a GPU
+        ("vllm", 330_000, False, "vllm"),  # an explicit choice is kept
+        ("hf", 135_000_000, True, "hf"),
+    ],
+)
 def test_choose_engine(requested, params, cuda, engine):
     assert choose_engine(requested, params, cuda)[0] == engine
 
@@ -44,8 +48,15 @@ def test_the_memory_estimate_follows_auto():
     from verl_ds.ds_config import render_ds_configs, resolve
 
     tiny = ModelShape(vocab=64, hidden=128, layers=2, heads=4, kv_heads=4, ffn=256, head_dim=32)
-    cfg = load_config(None, ["rollout.engine=auto", "precision.rollout_dtype=fp32", "precision.actor_dtype=fp32",
-                             "precision.reference_dtype=fp32"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=auto",
+            "precision.rollout_dtype=fp32",
+            "precision.actor_dtype=fp32",
+            "precision.reference_dtype=fp32",
+        ],
+    )
     ds = render_ds_configs(cfg, 1, precision=resolve(cfg))
     cpu = estimate_memory(cfg, tiny, ds, 1, "fp32")
     gpu = estimate_memory(cfg, tiny, ds, 1, "fp32", gpu_gib=80.0)

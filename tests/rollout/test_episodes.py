@@ -1,5 +1,6 @@
 """Multi-turn episodes, token-in/token-out: golden ids against one-shot chat templates, forks, limits,
 seeding, and the trainer's logprobs on the model's tokens against a real engine's."""
+
 import pytest
 import torch
 
@@ -15,12 +16,13 @@ class ScriptedEngine:
     """Pure logic stand-in for the token assembly tests: turn k of every episode answers
     `script[k]` (tokenized, closed with eos), each token with logprob -0.5. The engine is not what
     these tests check (the real-engine tests below are)."""
+
     tp = 1
 
     def __init__(self, tok, script: list[str], eos: int, prompt_eos: int = 0, eos_per_turn: int = 2):
         self.tok, self.script, self.eos, self.pad_id, self.calls = tok, script, eos, tok.pad_token_id, []
-        self.prompt_eos = prompt_eos      # eos ids in the first prompt (a template's closed user turn)
-        self.per_turn = eos_per_turn      # the answer's eos and the observation's closed turn
+        self.prompt_eos = prompt_eos  # eos ids in the first prompt (a template's closed user turn)
+        self.per_turn = eos_per_turn  # the answer's eos and the observation's closed turn
 
     def generate(self, prompt_token_ids, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seeds=None):
         self.calls.append((len(prompt_token_ids), n, max_new_tokens))
@@ -40,7 +42,7 @@ class ScriptedEngine:
 
 
 def call(expr: str) -> str:
-    return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expr
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +77,20 @@ def _tool_episode(tok):
     examples = [{"prompt": "What is 12*7+5?", "answer": "89"}]
     prompt = tok(codec.prompt_texts([examples[0]["prompt"]])[0], add_special_tokens=False)["input_ids"]
     engine = ScriptedEngine(tok, script, tok.eos_token_id, prompt.count(tok.eos_token_id))
-    ro = collect(engine, examples, [prompt], 2, 1.0, 1.0, 128, run_seed=0, step=0,
-                 env_factory=lambda: ToolEnv([calculator]), codec=codec, limits=TurnLimits(4, 0, 0, 4096))
+    ro = collect(
+        engine,
+        examples,
+        [prompt],
+        2,
+        1.0,
+        1.0,
+        128,
+        run_seed=0,
+        step=0,
+        env_factory=lambda: ToolEnv([calculator]),
+        codec=codec,
+        limits=TurnLimits(4, 0, 0, 4096),
+    )
     return codec, engine, ro, prompt, script
 
 
@@ -89,7 +103,7 @@ def test_multi_turn_ids_equal_the_one_shot_template(which, chat_tok, request):
     codec, engine, ro, prompt, script = _tool_episode(tok)
     b = ro.batch
     assert len(b) == 2 and b.group_ids.tolist() == [0, 0] and ro.episode.tolist() == [0, 1]
-    assert engine.calls == [(1, 2, 128), (2, 1, 128), (2, 1, 128)]       # one call a turn, live episodes together
+    assert engine.calls == [(1, 2, 128), (2, 1, 128), (2, 1, 128)]  # one call a turn, live episodes together
     messages = ro.episodes[0].seg.messages
     assert [m["role"] for m in messages][-6:] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
     assert [m["content"] for m in messages if m["role"] == "tool"] == ["84", "89"]
@@ -98,9 +112,9 @@ def test_multi_turn_ids_equal_the_one_shot_template(which, chat_tok, request):
     nl = tok("\n", add_special_tokens=False)["input_ids"]
     lists = b.to_lists()
     for p, r, lp, m in zip(lists["prompts"], lists["responses"], lists["logprobs"], lists["loss_masks"]):
-        assert p == prompt and p + r + nl == one_shot                   # the template's separator after the last eos
-        eos_at = [i for i, (t, k) in enumerate(zip(r, m)) if t == tok.eos_token_id and k == 1.0]   # the model's
-        assert len(eos_at) == 3 and all(r[i + 1:i + 1 + len(nl)] == nl and m[i + 1] == 0.0 for i in eos_at[:2])
+        assert p == prompt and p + r + nl == one_shot  # the template's separator after the last eos
+        eos_at = [i for i, (t, k) in enumerate(zip(r, m)) if t == tok.eos_token_id and k == 1.0]  # the model's
+        assert len(eos_at) == 3 and all(r[i + 1 : i + 1 + len(nl)] == nl and m[i + 1] == 0.0 for i in eos_at[:2])
         model_ids = [t for t, k in zip(r, m) if k == 1.0]
         want = sum((tok(s, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for s in script), [])
         assert model_ids == want
@@ -121,7 +135,8 @@ def test_smollm2_template_has_no_tools_section_so_tools_go_to_the_system_prompt(
 STRIP_THINK = CHATML_TEMPLATE.replace(
     "{{ m['content'] }}<|im_end|>",
     "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
-    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>")
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>",
+)
 
 
 def test_a_template_that_rewrites_history_forks_a_new_row(chat_tok):
@@ -135,20 +150,34 @@ def test_a_template_that_rewrites_history_forks_a_new_row(chat_tok):
     examples = [{"prompt": "2+2?", "answer": "4"}]
     prompt = tok(codec.prompt_texts(["2+2?"])[0], add_special_tokens=False)["input_ids"]
     engine = ScriptedEngine(tok, ["<think>hm</think>" + call("2+2"), "4"], tok.eos_token_id, 1)
-    ro = collect(engine, examples, [prompt], 1, 1.0, 1.0, 128, run_seed=0, step=0,
-                 env_factory=lambda: ToolEnv([calculator]), codec=codec, limits=TurnLimits(4, 0, 0, 4096))
+    ro = collect(
+        engine,
+        examples,
+        [prompt],
+        1,
+        1.0,
+        1.0,
+        128,
+        run_seed=0,
+        step=0,
+        env_factory=lambda: ToolEnv([calculator]),
+        codec=codec,
+        limits=TurnLimits(4, 0, 0, 4096),
+    )
     lists = ro.batch.to_lists()
-    assert len(ro.batch) == 2 and not ro.batch.multi_turn      # neither row holds environment tokens and ro.episode.tolist() == [0, 0] and ro.batch.group_ids.tolist() == [0, 0]
+    assert (
+        len(ro.batch) == 2 and not ro.batch.multi_turn
+    )  # neither row holds environment tokens; ro.episode == [0, 0]; ro.batch.group_ids == [0, 0]
     assert ro.metrics["multi_turn/forks"] == 1.0 and ro.metrics["multi_turn/token_mismatch_fraction"] == 0.0
     first, second = (tok.decode(p + r) for p, r in zip(lists["prompts"], lists["responses"]))
-    assert "<think>hm</think>" in first and first.endswith("<|im_end|>")       # row 1 ends at its tool call
+    assert "<think>hm</think>" in first and first.endswith("<|im_end|>")  # row 1 ends at its tool call
     assert "<think>" not in second and second.count("<|im_start|>tool\n4<|im_end|>") == 1
     assert tok.decode(lists["prompts"][1]).endswith("<|im_start|>assistant\n") and ro.batch.loss_mask[1].sum() == 2
 
 
 def test_a_template_that_does_not_preserve_prefixes_is_one_line_at_start(chat_tok):
     tok = load_tokenizer(chat_tok.name_or_path)
-    tok.chat_template = "{{ messages | length }}" + CHATML_TEMPLATE           # the count changes every earlier id
+    tok.chat_template = "{{ messages | length }}" + CHATML_TEMPLATE  # the count changes every earlier id
     with pytest.raises(ConfigError, match="my-model's chat template does not preserve prefixes"):
         ChatCodec(tok, True, None, model="my-model").check_turns()
 
@@ -172,17 +201,18 @@ def test_limits_cut_observations_and_end_long_episodes(chat_tok):
     prompt = chat_tok(codec.prompt_texts(["q"])[0], add_special_tokens=False)["input_ids"]
     engine = ScriptedEngine(chat_tok, ["abc"], chat_tok.eos_token_id, 1)
     ex = [{"prompt": "q", "answer": ""}]
-    run = lambda limits, text="0123456789": collect(engine, ex, [prompt], 1, 1.0, 1.0, 8, 0, 0, env_factory=lambda: Nag(
-        text, 3), codec=codec, limits=limits)
-    ro = run(TurnLimits(3, 4, 0, 4096))                     # observations cut to 4 tokens, 3 turns, reward summed
+    run = lambda limits, text="0123456789": collect(
+        engine, ex, [prompt], 1, 1.0, 1.0, 8, 0, 0, env_factory=lambda: Nag(text, 3), codec=codec, limits=limits
+    )
+    ro = run(TurnLimits(3, 4, 0, 4096))  # observations cut to 4 tokens, 3 turns, reward summed
     assert [m["content"] for m in ro.episodes[0].seg.messages if m["role"] == "user"][1:] == ["0123"] * 2
     assert ro.episodes[0].turns == 3 and ro.env_rewards.tolist() == [1.5] and ro.batch.finish_reasons == ["stop"]
-    ro = run(TurnLimits(3, 0, 40, 4096))                    # model + env tokens: the second observation does not fit
+    ro = run(TurnLimits(3, 0, 40, 4096))  # model + env tokens: the second observation does not fit
     assert ro.episodes[0].turns == 2 and ro.batch.finish_reasons == ["length"] and ro.batch.response_mask.sum() <= 40
-    ro = run(TurnLimits(3, 0, 0, len(prompt) + 20))         # max_model_len: ends truncated, never past it
+    ro = run(TurnLimits(3, 0, 0, len(prompt) + 20))  # max_model_len: ends truncated, never past it
     assert ro.batch.finish_reasons == ["length"] and ro.batch.attention_mask.sum() <= len(prompt) + 20
-    ro = run(TurnLimits(2, 0, 0, 4096))                     # max_turns
-    assert ro.episodes[0].turns == 2 and ro.env_rewards.tolist() == [0.5]     # step() scores the last answer too
+    ro = run(TurnLimits(2, 0, 0, 4096))  # max_turns
+    assert ro.episodes[0].turns == 2 and ro.env_rewards.tolist() == [0.5]  # step() scores the last answer too
 
 
 def test_without_an_environment_the_engine_batch_is_the_rollout(tokenizer):
@@ -198,8 +228,20 @@ def three_turn_episodes(engine, tokenizer, prompts, n=2, seed=0, step=0):
     """Char model, no chat template: every answer gets `#` back, 3 turns, 4 new tokens a turn."""
     codec = ChatCodec(tokenizer, False)
     examples = [{"prompt": tokenizer.decode(p, skip_special_tokens=True), "answer": ""} for p in prompts]
-    return collect(engine, examples, prompts, n, 1.0, 1.0, 4, run_seed=seed, step=step,
-                   env_factory=lambda: Nag("#", 3), codec=codec, limits=TurnLimits(3, 0, 0, 256))
+    return collect(
+        engine,
+        examples,
+        prompts,
+        n,
+        1.0,
+        1.0,
+        4,
+        run_seed=seed,
+        step=step,
+        env_factory=lambda: Nag("#", 3),
+        codec=codec,
+        limits=TurnLimits(3, 0, 0, 256),
+    )
 
 
 def trainer_logprobs_match_on_model_tokens(ro, model_dir) -> float:
@@ -226,7 +268,7 @@ def test_hf_engine_three_turns_trainer_logprobs_equal_the_rollout(tiny_model_dir
     b = ro.batch
     hash_id = tokenizer.convert_tokens_to_ids("#")
     env_tokens = b.response_ids[(b.response_mask - b.loss_mask).bool()]
-    assert b.multi_turn and len(b) == 6 and (env_tokens == hash_id).all() and len(env_tokens) == 12   # 2 a row
+    assert b.multi_turn and len(b) == 6 and (env_tokens == hash_id).all() and len(env_tokens) == 12  # 2 a row
     assert ro.metrics["multi_turn/turns/mean"] == 3.0 and ro.metrics["multi_turn/token_mismatch_fraction"] == 0.0
     assert trainer_logprobs_match_on_model_tokens(ro, tiny_model_dir) <= 1e-5
     # each episode's turns draw from streams of their own: prompt 0's episodes are the same without the
@@ -245,15 +287,25 @@ def test_environment_tokens_carry_no_loss_kl_or_entropy(tiny_model_dir, tokenize
 
     ro = three_turn_episodes(HFRollout(tiny_model_dir, "fp32"), tokenizer, [[1, 6, 15, 7, 17], [1, 8, 15, 9, 17]])
     b = ro.batch
-    actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 0, "fp32", micro=4),
-                  Cfg(use_kl_loss=True, kl_coef=0.5, entropy_coef=0.1))
+    actor = Actor(
+        load_causal_lm(tiny_model_dir),
+        ds_config("actor", 0, "fp32", micro=4),
+        Cfg(use_kl_loss=True, kl_coef=0.5, entropy_coef=0.1),
+    )
     env = (b.response_mask - b.loss_mask).bool()
     g = torch.Generator().manual_seed(0)
-    base = {"input_ids": b.input_ids, "attention_mask": b.attention_mask, "response_mask": b.loss_mask,
-            "old_logprobs": b.rollout_logprobs, "ref_logprobs": b.rollout_logprobs - 0.1,
-            "advantages": torch.randn(b.loss_mask.shape, generator=g)}
-    noisy = {k: (v.masked_fill(env, 7.0) if k in ("old_logprobs", "ref_logprobs", "advantages") else v)
-             for k, v in base.items()}
+    base = {
+        "input_ids": b.input_ids,
+        "attention_mask": b.attention_mask,
+        "response_mask": b.loss_mask,
+        "old_logprobs": b.rollout_logprobs,
+        "ref_logprobs": b.rollout_logprobs - 0.1,
+        "advantages": torch.randn(b.loss_mask.shape, generator=g),
+    }
+    noisy = {
+        k: (v.masked_fill(env, 7.0) if k in ("old_logprobs", "ref_logprobs", "advantages") else v)
+        for k, v in base.items()
+    }
     counts = dict(global_tokens=float(b.loss_mask.sum()), global_seqs=float(len(b)))
     with torch.no_grad():
         (l1, m1), (l2, m2) = (actor.micro_loss({**x, "rows": torch.arange(len(b))}, counts) for x in (base, noisy))

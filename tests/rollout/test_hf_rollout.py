@@ -1,4 +1,5 @@
 """HFRollout: same interface as VLLMRollout, checked against a manual HF forward."""
+
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ def test_logprobs_match_manual_forward(hf, model_pair, temperature):
     assert len(batch) == 8 and batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert max_logprob_diff(load_hf(model_pair[0]), batch, temperature) <= 1e-4
     for row, reason in zip(batch.to_lists()["responses"], batch.finish_reasons):
-        assert (reason == "stop") == (row[-1] == 2) and 2 not in row[:-1]     # eos ends and is kept
+        assert (reason == "stop") == (row[-1] == 2) and 2 not in row[:-1]  # eos ends and is kept
     assert hf.last_metrics["perf/rollout_tokens_per_s"] > 0
     again = hf.generate(PROMPTS, n=2, temperature=temperature, max_new_tokens=8, seeds=seeds)
     assert torch.equal(again.response_ids, batch.response_ids)
@@ -48,10 +49,10 @@ def test_top_p_keeps_the_nucleus():
 @pytest.mark.numerics
 def test_inverse_cdf_sample_follows_the_distribution():
     lp = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).expand(10_000, 4)
-    u = (torch.arange(10_000, dtype=torch.float64) + 0.5) / 10_000      # an even grid over [0, 1)
+    u = (torch.arange(10_000, dtype=torch.float64) + 0.5) / 10_000  # an even grid over [0, 1)
     counts = torch.bincount(inverse_cdf_sample(lp, u), minlength=4)
-    assert counts.tolist() == [5000, 3000, 2000, 0]                    # exact shares; p = 0 never drawn
-    assert inverse_cdf_sample(lp[:1], torch.tensor([1.0])).item() == 2   # u near 1: last nonzero
+    assert counts.tolist() == [5000, 3000, 2000, 0]  # exact shares; p = 0 never drawn
+    assert inverse_cdf_sample(lp[:1], torch.tensor([1.0])).item() == 2  # u near 1: last nonzero
 
 
 @pytest.mark.numerics
@@ -68,10 +69,12 @@ def test_each_prompt_samples_from_its_own_stream(hf, model_pair):
     whole = per_prompt(hf.generate(PROMPTS, seeds=seeds, **kw), [0, 1, 2, 3])
     order = [2, 0, 3, 1]
     shuffled = per_prompt(hf.generate([PROMPTS[i] for i in order], seeds=[seeds[i] for i in order], **kw), order)
-    split = {**per_prompt(hf.generate(PROMPTS[:1], seeds=seeds[:1], **kw), [0]),
-             **per_prompt(hf.generate(PROMPTS[1:], seeds=seeds[1:], **kw), [1, 2, 3])}
+    split = {
+        **per_prompt(hf.generate(PROMPTS[:1], seeds=seeds[:1], **kw), [0]),
+        **per_prompt(hf.generate(PROMPTS[1:], seeds=seeds[1:], **kw), [1, 2, 3]),
+    }
     assert whole == shuffled == split
-    assert len({tuple(r) for rows in whole.values() for r in rows}) > 4     # samples differ within and across prompts
+    assert len({tuple(r) for rows in whole.values() for r in rows}) > 4  # samples differ within and across prompts
     # first tokens of 8000 samples of one prompt against the model's own distribution at T = 0.5
     # (total variation ~0.02 measured; 0.12 against the T = 1 distribution, 0.2 against uniform)
     batch = hf.generate(PROMPTS[:1], n=8000, temperature=0.5, max_new_tokens=1, seeds=[7])
@@ -87,20 +90,25 @@ def test_make_rollout_and_local_generation(model_pair):
 
     hf = make_rollout(RolloutConfig(engine="hf"), model_pair[0], "fp32", seed=0)
     assert isinstance(hf, HFRollout) and hf.tp == 1
-    a = generate_distributed(hf, [[1, 5], [1, 6]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=6,
-                             run_seed=1, step=0)
-    b = generate_distributed(hf, [[1, 5], [1, 6]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=6,
-                             run_seed=1, step=0)
-    c = generate_distributed(hf, [[1, 5], [1, 6]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=6,
-                             run_seed=1, step=1)
-    assert len(a) == 8 and torch.equal(a.response_ids, b.response_ids)   # same (seed, step): same samples
-    assert not torch.equal(a.response_ids, c.response_ids[:, :a.response_ids.shape[1]]) or \
-        a.response_ids.shape != c.response_ids.shape                       # next step: a new stream
+    a = generate_distributed(
+        hf, [[1, 5], [1, 6]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=6, run_seed=1, step=0
+    )
+    b = generate_distributed(
+        hf, [[1, 5], [1, 6]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=6, run_seed=1, step=0
+    )
+    c = generate_distributed(
+        hf, [[1, 5], [1, 6]], n=4, temperature=1.0, top_p=1.0, max_new_tokens=6, run_seed=1, step=1
+    )
+    assert len(a) == 8 and torch.equal(a.response_ids, b.response_ids)  # same (seed, step): same samples
+    assert (
+        not torch.equal(a.response_ids, c.response_ids[:, : a.response_ids.shape[1]])
+        or a.response_ids.shape != c.response_ids.shape
+    )  # next step: a new stream
 
 
 def test_prompt_seeds_are_unique_and_spaced():
     seeds = [s for step in range(50) for s in prompt_seeds(1, step, range(64))]
     assert len(set(seeds)) == len(seeds)
     ordered = sorted(seeds)
-    assert min(b - a for a, b in zip(ordered, ordered[1:])) > 1024   # vLLM's per-sample streams s..s+n-1
+    assert min(b - a for a, b in zip(ordered, ordered[1:])) > 1024  # vLLM's per-sample streams s..s+n-1
     assert prompt_seeds(1, 3, [5]) == prompt_seeds(1, 3, [5]) != prompt_seeds(2, 3, [5])

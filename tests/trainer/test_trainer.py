@@ -1,4 +1,5 @@
 """The loop in one process (HF rollout, real DeepSpeed engines, W&B disabled): on-policy invariants."""
+
 import math
 
 import pytest
@@ -12,20 +13,34 @@ FP32 = [f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "r
 
 @pytest.mark.numerics
 def test_lr_zero_on_policy_ratio_is_one(tmp_path):
-    cfg = load_config(None, ["rollout.engine=hf", "trainer.steps=2", "trainer.prompts_per_step=4", "rollout.n=4",
-                             "roles.actor.lr=0.0", *FP32, "algorithm.ppo_epochs=1", f"trainer.run_dir={tmp_path}",
-                             "logging.wandb.mode=disabled", "roles.actor.micro_batch_size=8",
-                             "roles.reference.micro_batch_size=8", "model.tiny.hidden=32", "model.tiny.ffn=64"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=hf",
+            "trainer.steps=2",
+            "trainer.prompts_per_step=4",
+            "rollout.n=4",
+            "roles.actor.lr=0.0",
+            *FP32,
+            "algorithm.ppo_epochs=1",
+            f"trainer.run_dir={tmp_path}",
+            "logging.wandb.mode=disabled",
+            "roles.actor.micro_batch_size=8",
+            "roles.reference.micro_batch_size=8",
+            "model.tiny.hidden=32",
+            "model.tiny.ffn=64",
+        ],
+    )
     with RLTrainer(cfg) as trainer:
         for _ in range(2):
             m = trainer.step()
             assert m["actor/pg_clipfrac"] == 0.0
             assert abs(m["actor/ppo_kl"]) < 1e-6
-            assert m["rollout_corr/logprob_abs_diff_max"] < 1e-4   # HF rollout in fp32 = the trainer's weights
-            assert "timing_s/old_logprob" not in m                  # used once: no separate old-policy pass
+            assert m["rollout_corr/logprob_abs_diff_max"] < 1e-4  # HF rollout in fp32 = the trainer's weights
+            assert "timing_s/old_logprob" not in m  # used once: no separate old-policy pass
             assert "actor/kl_ref" in m and m["actor/kl_ref"] >= 0
             assert math.isfinite(m["actor/pg_loss"])
-    assert trainer.logger is None and trainer.rollout is None      # closed on exit
+    assert trainer.logger is None and trainer.rollout is None  # closed on exit
 
 
 @pytest.mark.numerics
@@ -34,12 +49,25 @@ def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
     """One mini-batch per epoch: epoch 2's old logprobs come from epoch 1's forward (no separate
     pass) and equal what a separate old-policy pass gives on the same rows, also when a token budget
     packs the micro-batches by length, out of row order."""
-    cfg = load_config(None, ["rollout.engine=hf", "trainer.prompts_per_step=4", "rollout.n=4", *FP32,
-                             f"roles.actor.max_tokens_per_micro_batch={budget}",
-                             "algorithm.ppo_epochs=2", "algorithm.use_kl_loss=true", f"trainer.run_dir={tmp_path}",
-                             "data.reward_fn=tests.e2e.helpers:length_reward",
-                             "logging.wandb.mode=disabled", "roles.actor.micro_batch_size=4",
-                             "roles.reference.micro_batch_size=8", "model.tiny.hidden=32", "model.tiny.ffn=64"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=hf",
+            "trainer.prompts_per_step=4",
+            "rollout.n=4",
+            *FP32,
+            f"roles.actor.max_tokens_per_micro_batch={budget}",
+            "algorithm.ppo_epochs=2",
+            "algorithm.use_kl_loss=true",
+            f"trainer.run_dir={tmp_path}",
+            "data.reward_fn=tests.e2e.helpers:length_reward",
+            "logging.wandb.mode=disabled",
+            "roles.actor.micro_batch_size=4",
+            "roles.reference.micro_batch_size=8",
+            "model.tiny.hidden=32",
+            "model.tiny.ffn=64",
+        ],
+    )
     with RLTrainer(cfg) as trainer:
         seen = {}
         update = trainer._update
@@ -49,6 +77,7 @@ def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
             out = update(train, timer, n_minis, first_is_old)
             seen["stored"], seen["first_is_old"] = train["old_logprobs"], first_is_old
             return out
+
         trainer._update = spy
         m = trainer.step()
     assert seen["first_is_old"] and "timing_s/old_logprob" not in m
@@ -59,13 +88,25 @@ def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
 def test_every_estimator_runs_a_step(tmp_path, estimator):
-    cfg = load_config(None, ["rollout.engine=hf", "trainer.steps=1", "trainer.prompts_per_step=4", "rollout.n=4",
-                             f"algorithm.estimator={estimator}", f"trainer.run_dir={tmp_path}",
-                             "logging.wandb.mode=disabled", "roles.actor.micro_batch_size=8",
-                             "roles.critic.micro_batch_size=8", "roles.reference.micro_batch_size=8",
-                             "model.tiny.hidden=32", "model.tiny.ffn=64"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=hf",
+            "trainer.steps=1",
+            "trainer.prompts_per_step=4",
+            "rollout.n=4",
+            f"algorithm.estimator={estimator}",
+            f"trainer.run_dir={tmp_path}",
+            "logging.wandb.mode=disabled",
+            "roles.actor.micro_batch_size=8",
+            "roles.critic.micro_batch_size=8",
+            "roles.reference.micro_batch_size=8",
+            "model.tiny.hidden=32",
+            "model.tiny.ffn=64",
+        ],
+    )
     with RLTrainer(cfg) as trainer:
-        assert ("critic" in trainer.roles) == (estimator == "gae")     # no critic engine unless needed
+        assert ("critic" in trainer.roles) == (estimator == "gae")  # no critic engine unless needed
         m = trainer.step()
     assert math.isfinite(m["actor/pg_loss"])
     if estimator == "gae":
@@ -73,8 +114,17 @@ def test_every_estimator_runs_a_step(tmp_path, estimator):
 
 
 def test_buffer_dtype_bf16_rounds_what_the_buffer_stores(tmp_path):
-    cfg = load_config(None, ["rollout.engine=hf", "precision.buffer_dtype=bf16", f"trainer.run_dir={tmp_path}",
-                             "logging.wandb.mode=disabled", "model.tiny.hidden=32", "model.tiny.ffn=64"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=hf",
+            "precision.buffer_dtype=bf16",
+            f"trainer.run_dir={tmp_path}",
+            "logging.wandb.mode=disabled",
+            "model.tiny.hidden=32",
+            "model.tiny.ffn=64",
+        ],
+    )
     with RLTrainer(cfg) as trainer:
         x = torch.randn(4, 3, dtype=torch.float32)
         stored = trainer._buffered(x)

@@ -15,8 +15,15 @@ from .advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
-from .logprobs import FP32LMHead, use_fp32_lm_head
-from .logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits, mismatch_metrics, tis_weights
+from .logprobs import (
+    FP32LMHead,
+    entropy_from_logits,
+    logprobs_and_entropy,
+    logprobs_from_logits,
+    mismatch_metrics,
+    tis_weights,
+    use_fp32_lm_head,
+)
 from .losses import (
     KL_KINDS,
     POLICY_LOSSES,
@@ -30,7 +37,7 @@ from .losses import (
     value_loss,
 )
 from .rewards import REWARD_NORM_MODES, RunningMeanStd, normalize_rewards, overlong_penalty
-from .stats import AGG_LOSS_MODES, agg_loss, pass_at_k, masked_mean, masked_sum, masked_var, masked_whiten
+from .stats import AGG_LOSS_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten, pass_at_k
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

@@ -7,7 +7,7 @@ marks the responses sampled from the same prompt. Advantages are 0 at masked pos
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable
 
 import torch
 
@@ -15,7 +15,7 @@ from .stats import masked_whiten
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 ESTIMATORS_NEEDING_CRITIC = {"gae"}
-GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo"}   # compare samples of one prompt: need n >= 2
+GROUP_ESTIMATORS = {"grpo", "dr_grpo", "rloo"}  # compare samples of one prompt: need n >= 2
 
 
 def compute_gae(
@@ -24,7 +24,7 @@ def compute_gae(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016), not whitened.
 
     Shapes: ``token_rewards``, ``values``, ``response_mask`` ``[batch, T]`` -> ``(advantages, returns)``
@@ -53,7 +53,7 @@ def compute_gae(
     return advantages, returns
 
 
-def _group_index(group_ids: torch.Tensor) -> Tuple[torch.Tensor, int]:
+def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     # Arbitrary (non-contiguous, unsorted) ids -> dense indices 0..G-1.
     uniq, inverse = torch.unique(group_ids, return_inverse=True)
     return inverse, uniq.numel()
@@ -159,8 +159,9 @@ def _gae(*, token_rewards=None, scores=None, values=None, response_mask=None, gr
 
 
 def _group(name: str, fn: Callable) -> Callable:
-    def estimator(*, token_rewards=None, scores=None, values=None, response_mask=None, group_ids=None,
-                  gamma=1.0, lam=1.0):
+    def estimator(
+        *, token_rewards=None, scores=None, values=None, response_mask=None, group_ids=None, gamma=1.0, lam=1.0
+    ):
         _require(name, scores=scores, group_ids=group_ids, response_mask=response_mask)
         adv = fn(scores, group_ids, response_mask)
         return adv, adv
@@ -170,8 +171,9 @@ def _group(name: str, fn: Callable) -> Callable:
     return estimator
 
 
-def _reinforce_pp(*, token_rewards=None, scores=None, values=None, response_mask=None, group_ids=None,
-                  gamma=1.0, lam=1.0):
+def _reinforce_pp(
+    *, token_rewards=None, scores=None, values=None, response_mask=None, group_ids=None, gamma=1.0, lam=1.0
+):
     _require("reinforce_pp", token_rewards=token_rewards, response_mask=response_mask)
     adv = reinforce_pp_advantages(token_rewards, response_mask, gamma)
     return adv, adv
@@ -187,7 +189,7 @@ _REGISTRY = {
 }
 
 
-def get_advantage_estimator(name: str) -> Callable[..., Tuple[torch.Tensor, torch.Tensor]]:
+def get_advantage_estimator(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """Return the estimator registered under ``name`` (one of :data:`ADVANTAGE_ESTIMATORS`).
 
     The callable is keyword-only and uniform across estimators:

@@ -13,7 +13,7 @@ in the logits dtype). The chunked path supports first-order gradients only.
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Iterator, Optional
 
 import torch
 
@@ -40,8 +40,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size:
     return _ChunkedLogprob.apply(logits, labels, int(chunk_size), False)[0]
 
 
-def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int
-                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+def logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``logprobs_from_logits`` and the entropy from one pass over each chunk: the entropy reuses the
     chunk's log-normalizer instead of a second softmax. The entropy is detached (a metric); an
     entropy bonus needs ``entropy_from_logits``'s gradient."""
@@ -66,7 +67,7 @@ def _entropy(x: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def _row_blocks(x: torch.Tensor, max_rows: int) -> Iterator[Tuple[int, torch.Tensor]]:
+def _row_blocks(x: torch.Tensor, max_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (first flattened row, [rows, V] tensor) covering ``x`` ``[..., V]`` in row-major order.
 
     A viewable ``x`` is one block, no copy. A non-viewable one (such as ``logits[:, :-1]``) is copied
@@ -92,7 +93,7 @@ def _row_blocks(x: torch.Tensor, max_rows: int) -> Iterator[Tuple[int, torch.Ten
         yield i * rows_per, x[i : i + step].reshape(-1, x.shape[-1])
 
 
-def _chunks(x: torch.Tensor, chunk_size: int) -> Iterator[Tuple[int, torch.Tensor]]:
+def _chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[int, torch.Tensor]]:
     """Yield (first flattened row, [<=chunk_size, V] fp32 chunk) covering ``x`` ``[..., V]``."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
@@ -112,7 +113,7 @@ class _ChunkedLogprob(torch.autograd.Function):
             lab = flat_labels[r : r + x.shape[0]].unsqueeze(-1)
             lse = torch.logsumexp(x, dim=-1)
             out[r : r + x.shape[0]] = x.gather(-1, lab).squeeze(-1) - lse
-            if with_entropy:   # H = sum -p log p with p = exp(x - lse); entr(0) = 0 for -inf logits
+            if with_entropy:  # H = sum -p log p with p = exp(x - lse); entr(0) = 0 for -inf logits
                 ent[r : r + x.shape[0]] = torch.special.entr(torch.exp(x - lse.unsqueeze(-1))).sum(-1)
         ctx.save_for_backward(logits, labels)
         ctx.chunk_size = chunk_size
@@ -191,7 +192,7 @@ def tis_weights(
 
 def mismatch_metrics(
     train_logprob: torch.Tensor, rollout_logprob: torch.Tensor, response_mask: torch.Tensor
-) -> Dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor]:
     """Trainer-vs-rollout log-prob mismatch over masked tokens; values are 0-dim detached tensors.
 
     Shapes: all ``[batch, T]``. Keys:

@@ -8,7 +8,7 @@ log-probabilities are of the sampled tokens. Losses return ``(loss, metrics)`` w
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 
@@ -17,7 +17,7 @@ from .stats import Count, agg_loss, masked_mean
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
 POLICY_LOSSES = ("vanilla", "gspo", "cispo")
 
-PolicyLossFn = Callable[..., Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 # exp() of a log-ratio beyond this overflows fp32 soon after and is meaningless anyway.
 _LOG_RATIO_CLAMP = 20.0
@@ -61,7 +61,7 @@ def policy_loss(
     is_weights: Optional[torch.Tensor] = None,
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017), with optional dual clip (Ye et al. 2020).
 
     Shapes: all tensors ``[batch, T]`` -> ``(loss 0-dim, metrics)``.
@@ -109,7 +109,7 @@ def gspo_policy_loss(
     is_weights: Optional[torch.Tensor] = None,
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071), token form as verl ``compute_policy_loss_gspo``.
 
     Shapes: all tensors ``[batch, T]`` -> ``(loss 0-dim, metrics)``.
@@ -144,7 +144,7 @@ def cispo_policy_loss(
     is_weights: Optional[torch.Tensor] = None,
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, arXiv:2506.13585), as verl ``compute_policy_loss_cispo``.
 
     Shapes: all tensors ``[batch, T]`` -> ``(loss 0-dim, metrics)``.
@@ -164,7 +164,7 @@ def cispo_policy_loss(
     return loss, _metrics(clipfrac, torch.zeros((), device=losses.device), ppo_kl)
 
 
-_POLICY_LOSS_FNS: Dict[str, PolicyLossFn] = {
+_POLICY_LOSS_FNS: dict[str, PolicyLossFn] = {
     "vanilla": policy_loss,
     "gspo": gspo_policy_loss,
     "cispo": cispo_policy_loss,
@@ -185,7 +185,7 @@ def _aggregate(losses, mask, agg_mode, is_weights, global_tokens, global_seqs) -
     return agg_loss(losses, mask, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
 
 
-def _metrics(clipfrac, clipfrac_lower, ppo_kl) -> Dict[str, torch.Tensor]:
+def _metrics(clipfrac, clipfrac_lower, ppo_kl) -> dict[str, torch.Tensor]:
     return {"pg_clipfrac": clipfrac.detach(), "pg_clipfrac_lower": clipfrac_lower.detach(), "ppo_kl": ppo_kl.detach()}
 
 
@@ -198,7 +198,7 @@ def value_loss(
     agg_mode: str = "token-mean",
     global_tokens: Optional[Count] = None,
     global_seqs: Optional[Count] = None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss (PPO2 / verl ``compute_value_loss``).
 
     Shapes: all tensors ``[batch, T]`` -> ``(loss 0-dim, metrics)``.
@@ -227,10 +227,10 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         pass
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
 
-    def load_state_dict(self, state: Dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
 
 
@@ -253,8 +253,8 @@ class AdaptiveKLController:
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         return {"value": self.value}
 
-    def load_state_dict(self, state: Dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])

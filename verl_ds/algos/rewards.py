@@ -7,7 +7,7 @@ sample). Statistics are population (biased) moments.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
@@ -43,10 +43,10 @@ class RunningMeanStd:
         self.var = m2 / total
         self.count = total
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         return {"mean": self.mean, "var": self.var, "count": self.count}
 
-    def load_state_dict(self, state: Dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), float(state["count"])
 
 

@@ -7,15 +7,17 @@ prefix equality is checked), plus the separator the template writes after the en
 which the model never generates (ChatML's `\\n` after `<|im_end|>`). Without a chat template an
 observation's text is tokenized as it is and appended.
 """
+
 from __future__ import annotations
 
 from verl_ds.errors import ConfigError
 
 # tools described in the system prompt when the chat template has no tools section (SmolLM2's)
 TOOLS_SYSTEM_PROMPT = (
-    "You can call tools. To call one, write <tool_call>{{\"name\": \"<tool>\", \"arguments\": {{...}}}}</tool_call> "
+    'You can call tools. To call one, write <tool_call>{{"name": "<tool>", "arguments": {{...}}}}</tool_call> '
     "and stop; its result comes back in a tool message. Answer without a tool call when you are done.\n"
-    "Tools:\n{tools}")
+    "Tools:\n{tools}"
+)
 
 
 class ChatCodec:
@@ -24,9 +26,16 @@ class ChatCodec:
     described in a system message. `few_shot`: chat messages before every prompt. `model`: named
     in errors."""
 
-    def __init__(self, tokenizer, use_template: bool, tools: list[dict] | None = None,
-                 system_prompt: str | None = None, model: str = "the model", eos_ids: list[int] | None = None,
-                 few_shot: list[dict] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        use_template: bool,
+        tools: list[dict] | None = None,
+        system_prompt: str | None = None,
+        model: str = "the model",
+        eos_ids: list[int] | None = None,
+        few_shot: list[dict] | None = None,
+    ):
         import json
 
         self.tok, self.use_template, self.model = tokenizer, use_template, model
@@ -37,9 +46,10 @@ class ChatCodec:
             return
         if getattr(tokenizer, "chat_template", None) is None:
             raise ConfigError("data.apply_chat_template", f"{model}'s tokenizer has no chat template")
-        if self.tools and self._render_text([{"role": "user", "content": "x"}]) == \
-                self._render_text([{"role": "user", "content": "x"}], tools=None):
-            desc = "\n".join(json.dumps(t) for t in self.tools)      # the template ignores tools=
+        if self.tools and self._render_text([{"role": "user", "content": "x"}]) == self._render_text(
+            [{"role": "user", "content": "x"}], tools=None
+        ):
+            desc = "\n".join(json.dumps(t) for t in self.tools)  # the template ignores tools=
             self.system = (self.system + "\n\n" if self.system else "") + TOOLS_SYSTEM_PROMPT.format(tools=desc)
             self.tools = None
         self._dummy = self.prompt_messages("x") + [{"role": "assistant", "content": "y"}]
@@ -53,15 +63,22 @@ class ChatCodec:
         prefix = self.render_ids(self._dummy)
         ends = [i for i, t in enumerate(prefix) if t in self.eos_ids]
         if not ends:
-            raise ConfigError("data.apply_chat_template", f"{self.model}'s chat template does not end an "
-                                                          "assistant turn with the eos token: turns cannot be joined as ids")
-        self._prefix, self._separator = prefix, prefix[ends[-1] + 1:]
+            raise ConfigError(
+                "data.apply_chat_template",
+                f"{self.model}'s chat template does not end an "
+                "assistant turn with the eos token: turns cannot be joined as ids",
+            )
+        self._prefix, self._separator = prefix, prefix[ends[-1] + 1 :]
         self.observation_ids([{"role": "user", "content": "z"}])
 
     # ------------------------------------------------------------------ rendering
     def _render_text(self, messages: list[dict], add_generation_prompt: bool = False, tools="default") -> str:
-        return self.tok.apply_chat_template(messages, tools=self.tools if tools == "default" else tools,
-                                            add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.tok.apply_chat_template(
+            messages,
+            tools=self.tools if tools == "default" else tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self._render_text(messages, add_generation_prompt)
@@ -73,8 +90,11 @@ class ChatCodec:
 
     def prompt_messages(self, prompt: str) -> list[dict]:
         """[system] + few-shot messages (a demonstration, e.g. of a tool call) + the user's prompt."""
-        return ([{"role": "system", "content": self.system}] if self.system else []) + \
-            [dict(m) for m in self.few_shot] + [{"role": "user", "content": prompt}]
+        return (
+            ([{"role": "system", "content": self.system}] if self.system else [])
+            + [dict(m) for m in self.few_shot]
+            + [{"role": "user", "content": prompt}]
+        )
 
     def prompt_texts(self, prompts: list[str]) -> list[str]:
         """What the tokenizer reads for each prompt: the rendered conversation, or the text itself."""
@@ -90,10 +110,12 @@ class ChatCodec:
             return list(self.tok("".join(m["content"] for m in messages), add_special_tokens=False)["input_ids"])
         self.check_turns()
         full = self.render_ids(self._dummy + messages, add_generation_prompt=True)
-        if full[:len(self._prefix)] != self._prefix:
-            raise ConfigError("data.apply_chat_template", f"{self.model}'s chat template does not preserve "
-                                                          "prefixes: a later message changes earlier ids")
-        return self._separator + full[len(self._prefix):]
+        if full[: len(self._prefix)] != self._prefix:
+            raise ConfigError(
+                "data.apply_chat_template",
+                f"{self.model}'s chat template does not preserve prefixes: a later message changes earlier ids",
+            )
+        return self._separator + full[len(self._prefix) :]
 
     def content_ids(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -120,4 +142,4 @@ class ChatCodec:
         up to the separator after the last end-of-turn, which the model never generates."""
         ours = list(prompt_ids) + list(response_ids)
         ref = self.render_ids(messages) if self.use_template else self.content_ids(self.decode(ours))
-        return ref[:len(ours)] == ours and (len(ref) == len(ours) or ref[len(ours):] == self._separator)
+        return ref[: len(ours)] == ours and (len(ref) == len(ours) or ref[len(ours) :] == self._separator)

@@ -1,4 +1,5 @@
 """Tokenized prompts and a resumable sampler over them."""
+
 from __future__ import annotations
 
 import random
@@ -15,6 +16,7 @@ def load_examples(data_cfg) -> tuple[list[dict], list[dict]]:
         return held_out_split(rows, data_cfg.val_fraction, data_cfg.seed)
     if data_cfg.task == "reasoning_gym":
         from verl_ds.data.reasoning_gym import reasoning_gym_examples
+
         g = data_cfg.reasoning_gym
         train = reasoning_gym_examples(g.name, g.size, g.seed, g.config)
         seen = {e["prompt"] for e in train}
@@ -31,12 +33,13 @@ def held_out_split(rows: list[dict], fraction: float, seed: int) -> tuple[list[d
     if fraction <= 0 or len(distinct) < 2:
         return rows, []
     random.Random(seed).shuffle(distinct)
-    held = dict(distinct[:max(1, round(fraction * len(distinct)))])
+    held = dict(distinct[: max(1, round(fraction * len(distinct)))])
     return [r for r in rows if r["prompt"] not in held], list(held.values())
 
 
-def tokenize_prompts(examples: list[dict], tokenizer, max_prompt_length: int,
-                     apply_chat_template: bool, codec=None) -> list[dict]:
+def tokenize_prompts(
+    examples: list[dict], tokenizer, max_prompt_length: int, apply_chat_template: bool, codec=None
+) -> list[dict]:
     """Add `prompt_ids` to each example (chat template optional; `codec`, a `ChatCodec`, also adds
     its system prompt and tools); over-long prompts keep their tail. Each distinct text is
     tokenized once, all in one batched call (the built-in task repeats 25 prompts 10,000 times:

@@ -5,6 +5,7 @@ decimals, `\\sqrt`, `\\pi`, `\\cdot`, thousands separators, `x = 3` vs `3`, unit
 `^\\circ`, `\\%` (10% equals 10 and 0.1) are handled there. Registered as `math_verify` in
 `verl_ds.data.reward`, imported on first use.
 """
+
 from __future__ import annotations
 
 import re
@@ -44,8 +45,8 @@ def final_answer(text: str) -> str | None:
         answer = last_boxed(text)
     elif "####" in text:
         answer = text.rsplit("####", 1)[1]
-    elif (m := list(_ANSWER_IS.finditer(text))):
-        answer = text[m[-1].end():].split("\n", 1)[0]
+    elif m := list(_ANSWER_IS.finditer(text)):
+        answer = text[m[-1].end() :].split("\n", 1)[0]
     else:
         lines = [line for line in text.splitlines() if line.strip()]
         answer = lines[-1] if lines else None

@@ -1,6 +1,7 @@
 """Procedural reasoning tasks from the `reasoning-gym` package (offline), scored by its own
 `score_answer`. An example's `answer` carries the whole generator entry (JSON), so the reward
 function can call the right scorer; `reward_threshold` turns partial credit into 0/1."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,10 @@ def _rg():
     try:
         import reasoning_gym
     except ImportError:
-        raise ConfigError("data.task", "task 'reasoning_gym' needs the reasoning-gym package "
-                                       "(pip install reasoning-gym, or bash launch/demo.sh)") from None
+        raise ConfigError(
+            "data.task",
+            "task 'reasoning_gym' needs the reasoning-gym package (pip install reasoning-gym, or bash launch/demo.sh)",
+        ) from None
     return reasoning_gym
 
 
@@ -52,8 +55,11 @@ def reasoning_gym_reward(response: str, answer: str, threshold: float | None = N
     """The generator's own score of the response's final answer (0 on any failure)."""
     try:
         entry = json.loads(answer)
-        score = float(_rg().get_score_answer_fn(entry["metadata"]["source_dataset"])(
-            final_answer(response, numeric=_is_number(entry["answer"])), entry))
-    except Exception:   # a malformed response must never stop training
+        score = float(
+            _rg().get_score_answer_fn(entry["metadata"]["source_dataset"])(
+                final_answer(response, numeric=_is_number(entry["answer"])), entry
+            )
+        )
+    except Exception:  # a malformed response must never stop training
         return 0.0
     return float(score >= threshold) if threshold is not None else score

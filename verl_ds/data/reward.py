@@ -3,6 +3,7 @@
 A reward function takes `(response_text, answer)` and returns a float. Users add their own by
 dotted path (`my_pkg.rewards:score` or `my_pkg.rewards.score`) in `data.reward_fn`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -59,8 +60,12 @@ def math_verify_reward(response: str, answer: str) -> float:
     return fn(response, answer)
 
 
-REWARD_FNS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward,
-                                   "last_number": last_number_reward, "math_verify": math_verify_reward}
+REWARD_FNS: dict[str, RewardFn] = {
+    "arithmetic": arithmetic_reward,
+    "gsm8k": gsm8k_reward,
+    "last_number": last_number_reward,
+    "math_verify": math_verify_reward,
+}
 
 
 def register_reward_fn(name: str, fn: RewardFn) -> None:
@@ -68,7 +73,8 @@ def register_reward_fn(name: str, fn: RewardFn) -> None:
 
 
 def reasoning_gym_reward(response: str, answer: str) -> float:
-    from verl_ds.data.reasoning_gym import reasoning_gym_reward as fn   # the package imports on first use
+    from verl_ds.data.reasoning_gym import reasoning_gym_reward as fn  # the package imports on first use
+
     return fn(response, answer)
 
 
@@ -80,6 +86,7 @@ def task_reward_fn(data_cfg) -> RewardFn:
     threshold = data_cfg.reasoning_gym.reward_threshold
     if data_cfg.reward_fn == "reasoning_gym" and threshold is not None:
         from verl_ds.data.reasoning_gym import reasoning_gym_reward as fn
+
         return lambda response, answer: fn(response, answer, threshold)
     return get_reward_fn(data_cfg.reward_fn)
 
@@ -88,12 +95,15 @@ def get_reward_fn(name: str, key: str = "data.reward_fn") -> RewardFn:
     """A registered name, or a dotted path `module:function` / `module.function`."""
     if name in REWARD_FNS:
         return REWARD_FNS[name]
-    if name == "none":     # multi-turn: the environment's reward alone
+    if name == "none":  # multi-turn: the environment's reward alone
         return lambda response, answer: 0.0
     mod, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
     if not sep or not mod:
-        raise ConfigError(key, f"unknown reward function '{name}' (registered: {', '.join(REWARD_FNS)}; "
-                               "or give a dotted path module:function)")
+        raise ConfigError(
+            key,
+            f"unknown reward function '{name}' (registered: {', '.join(REWARD_FNS)}; "
+            "or give a dotted path module:function)",
+        )
     try:
         fn = getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError) as e:

@@ -1,4 +1,5 @@
 """Prompt sources: the built-in offline `arithmetic` task and local jsonl/parquet files."""
+
 from __future__ import annotations
 
 import random
@@ -7,8 +8,9 @@ from pathlib import Path
 from verl_ds.errors import ConfigError
 
 
-def arithmetic_examples(size: int, seed: int, min_value: int = 0, max_value: int = 4,
-                        num_operands: int = 2, ops: str = "+") -> list[dict]:
+def arithmetic_examples(
+    size: int, seed: int, min_value: int = 0, max_value: int = 4, num_operands: int = 2, ops: str = "+"
+) -> list[dict]:
     """Seeded `a+b=` problems. Difficulty knobs: operand range, operand count, operators."""
     bad = set(ops) - set("+-*")
     if bad or not ops:
@@ -64,7 +66,8 @@ def _parquet_rows(path: str):
     try:
         ds = load_dataset("parquet", data_files=[path], split="train")
     except Exception as e:  # pyarrow's many error types for a damaged or foreign file
-        raise ConfigError(path, f"not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
-            from None
+        raise ConfigError(
+            path, f"not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
     for n, r in enumerate(ds):
         yield f"{path} row {n}", r

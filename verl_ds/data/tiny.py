@@ -3,6 +3,7 @@
 No hub access at run time: everything here is constructed in-process and saved as a normal HF
 directory (config.json, model.safetensors, tokenizer.json), which DeepSpeed roles, HF and vLLM load.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,21 +20,27 @@ def build_char_tokenizer():
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()   # "12", not "1 2": decode and encode round-trip (multi-turn's check)
+    tok.decoder = decoders.Fuse()  # "12", not "1 2": decode and encode round-trip (multi-turn's check)
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-        unk_token="<unk>", padding_side="left",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
     )
 
 
 CHATML_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
     "Tools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
     "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}{% if m['role'] != 'system' %}"
     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def build_chat_tokenizer():
@@ -48,41 +55,63 @@ def build_chat_tokenizer():
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()       # characters back to the text, no spaces between them
+    tok.decoder = decoders.Fuse()  # characters back to the text, no spaces between them
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>", eos_token="<|im_end|>",
-        unk_token="<unk>", padding_side="left", chat_template=CHATML_TEMPLATE,
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        padding_side="left",
+        chat_template=CHATML_TEMPLATE,
         additional_special_tokens=["<|im_start|>"],
     )
 
 
-def build_tiny_llama(out_dir: str | Path, tokenizer=None, hidden: int = 128, layers: int = 2,
-                     heads: int = 4, ffn: int = 256, seed: int = 0, max_len: int = 256) -> Path:
+def build_tiny_llama(
+    out_dir: str | Path,
+    tokenizer=None,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    ffn: int = 256,
+    seed: int = 0,
+    max_len: int = 256,
+) -> Path:
     """Random-init LlamaForCausalLM with tied embeddings, saved with its tokenizer to `out_dir`."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = tokenizer or build_char_tokenizer()
     cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=max_len, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-                     pad_token_id=cfg.pad_token_id).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id
+    ).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """Load a saved tokenizer, keeping a char tokenizer's pre-tokenizer intact (AutoTokenizer on a qwen2/llama config replaces a saved pre-tokenizer)."""
+    """Load a saved tokenizer, keeping a char tokenizer's pre-tokenizer intact (AutoTokenizer on a
+    qwen2/llama config replaces a saved pre-tokenizer)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     p = Path(path)

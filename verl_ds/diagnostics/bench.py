@@ -5,6 +5,7 @@ Measured in one run on the same model and prompts: generation tokens/s of VLLMRo
 torch AdamW forward/backward/step on the same model and batch shape (not a DeepSpeed Actor: that
 needs the process group and ~20 s to build; this is the compute floor of the actor's step).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def _model_dir(cfg, tmp: str) -> str:
     from verl_ds.data.tiny import build_tiny_llama
 
     t = cfg.model.tiny
-    return str(build_tiny_llama(Path(tmp) / "tiny", hidden=t.hidden, layers=t.layers, heads=t.heads,
-                                ffn=t.ffn, seed=t.seed))
+    return str(
+        build_tiny_llama(Path(tmp) / "tiny", hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn, seed=t.seed)
+    )
 
 
 def _prompts(model_path: str, count: int, length: int, seed: int) -> list[list[int]]:
@@ -62,7 +64,7 @@ def _time_train_step(model_path: str, batch_size: int, seq_len: int, reps: int) 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if i:                                        # the first step allocates optimizer state
+        if i:  # the first step allocates optimizer state
             times.append(time.perf_counter() - t0)
     return sum(times) / len(times)
 
@@ -87,9 +89,17 @@ def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
         hf.shutdown()
         train_s = _time_train_step(path, len(prompts) * rc.n, plen + rc.max_new_tokens, reps)
 
-        vl = VLLMRollout(path, dtype, max_model_len=rc.max_model_len, kv_cache_gb=rc.kv_cache_gb,
-                         enforce_eager=rc.enforce_eager, bucket_mb=rc.bucket_mb, seed=cfg.trainer.seed,
-                         gpu_memory_utilization=rc.gpu_memory_utilization, sleep=False)
+        vl = VLLMRollout(
+            path,
+            dtype,
+            max_model_len=rc.max_model_len,
+            kv_cache_gb=rc.kv_cache_gb,
+            enforce_eager=rc.enforce_eager,
+            bucket_mb=rc.bucket_mb,
+            seed=cfg.trainer.seed,
+            gpu_memory_utilization=rc.gpu_memory_utilization,
+            sleep=False,
+        )
         start_s = vl.start_s
         try:
             vllm_tps = _time_gen(vl, prompts, rc, reps)
@@ -97,15 +107,28 @@ def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
         finally:
             vl.shutdown()
 
-    out = {"bench/vllm_tokens_per_s": vllm_tps, "bench/hf_tokens_per_s": hf_tps,
-           "bench/vllm_over_hf": vllm_tps / hf_tps, "bench/vllm_start_s": start_s, "bench/hf_start_s": hf_start_s,
-           "bench/sync_s": sync_s, "bench/train_step_s": train_s, "bench/sync_over_train_step": sync_s / train_s}
+    out = {
+        "bench/vllm_tokens_per_s": vllm_tps,
+        "bench/hf_tokens_per_s": hf_tps,
+        "bench/vllm_over_hf": vllm_tps / hf_tps,
+        "bench/vllm_start_s": start_s,
+        "bench/hf_start_s": hf_start_s,
+        "bench/sync_s": sync_s,
+        "bench/train_step_s": train_s,
+        "bench/sync_over_train_step": sync_s / train_s,
+    }
     n_params = sum(t.numel() for _, t in weights)
-    print(f"model {cfg.model.path} ({n_params / 1e6:.2f}M params, {dtype}); {len(prompts)} prompts x n={rc.n}, "
-          f"{plen} prompt tokens, up to {rc.max_new_tokens} new, T={rc.temperature}")
-    print(f"generate  vLLM {vllm_tps:10.0f} tok/s   HF {hf_tps:10.0f} tok/s   ratio {vllm_tps / hf_tps:6.2f}x "
-          f"(start: vLLM {start_s:.1f} s in-process, HF {hf_start_s:.1f} s)")
-    print(f"sync      {sync_s * 1e3:8.1f} ms   vs train step {train_s * 1e3:8.1f} ms "
-          f"(plain torch AdamW fwd/bwd/step, {len(prompts) * rc.n} x {plen + rc.max_new_tokens} tokens)   "
-          f"share {100 * sync_s / train_s:.1f}%")
+    print(
+        f"model {cfg.model.path} ({n_params / 1e6:.2f}M params, {dtype}); {len(prompts)} prompts x n={rc.n}, "
+        f"{plen} prompt tokens, up to {rc.max_new_tokens} new, T={rc.temperature}"
+    )
+    print(
+        f"generate  vLLM {vllm_tps:10.0f} tok/s   HF {hf_tps:10.0f} tok/s   ratio {vllm_tps / hf_tps:6.2f}x "
+        f"(start: vLLM {start_s:.1f} s in-process, HF {hf_start_s:.1f} s)"
+    )
+    print(
+        f"sync      {sync_s * 1e3:8.1f} ms   vs train step {train_s * 1e3:8.1f} ms "
+        f"(plain torch AdamW fwd/bwd/step, {len(prompts) * rc.n} x {plen + rc.max_new_tokens} tokens)   "
+        f"share {100 * sync_s / train_s:.1f}%"
+    )
     return out

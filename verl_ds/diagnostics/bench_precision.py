@@ -11,6 +11,7 @@ roles' DeepSpeed fp16 shim (emulated, slow). bf16 on a CPU without avx512_bf16/A
 
 The trainer is passed in (`make_trainer`, e.g. `RLTrainer`): diagnostics sit above the trainer layer.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,9 @@ from pathlib import Path
 from verl_ds.diagnostics.memory import md_table
 from verl_ds.diagnostics.plots import save_panels
 from verl_ds.errors import ConfigError
+from verl_ds.precision import COMPUTE_DTYPES
 
 log = logging.getLogger(__name__)
-BENCH_DTYPES = ("fp32", "bf16", "fp16")
 PRECISION_KEYS = ("actor_dtype", "critic_dtype", "reference_dtype", "rollout_dtype")
 
 
@@ -33,26 +34,37 @@ def precision_overrides(dtype: str) -> list[str]:
 
 def parse_dtypes(text: str) -> list[str]:
     dtypes = [d.strip() for d in text.split(",") if d.strip()]
-    bad = [d for d in dtypes if d not in BENCH_DTYPES]
+    bad = [d for d in dtypes if d not in COMPUTE_DTYPES]
     if bad or not dtypes:
-        raise ConfigError("--dtypes", f"unknown dtype(s) {bad or text!r}; use a comma list of {', '.join(BENCH_DTYPES)}")
+        raise ConfigError(
+            "--dtypes", f"unknown dtype(s) {bad or text!r}; use a comma list of {', '.join(COMPUTE_DTYPES)}"
+        )
     return dtypes
 
 
 def summarize(dtype: str, rows: list[dict]) -> dict:
     """One dtype's result from its per-step metrics (pure)."""
+
     def series(key):
         return [r.get(key, float("nan")) for r in rows]
 
     def peak(role):
-        vals = [v for r in rows for k, v in r.items()
-                if k.startswith("memory/") and k.split("/")[2] == role and k.endswith("/total_mib")]
+        vals = [
+            v
+            for r in rows
+            for k, v in r.items()
+            if k.startswith("memory/") and k.split("/")[2] == role and k.endswith("/total_mib")
+        ]
         return max(vals) if vals else None
 
     roles = sorted({k.split("/")[2] for r in rows for k in r if k.startswith("memory/")} - {"process"})
     trained = [role for role in ("actor", "critic") if any(f"precision/{role}/skipped_steps" in r for r in rows)]
-    proc = [v for r in rows for k, v in r.items() if k.startswith("memory/") and "/process/" in k
-            and (k.endswith("rss_mib") or k.endswith("cuda_peak_mib"))]
+    proc = [
+        v
+        for r in rows
+        for k, v in r.items()
+        if k.startswith("memory/") and "/process/" in k and (k.endswith("rss_mib") or k.endswith("cuda_peak_mib"))
+    ]
     timed = rows[1:] if len(rows) > 2 else rows  # the first step pays one-off warm-up costs
     return {
         "dtype": dtype,
@@ -63,8 +75,12 @@ def summarize(dtype: str, rows: list[dict]) -> dict:
         "tokens_per_s": statistics.mean(r.get("perf/throughput", float("nan")) for r in timed),
         "final_reward": rows[-1]["reward/mean"],
         "overflows": {role: int(sum(series(f"precision/{role}/overflow"))) for role in trained},
-        "skipped_steps": {role: int(rows[-1].get(f"precision/{role}/skipped_steps", 0)
-                                    + rows[-1].get(f"precision/{role}/aligned_skips", 0)) for role in trained},
+        "skipped_steps": {
+            role: int(
+                rows[-1].get(f"precision/{role}/skipped_steps", 0) + rows[-1].get(f"precision/{role}/aligned_skips", 0)
+            )
+            for role in trained
+        },
         "loss_scale": series("precision/actor/loss_scale"),
         "loss": series("actor/pg_loss"),
         "reward": series("reward/mean"),
@@ -77,24 +93,45 @@ def _fmt(x, spec=".2f"):
 
 def markdown(results: list[dict]) -> str:
     roles = sorted({r for res in results for r in res["peak_memory_mib"]})
-    header = (["dtype"] + [f"peak {r} (MiB)" for r in roles] +
-              ["process peak (MiB)", "step time (s)", "tokens/s", "final reward", "overflows", "skips",
-               "loss scale (per step)"])
+    header = (
+        ["dtype"]
+        + [f"peak {r} (MiB)" for r in roles]
+        + [
+            "process peak (MiB)",
+            "step time (s)",
+            "tokens/s",
+            "final reward",
+            "overflows",
+            "skips",
+            "loss scale (per step)",
+        ]
+    )
     rows = []
     for res in results:
-        rows.append([res["dtype"]] + [_fmt(res["peak_memory_mib"].get(r), ".3f") for r in roles] + [
-            _fmt(res["process_peak_mib"], ".0f"), _fmt(res["step_time_s"], ".3f"), _fmt(res["tokens_per_s"], ".1f"),
-            _fmt(res["final_reward"], ".3f"),
-            ", ".join(f"{k} {v}" for k, v in res["overflows"].items()) or "0",
-            ", ".join(f"{k} {v}" for k, v in res["skipped_steps"].items()) or "0",
-            " → ".join(f"{s:g}" for s in res["loss_scale"])])
+        rows.append(
+            [res["dtype"]]
+            + [_fmt(res["peak_memory_mib"].get(r), ".3f") for r in roles]
+            + [
+                _fmt(res["process_peak_mib"], ".0f"),
+                _fmt(res["step_time_s"], ".3f"),
+                _fmt(res["tokens_per_s"], ".1f"),
+                _fmt(res["final_reward"], ".3f"),
+                ", ".join(f"{k} {v}" for k, v in res["overflows"].items()) or "0",
+                ", ".join(f"{k} {v}" for k, v in res["skipped_steps"].items()) or "0",
+                " → ".join(f"{s:g}" for s in res["loss_scale"]),
+            ]
+        )
     return md_table(header, rows)
 
 
 def plot(results: list[dict], out_png: Path) -> Path:
-    return save_panels([(title, [(res["dtype"], range(1, len(res[key]) + 1), res[key], {"marker": "o"})
-                                 for res in results])
-                        for key, title in (("loss", "actor/pg_loss"), ("reward", "reward/mean"))], out_png)
+    return save_panels(
+        [
+            (title, [(res["dtype"], range(1, len(res[key]) + 1), res[key], {"marker": "o"}) for res in results])
+            for key, title in (("loss", "actor/pg_loss"), ("reward", "reward/mean"))
+        ],
+        out_png,
+    )
 
 
 def _finite(x):
@@ -113,8 +150,9 @@ def run_steps(make_trainer, cfg, steps: int) -> list[dict]:
         return [trainer.step() for _ in range(steps)]
 
 
-def bench_precision(config_path: str | None, overrides: list[str], dtypes: list[str], steps: int,
-                    out_dir: str | Path, make_trainer) -> dict:
+def bench_precision(
+    config_path: str | None, overrides: list[str], dtypes: list[str], steps: int, out_dir: str | Path, make_trainer
+) -> dict:
     """Run `steps` steps per dtype; write bench_precision.{md,json,png} into `out_dir`."""
     import torch
 
@@ -125,8 +163,13 @@ def bench_precision(config_path: str | None, overrides: list[str], dtypes: list[
     base = [] if torch.cuda.is_available() else ["rollout.engine=hf"]
     results = []
     for dtype in dtypes:
-        cfg = load_config(config_path, base + list(overrides) + precision_overrides(dtype)
-                          + [f"trainer.steps={steps}", f"trainer.run_dir={out / dtype}"])
+        cfg = load_config(
+            config_path,
+            base
+            + list(overrides)
+            + precision_overrides(dtype)
+            + [f"trainer.steps={steps}", f"trainer.run_dir={out / dtype}"],
+        )
         log.info("bench precision: %s, %d steps", dtype, steps)
         results.append(summarize(dtype, run_steps(make_trainer, cfg, steps)))
     table = markdown(results)

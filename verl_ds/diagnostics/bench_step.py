@@ -12,6 +12,7 @@ Measured in one run, in this process's world (1 rank; under the launcher, this r
   steps alternate with verl-ds's.
 Printed as ratios. The trainer class is passed in (diagnostics sit below the trainer layer).
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,7 +45,7 @@ def matmul_rate(dtype: str, n: int | None = None, reps: int = 5) -> float:
     t0 = _now()
     for _ in range(reps):
         a @ a
-    return reps * 2 * n ** 3 / (_now() - t0)
+    return reps * 2 * n**3 / (_now() - t0)
 
 
 def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_id: int, eos_ids: list[int]):
@@ -57,40 +58,51 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
     dt = TORCH_DTYPES[dtype]
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dt).to(_DEV)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
-    if cfg.precision.enable_grad_checkpointing:        # part of the job (memory), so the floor pays it too
+    if cfg.precision.enable_grad_checkpointing:  # part of the job (memory), so the floor pays it too
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.roles.actor.lr, weight_decay=0.0, fused=True)  # as the roles
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts for _ in range(r.n)], device=_DEV)
-    attn = (torch.arange(width, device=_DEV)[None] >=
-            torch.tensor([width - len(p) for p in prompts for _ in range(r.n)], device=_DEV)[:, None]).long()
+    attn = (
+        torch.arange(width, device=_DEV)[None]
+        >= torch.tensor([width - len(p) for p in prompts for _ in range(r.n)], device=_DEV)[:, None]
+    ).long()
     groups = torch.arange(len(prompts), device=_DEV).repeat_interleave(r.n)
     while True:
         t = [_now()]
-        policy.eval()                                     # HF checkpoints layers only in train mode
+        policy.eval()  # HF checkpoints layers only in train mode
         with torch.no_grad():
-            out = policy.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=r.temperature,
-                                  top_k=0, max_new_tokens=r.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids)
+            out = policy.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                do_sample=True,
+                temperature=r.temperature,
+                top_k=0,
+                max_new_tokens=r.max_new_tokens,
+                pad_token_id=pad_id,
+                eos_token_id=eos_ids,
+            )
         t.append(_now())
         seq = out[:, width:]
         mask = torch.ones_like(seq, dtype=torch.float32)
         full_attn = torch.cat([attn, torch.ones_like(seq)], 1)
-        scores = torch.rand(len(seq), device=_DEV)                   # reward cost is not the framework's
+        scores = torch.rand(len(seq), device=_DEV)  # reward cost is not the framework's
         adv = algos.grpo_advantages(scores=scores, response_mask=mask, group_ids=groups)
 
         inputs = model_inputs({"input_ids": out, "attention_mask": full_attn})
 
-        def logprobs(model):   # prompts shared where verl-ds shares them
+        def logprobs(model, inputs=inputs, seq=seq):  # prompts shared where verl-ds shares them
             if cfg.model.share_prompt and can_share_prompts(model):
                 logits = shared_prompt_logits(model, inputs, seq.shape[1])
             else:
-                logits = model(**inputs).logits[:, width - 1:-1]
+                logits = model(**inputs).logits[:, width - 1 : -1]
             logits = logits.float() / r.temperature
             return torch.log_softmax(logits, -1).gather(-1, seq[..., None])[..., 0]
+
         with torch.no_grad():
             ref_lp = logprobs(ref) if ref is not None else None
         t.append(_now())
-        old = None                                        # the first epoch's forward is the old policy
+        old = None  # the first epoch's forward is the old policy
         policy.train()
         for _ in range(a.ppo_epochs):
             lp = logprobs(policy)
@@ -111,12 +123,12 @@ def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
     shared host's speed drifts: back to back, one side could get the slow minutes); print ratios."""
     with make_trainer(cfg) as trainer:
         dtype = trainer.precision.actor
-        prompts = [e["prompt_ids"] for e in trainer.prompts[:cfg.trainer.prompts_per_step // trainer.world]]
+        prompts = [e["prompt_ids"] for e in trainer.prompts[: cfg.trainer.prompts_per_step // trainer.world]]
         model_path, pad = trainer.model_path, trainer.tokenizer.pad_token_id
         eos = [trainer.tokenizer.eos_token_id]
         params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.actor.module.parameters())
         plain = floor_steps(model_path, prompts, cfg, dtype, pad, eos)
-        trainer.step()                                  # warm-up, both sides
+        trainer.step()  # warm-up, both sides
         next(plain)
         rows, floor_times = [], []
         for _ in range(steps):
@@ -124,31 +136,53 @@ def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
             floor_times.append(next(plain))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.startswith("timing_s/")}
     step_s = med["timing_s/step"]
-    tokens = statistics.median(r["perf/throughput"] for r in rows) * step_s / trainer.world   # this rank's
-    run = tokens   # the tokens the actor's forwards run (FLOPs): a shared prompt once, not n times
+    tokens = statistics.median(r["perf/throughput"] for r in rows) * step_s / trainer.world  # this rank's
+    run = tokens  # the tokens the actor's forwards run (FLOPs): a shared prompt once, not n times
     if trainer.actor.share_prompts:
         run -= (cfg.rollout.n - 1) * sum(len(p) for p in prompts)
     rate = matmul_rate(dtype)
-    passes = cfg.algorithm.ppo_epochs * 3 + (1 if "timing_s/old_logprob" in med else 0) + \
-        (1 if "timing_s/ref" in med else 0)                # fwd+bwd = 3 forward-equivalents per epoch
-    mfu = 2 * params * run * passes / max(med.get("timing_s/update_actor", 0) + med.get("timing_s/old_logprob", 0)
-                                             + med.get("timing_s/ref", 0), 1e-9) / rate
+    passes = (
+        cfg.algorithm.ppo_epochs * 3 + (1 if "timing_s/old_logprob" in med else 0) + (1 if "timing_s/ref" in med else 0)
+    )  # fwd+bwd = 3 forward-equivalents per epoch
+    mfu = (
+        2
+        * params
+        * run
+        * passes
+        / max(
+            med.get("timing_s/update_actor", 0) + med.get("timing_s/old_logprob", 0) + med.get("timing_s/ref", 0), 1e-9
+        )
+        / rate
+    )
     floor_med = {k: statistics.median(f[k] for f in floor_times) for k in floor_times[0]}
     floor = floor_med["step"]
-    out = {"bench/step_s": step_s, "bench/floor_step_s": floor, "bench/over_floor": step_s / floor,
-           "bench/tokens_per_s": tokens / step_s, "bench/train_mfu": mfu, "bench/matmul_flops": rate,
-           **{f"bench/{k}": v for k, v in med.items()}, **{f"bench/floor/{k}": v for k, v in floor_med.items()}}
-    print(f"model {params / 1e6:.2f}M params ({dtype}), {len(prompts)} prompts x n={cfg.rollout.n} per rank, "
-          f"{steps} steps after a warm-up, world size {trainer.world}")
+    out = {
+        "bench/step_s": step_s,
+        "bench/floor_step_s": floor,
+        "bench/over_floor": step_s / floor,
+        "bench/tokens_per_s": tokens / step_s,
+        "bench/train_mfu": mfu,
+        "bench/matmul_flops": rate,
+        **{f"bench/{k}": v for k, v in med.items()},
+        **{f"bench/floor/{k}": v for k, v in floor_med.items()},
+    }
+    print(
+        f"model {params / 1e6:.2f}M params ({dtype}), {len(prompts)} prompts x n={cfg.rollout.n} per rank, "
+        f"{steps} steps after a warm-up, world size {trainer.world}"
+    )
     print("| phase | verl-ds s | share of step | plain-PyTorch floor s |\n|---|---|---|---|")
     for k, v in sorted(med.items(), key=lambda kv: -kv[1]):
-        name = k[len("timing_s/"):]
+        name = k[len("timing_s/") :]
         if name != "step" and v > 0:
             fl = f"{floor_med[name]:.3f}" if name in floor_med else "-"
             print(f"| {name} | {v:.3f} | {100 * v / step_s:.1f}% | {fl} |")
     print(f"| **step** | {step_s:.3f} | 100% | {floor:.3f} |")
-    print(f"\ntokens/s {tokens / step_s:.0f}; training MFU {100 * mfu:.1f}% of the measured {dtype} matmul rate "
-          f"({rate / 1e9:.0f} GFLOP/s)")
-    print(f"plain-PyTorch floor (same model, batch, loss; HF generate; no sync, no bookkeeping): {floor:.3f} s/step "
-          f"-> verl-ds / floor = {step_s / floor:.2f}x")
+    print(
+        f"\ntokens/s {tokens / step_s:.0f}; training MFU {100 * mfu:.1f}% of the measured {dtype} matmul rate "
+        f"({rate / 1e9:.0f} GFLOP/s)"
+    )
+    print(
+        f"plain-PyTorch floor (same model, batch, loss; HF generate; no sync, no bookkeeping): {floor:.3f} s/step "
+        f"-> verl-ds / floor = {step_s / floor:.2f}x"
+    )
     return out

@@ -2,6 +2,7 @@
 
 Only rank 0 writes. Values are reduced across ranks first (see `reduce_metrics`).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,13 +14,12 @@ from pathlib import Path
 
 import torch
 
-
-SUMMED = {"perf/throughput"}   # per-rank tokens/s add up to the job's
+SUMMED = {"perf/throughput"}  # per-rank tokens/s add up to the job's
 
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """Mean over the ranks that report a key (max for `*_max`, `*/max` and `memory/*`, sum for SUMMED). Ranks may differ in
-    keys: e.g. only the rank that owns the vLLM engine reports its sync and generation numbers."""
+    """Mean over the ranks that report a key (max for `*_max`, `*/max` and `memory/*`, sum for SUMMED).
+    Ranks may differ in keys: e.g. only the rank that owns the vLLM engine reports its sync and generation numbers."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -31,7 +31,7 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
         vals = [m[key] for m in everyone if key in m]
         if key in SUMMED:
             out[key] = sum(vals)
-        elif key.endswith(("_max", "/max")) or key.startswith("memory/"):   # the worst rank is what matters
+        elif key.endswith(("_max", "/max")) or key.startswith("memory/"):  # the worst rank is what matters
             out[key] = max(vals)
         else:
             out[key] = sum(vals) / len(vals)
@@ -51,7 +51,7 @@ class Timer:
         try:
             yield
         finally:
-            if torch.cuda.is_initialized():   # CUDA kernels run asynchronously: charge them to this phase
+            if torch.cuda.is_initialized():  # CUDA kernels run asynchronously: charge them to this phase
                 torch.cuda.synchronize()
             key = f"timing_s/{name}"
             self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - t0
@@ -75,8 +75,15 @@ class MetricsLogger:
         if wandb_cfg.mode != "disabled":
             import wandb
 
-            self.run = wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, entity=wandb_cfg.entity,
-                                  name=wandb_cfg.run_name, dir=str(run_dir), config=config, reinit="finish_previous")
+            self.run = wandb.init(
+                mode=wandb_cfg.mode,
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                name=wandb_cfg.run_name,
+                dir=str(run_dir),
+                config=config,
+                reinit="finish_previous",
+            )
 
     def rewind(self, last_step: int) -> None:
         """Keep only the rows up to `last_step` (-1: none): a fresh run in an old run dir starts a
@@ -84,8 +91,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._fh.close()
-        rows = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= last_step]
+        rows = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step
+        ]
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(f"{line}\n" for line in rows))
         os.replace(tmp, self.path)

@@ -1,4 +1,5 @@
 """Curves from a run's metrics.jsonl (matplotlib, headless)."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def save_panels(panels: list[tuple[str, list[tuple[str, list, list, dict]]]], out_png: str | Path) -> Path:
     """One subplot per (title, lines); each line is (label, xs, ys, matplotlib kwargs)."""
-    from matplotlib.figure import Figure   # no pyplot: no global state, no GUI backend, 0.15 s less import
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend, 0.15 s less import
 
     fig = Figure(figsize=(5 * len(panels), 3.5))
     axes = fig.subplots(1, len(panels), squeeze=False)
@@ -35,9 +36,11 @@ def plot_curves(metrics_path: str | Path, out_png: str | Path, keys=("reward/mea
         if not pts:
             continue
         steps, vals = zip(*pts)
-        smooth = [sum(vals[max(0, i - window + 1):i + 1]) / len(vals[max(0, i - window + 1):i + 1])
-                  for i in range(len(vals))]
-        if len(vals) < 2 * window:   # sparse (e.g. validation every k steps): the points themselves
+        smooth = [
+            sum(vals[max(0, i - window + 1) : i + 1]) / len(vals[max(0, i - window + 1) : i + 1])
+            for i in range(len(vals))
+        ]
+        if len(vals) < 2 * window:  # sparse (e.g. validation every k steps): the points themselves
             panels.append((key, [(key, steps, vals, {"marker": "o"})]))
             continue
         panels.append((key, [(key, steps, vals, {"alpha": 0.3}), (f"{key} (avg {window})", steps, smooth, {})]))

@@ -12,6 +12,7 @@ Measured in the same run (the trainer class is passed in: diagnostics sit below 
 - fp16 roles: the loss-scale trajectory and skipped steps (`precision/<role>/...` metrics).
 Numbers are this rank's share (rank 0 prints and writes). Verdicts: `precision_report.py`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,11 +23,16 @@ from pathlib import Path
 
 import torch
 
+from verl_ds.config import load_config
+from verl_ds.diagnostics import precision_report as R
 from verl_ds.diagnostics.bench_precision import _finite
+from verl_ds.diagnostics.memory import estimate_memory, load_shape
+from verl_ds.diagnostics.precision_report import EXP_BINS, EXP_OFFSET
+from verl_ds.dist import rank
+from verl_ds.ds_config import json_dtypes, render_ds_configs
 from verl_ds.errors import ConfigError
-from verl_ds.precision import TORCH_DTYPES
-
-EXP_OFFSET, EXP_BINS = 160, 320          # frexp exponents of fp32 values lie in [-148, 129]
+from verl_ds.precision import COMPUTE_DTYPES, TORCH_DTYPES, detect_hardware, resolve_precision
+from verl_ds.roles import iter_full_params, load_reward_model
 
 
 def exponent_hist(t: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, int]:
@@ -56,8 +62,8 @@ class RoleProbe:
         self.hist = torch.zeros(EXP_BINS, dtype=torch.long)
         self.nonfinite, self.grad_max, self.grad_tensor_max = 0, 0.0, []
         self.opt_steps, self.overflow_scales, self._aligned = 0, [], getattr(role, "aligned_skips", 0)
-        self.call: tuple = ()                 # the last scoring call's (batch, *args)
-        self.train_batch = None               # the last mini-batch trained on (trainable roles)
+        self.call: tuple = ()  # the last scoring call's (batch, *args)
+        self.train_batch = None  # the last mini-batch trained on (trainable roles)
         layers = [m for m in role.module.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
         self.handles = [m.register_forward_hook(self._on_layer) for m in layers]
         self.handles.append(head_of(role.module).register_forward_hook(self._on_head))
@@ -71,6 +77,7 @@ class RoleProbe:
             if name == "reward":
                 self.out = [min(self.out[0], float(result.min())), max(self.out[1], float(result.max()))]
             return result
+
         setattr(role, method, scoring)
         if role.trainable:
             orig_step = role.step
@@ -78,12 +85,14 @@ class RoleProbe:
             def step():
                 self._on_step()
                 return orig_step()
+
             role.step = step
             orig_acc = role.accumulate
 
             def accumulate(batch, *args, **kw):
                 self.train_batch = batch
                 return orig_acc(batch, *args, **kw)
+
             role.accumulate = accumulate
 
     @staticmethod
@@ -145,19 +154,19 @@ def _skeleton(m: torch.nn.Module) -> torch.nn.Module:
     if hasattr(m, "backbone") and hasattr(m, "v_head"):
         return type(m)(_skeleton(m.backbone), m.v_head.in_features)
     from transformers.initialization import no_init_weights
+
     with no_init_weights():
         skel = type(m)(copy.deepcopy(m.config))
-    skel.tie_weights()                        # as from_pretrained does (tied embeddings / lm_head)
+    skel.tie_weights()  # as from_pretrained does (tied embeddings / lm_head)
     if hasattr(m, "get_output_embeddings") and m.get_output_embeddings() is not None:
-        skel.get_output_embeddings().__class__ = type(m.get_output_embeddings())   # e.g. FP32LMHead
+        skel.get_output_embeddings().__class__ = type(m.get_output_embeddings())  # e.g. FP32LMHead
     return skel
 
 
 def plain_fp32_copy(role, reward_path: str | None = None) -> torch.nn.Module:
     """The role's current weights in a plain fp32 module (ZeRO-3 gathered one module at a time; a
     LoRA actor: its merged weights in the base architecture)."""
-    from verl_ds.roles import iter_full_params, load_reward_model
-    if getattr(role, "int8", False):          # quantized weights: the fp32 checkpoint instead
+    if getattr(role, "int8", False):  # quantized weights: the fp32 checkpoint instead
         return load_reward_model(reward_path, "fp32", "fp32").eval()
     module = role.module.get_base_model() if hasattr(role.module, "peft_config") else role.module
     sd = {n: t.detach().float().cpu() for n, t in iter_full_params(role.engine)}
@@ -225,8 +234,12 @@ def measure_dtypes(probe: RoleProbe, call: tuple, groups, reward_path) -> dict:
         outs[dt] = role_output(role, mod, (batch, *args))
         secs[dt] = time.perf_counter() - t0
         del mod
-    res = {"weight_max": max(w_max.values()), "weight_tensor_max": w_max,
-           "rel_err": {dt: _rel(o, outs["fp32"], mask) for dt, o in outs.items()}, "fwd_s": secs}
+    res = {
+        "weight_max": max(w_max.values()),
+        "weight_tensor_max": w_max,
+        "rel_err": {dt: _rel(o, outs["fp32"], mask) for dt, o in outs.items()},
+        "fwd_s": secs,
+    }
     if role.name in ("actor", "reference"):
         res["logprob_gap"] = {dt: float(((o - outs["fp32"]).abs() * mask).max()) for dt, o in outs.items()}
     if role.name == "reward" and groups is not None:
@@ -235,30 +248,42 @@ def measure_dtypes(probe: RoleProbe, call: tuple, groups, reward_path) -> dict:
     return res
 
 
-def debug_precision(config_path: str | None, overrides: list[str], steps: int, out_dir: str | Path | None,
-                    make_trainer) -> dict:
-    """Run `steps` steps with every role probed; print-ready report, `precision.yaml` in `out_dir`."""
-    from verl_ds.config import load_config
-    from verl_ds.diagnostics import precision_report as R
-    from verl_ds.dist import rank
-    from verl_ds.precision import detect_hardware
+def weight_memory(cfg, role: str, shape, world: int, hw) -> dict[str, float]:
+    """Weight bytes of `role` per dtype from the analytic model (what `debug memory` prints)."""
+    out = {}
+    for dt in COMPUTE_DTYPES:
+        c = copy.deepcopy(cfg)
+        setattr(c.precision, f"{role}_dtype", dt)
+        p = resolve_precision(c.precision, hw, json_dtypes(c), log_choice=False)
+        est = estimate_memory(c, shape, render_ds_configs(c, world, p), world, p.rollout)
+        out[dt] = sum(v for k, v in est["update"][role].items() if k.startswith("weights_"))
+    return out
 
+
+def debug_precision(
+    config_path: str | None, overrides: list[str], steps: int, out_dir: str | Path | None, make_trainer
+) -> dict:
+    """Run `steps` steps with every role probed; print-ready report, `precision.yaml` in `out_dir`."""
     if steps <= 0:
         raise ConfigError("--steps", f"must be > 0, got {steps}")
     t0 = time.perf_counter()
     user = load_config(config_path, overrides)
     out = Path(out_dir or Path(user.trainer.run_dir) / "debug_precision")
-    cfg = load_config(config_path, list(overrides) + [
-        "logging.wandb.mode=disabled", "trainer.resume=none", f"trainer.steps={steps}", f"trainer.run_dir={out}"])
+    cfg = load_config(
+        config_path,
+        list(overrides)
+        + ["logging.wandb.mode=disabled", "trainer.resume=none", f"trainer.steps={steps}", f"trainer.run_dir={out}"],
+    )
     rows, groups = [], {}
     with make_trainer(cfg) as trainer:
         # a role without its own engine (a LoRA actor's adapters-off reference) is the actor's numbers
         probes = {name: RoleProbe(name, role) for name, role in trainer.roles.items() if hasattr(role, "engine")}
-        orig_score = trainer._score            # the one call that sees the rollout's group ids
+        orig_score = trainer._score  # the one call that sees the rollout's group ids
 
         def score(ro, *args):
             groups["ids"] = ro.batch.group_ids.clone()
             return orig_score(ro, *args)
+
         trainer._score = score
         try:
             for _ in range(steps):
@@ -269,28 +294,47 @@ def debug_precision(config_path: str | None, overrides: list[str], steps: int, o
                 p.close()
         roles = {}
         for name, p in probes.items():
-            roles[name] = {"dtype": trainer.precision.role(name), "trainable": p.role.trainable,
-                           "act_max": p.act_max, "head_max": p.head_max, "out_range": p.out,
-                           **measure_dtypes(p, scoring_call(p, probes, cfg.rollout.temperature), groups.get("ids"),
-                                            cfg.model.reward_path)}
+            roles[name] = {
+                "dtype": trainer.precision.role(name),
+                "trainable": p.role.trainable,
+                "act_max": p.act_max,
+                "head_max": p.head_max,
+                "out_range": p.out,
+                **measure_dtypes(
+                    p, scoring_call(p, probes, cfg.rollout.temperature), groups.get("ids"), cfg.model.reward_path
+                ),
+            }
             if p.role.trainable:
                 ls = getattr(trainer.precision, f"{name}_loss_scaling")
-                roles[name].update(grad_hist=p.hist.tolist(), grad_nonfinite=p.nonfinite, grad_max=p.grad_max,
-                                   grad_tensor_max=p.grad_tensor_max, init_scale_power=ls.initial_scale_power,
-                                   opt_steps=p.opt_steps, overflow_scales=p.overflow_scales,
-                                   loss_scale=[r.get(f"precision/{name}/loss_scale", 1.0) for r in rows],
-                                   skipped_steps=rows[-1].get(f"precision/{name}/skipped_steps", 0.0),
-                                   aligned_skips=rows[-1].get(f"precision/{name}/aligned_skips", 0.0))
+                roles[name].update(
+                    grad_hist=p.hist.tolist(),
+                    grad_nonfinite=p.nonfinite,
+                    grad_max=p.grad_max,
+                    grad_tensor_max=p.grad_tensor_max,
+                    init_scale_power=ls.initial_scale_power,
+                    opt_steps=p.opt_steps,
+                    overflow_scales=p.overflow_scales,
+                    loss_scale=[r.get(f"precision/{name}/loss_scale", 1.0) for r in rows],
+                    skipped_steps=rows[-1].get(f"precision/{name}/skipped_steps", 0.0),
+                    aligned_skips=rows[-1].get(f"precision/{name}/aligned_skips", 0.0),
+                )
         world, model_path = trainer.world, trainer.model_path
-        notes = [f"{n}: runs on the actor's engine (LoRA adapters off): no numbers of its own"
-                 for n in trainer.roles if n not in probes]
-    result = R.build_report(cfg, roles, rows, world, model_path, detect_hardware(cfg.trainer.device),
-                            steps, time.perf_counter() - t0, notes)
+        notes = [
+            f"{n}: runs on the actor's engine (LoRA adapters off): no numbers of its own"
+            for n in trainer.roles
+            if n not in probes
+        ]
+    hw = detect_hardware(cfg.trainer.device)
+    shape = load_shape(str(Path(model_path) / "config.json"))
+    mem = {name: weight_memory(cfg, name, shape, world, hw) for name in roles}
+    result = R.build_report(roles, rows, mem, world, hw, steps, time.perf_counter() - t0, notes)
     if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "precision.yaml").write_text(result["yaml"])
         (out / "debug_precision.md").write_text(result["report"] + "\n")
         (out / "debug_precision.json").write_text(json.dumps(_finite({"steps": steps, "roles": roles}), indent=1))
-        result["report"] += (f"\nwrote {out / 'precision.yaml'} (paste into the run config), debug_precision.md "
-                             "and .json (per-tensor maxima)")
+        result["report"] += (
+            f"\nwrote {out / 'precision.yaml'} (paste into the run config), debug_precision.md "
+            "and .json (per-tensor maxima)"
+        )
     return {**result, "roles": roles, "out_dir": str(out)}

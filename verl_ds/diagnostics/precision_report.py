@@ -7,21 +7,22 @@ A role is flagged when bf16 or fp16 would damage its numbers: output relative er
 dtype's smallest normal at the loss scale the dtype would run with (fp16: the role's loss scale
 when it runs fp16, else its configured 2**initial_scale_power; bf16/fp32: 1); skipped fp16 steps.
 """
+
 from __future__ import annotations
 
-import copy
 import math
 
 import yaml
 
-from verl_ds.diagnostics.memory import estimate_memory, fmt_bytes, load_shape, md_table
-from verl_ds.diagnostics.precision_advisor import EXP_BINS, EXP_OFFSET
+from verl_ds.diagnostics.memory import fmt_bytes, md_table
+from verl_ds.precision import COMPUTE_DTYPES, PrecisionConfig, resolve_precision
+
+EXP_OFFSET, EXP_BINS = 160, 320  # gradient histogram: frexp exponents of fp32 values lie in [-148, 129]
 
 REL_TOL, VANISH_TOL, UNDER_TOL = 0.05, 0.05, 0.01
 FP16_MAX = 65504.0
-TINY_POW = {"fp16": -14, "bf16": -126, "fp32": -126}    # smallest normal = 2**TINY_POW
-MAX_POW = {"fp16": 16, "bf16": 128, "fp32": 128}        # overflow: |x| >= 2**MAX_POW (fp16: ~65504)
-DTYPES = ("fp32", "bf16", "fp16")
+TINY_POW = {"fp16": -14, "bf16": -126, "fp32": -126}  # smallest normal = 2**TINY_POW
+MAX_POW = {"fp16": 16, "bf16": 128, "fp32": 128}  # overflow: |x| >= 2**MAX_POW (fp16: ~65504)
 
 
 def scale_power(m: dict, dtype: str) -> int:
@@ -40,7 +41,8 @@ def grad_fractions(m: dict, dtype: str, k: int) -> tuple[float, float]:
 
     def idx(e):
         return min(max(e + EXP_OFFSET, 0), EXP_BINS)
-    return sum(h[:idx(TINY_POW[dtype] - k + 1)]) / n, sum(h[idx(MAX_POW[dtype] + 1 - k):]) / n
+
+    return sum(h[: idx(TINY_POW[dtype] - k + 1)]) / n, sum(h[idx(MAX_POW[dtype] + 1 - k) :]) / n
 
 
 def safe_scale_power(m: dict) -> int | None:
@@ -69,14 +71,23 @@ def problems(m: dict, dtype: str) -> list[tuple[str, str]]:
         k = scale_power(m, dtype)
         under, _ = grad_fractions(m, dtype, k)
         if under > UNDER_TOL:
-            out.append(("scale", f"{under:.0%} of gradients underflow {dtype} at loss scale 2^{k} "
-                                 f"(max |grad| {m['grad_max']:.2g})"))
+            out.append(
+                (
+                    "scale",
+                    f"{under:.0%} of gradients underflow {dtype} at loss scale 2^{k} (max |grad| {m['grad_max']:.2g})",
+                )
+            )
         if grad_fractions(m, dtype, 0)[1] > 0:
             out.append(("other", f"gradients exceed {dtype} max even unscaled"))
-        own = m.get("skipped_steps", 0) - m.get("aligned_skips", 0)    # not the partner role's overflow
+        own = m.get("skipped_steps", 0) - m.get("aligned_skips", 0)  # not the partner role's overflow
         if dtype == "fp16" == m["dtype"] and own > 0:
-            out.append(("scale", f"fp16 skipped {int(own)} of {m['opt_steps']} optimizer steps for overflow "
-                                 f"(initial_scale_power {safe_scale_power(m)} would avoid it)"))
+            out.append(
+                (
+                    "scale",
+                    f"fp16 skipped {int(own)} of {m['opt_steps']} optimizer steps for overflow "
+                    f"(initial_scale_power {safe_scale_power(m)} would avoid it)",
+                )
+            )
     return out
 
 
@@ -84,22 +95,36 @@ def advise(name: str, m: dict, auto_dtype: str) -> dict:
     """{dtype, scale_power, flagged, reason}: one recommendation per role."""
     cur = m["dtype"]
     if cur == "int8":
-        return {"dtype": cur, "scale_power": None, "flagged": False,
-                "reason": "int8: weight-only quantization, not analysed (the bf16/fp16 rows cast the fp32 weights)"}
+        return {
+            "dtype": cur,
+            "scale_power": None,
+            "flagged": False,
+            "reason": "int8: weight-only quantization, not analysed (the bf16/fp16 rows cast the fp32 weights)",
+        }
     pb = {d: problems(m, d) for d in ("bf16", "fp16")}
     if not any(pb.values()):
-        under = f", fp16 grad underflow {grad_fractions(m, 'fp16', scale_power(m, 'fp16'))[0]:.2%}" \
-            if _has_grads(m) else ""
-        return {"dtype": cur, "scale_power": None, "flagged": False,
-                "reason": f"{cur}: no range problem (rel. error bf16 {m['rel_err']['bf16']:.2%}, "
-                          f"fp16 {m['rel_err']['fp16']:.2%}{under})"}
+        under = (
+            f", fp16 grad underflow {grad_fractions(m, 'fp16', scale_power(m, 'fp16'))[0]:.2%}" if _has_grads(m) else ""
+        )
+        return {
+            "dtype": cur,
+            "scale_power": None,
+            "flagged": False,
+            "reason": f"{cur}: no range problem (rel. error bf16 {m['rel_err']['bf16']:.2%}, "
+            f"fp16 {m['rel_err']['fp16']:.2%}{under})",
+        }
     k = safe_scale_power(m) if m["trainable"] else None
-    fixable = bool(pb["fp16"]) and all(kind == "scale" for kind, _ in pb["fp16"]) and k is not None \
+    fixable = (
+        bool(pb["fp16"])
+        and all(kind == "scale" for kind, _ in pb["fp16"])
+        and k is not None
         and grad_fractions(m, "fp16", k)[0] <= UNDER_TOL
+    )
     fp16_text = f"fp16 with initial_scale_power {k}" if fixable else "fp16"
 
     def rec(dtype, text, power=None):
         return {"dtype": dtype, "scale_power": power, "flagged": True, "reason": f"{text}"}
+
     if cur in pb and not pb[cur]:
         other = "fp16" if cur == "bf16" else "bf16"
         return rec(cur, f"{cur}: keep it; {other} would: {pb[other][0][1]}")
@@ -110,21 +135,6 @@ def advise(name: str, m: dict, auto_dtype: str) -> dict:
     if not pb["fp16"]:
         return rec("fp16", f"fp16: {pb['bf16'][0][1]}")
     return rec("fp32", f"fp32: {pb['bf16'][0][1]}; {pb['fp16'][0][1]}")
-
-
-def weight_memory(cfg, role: str, shape, world: int, hw) -> dict[str, float]:
-    """Weight bytes of `role` per dtype from the analytic model (what `debug memory` prints)."""
-    from verl_ds.ds_config import json_dtypes, render_ds_configs
-    from verl_ds.precision import resolve_precision
-
-    out = {}
-    for dt in DTYPES:
-        c = copy.deepcopy(cfg)
-        setattr(c.precision, f"{role}_dtype", dt)
-        p = resolve_precision(c.precision, hw, json_dtypes(c), log_choice=False)
-        est = estimate_memory(c, shape, render_ds_configs(c, world, p), world, p.rollout)
-        out[dt] = sum(v for k, v in est["update"][role].items() if k.startswith("weights_"))
-    return out
 
 
 def precision_block(advice: dict) -> str:
@@ -152,59 +162,101 @@ def _pct(x):
     return f"{x:.2%}"
 
 
-def build_report(cfg, roles: dict, rows: list[dict], world: int, model_path: str, hw, steps: int,
-                 seconds: float, notes: list[str] = ()) -> dict:
-    from pathlib import Path
-
-    from verl_ds.precision import PrecisionConfig, resolve_precision
-
-    shape = load_shape(str(Path(model_path) / "config.json"))
-    auto = resolve_precision(PrecisionConfig(), hw, log_choice=False).auto_choice   # what `auto` means here
+def build_report(
+    roles: dict,
+    rows: list[dict],
+    mem: dict[str, dict[str, float]],
+    world: int,
+    hw,
+    steps: int,
+    seconds: float,
+    notes: list[str] = (),
+) -> dict:
+    """`roles`: each role's measurements; `mem`: its weight bytes per dtype (`weight_memory`)."""
+    auto = resolve_precision(PrecisionConfig(), hw, log_choice=False).auto_choice  # what `auto` means here
     advice = {name: advise(name, m, auto) for name, m in roles.items()}
-    mem = {name: weight_memory(cfg, name, shape, world, hw) for name in roles}
     table = []
     for name, m in roles.items():
-        for dt in DTYPES:
+        for dt in COMPUTE_DTYPES:
             k = scale_power(m, dt)
-            grads = [f"{x:.2%} @2^{k}" for x in grad_fractions(m, dt, k)] if _has_grads(m) else \
-                ["no nonzero grads" if m["trainable"] else "-"] * 2
+            grads = (
+                [f"{x:.2%} @2^{k}" for x in grad_fractions(m, dt, k)]
+                if _has_grads(m)
+                else ["no nonzero grads" if m["trainable"] else "-"] * 2
+            )
             gap = f"{m['logprob_gap'][dt]:.3g}" if "logprob_gap" in m else "-"
-            table.append([name, dt, _pct(m["rel_err"][dt]), gap, *grads, fmt_bytes(mem[name][dt]),
-                          f"{m['fwd_s'][dt]:.3f}"])
+            table.append(
+                [name, dt, _pct(m["rel_err"][dt]), gap, *grads, fmt_bytes(mem[name][dt]), f"{m['fwd_s'][dt]:.3f}"]
+            )
     ranges = []
     for name, m in roles.items():
         lost = m.get("vanish")
-        ranges.append([name, m["dtype"], f"{m['weight_max']:.3g}", f"{m['act_max']:.3g}",
-                       f"[{m['out_range'][0]:.4g}, {m['out_range'][1]:.4g}]",
-                       f"{m['grad_max']:.3g}" if m["trainable"] else "-",
-                       _run_scale_fractions(m), str(safe_scale_power(m)) if m["trainable"] and m["grad_max"] else "-",
-                       (f"{_pct(lost['bf16'])} / {_pct(lost['fp16'])} of {m['pairs']}" if lost else "-")])
-    lines = [f"## debug precision: {steps} steps, world size {world}, {hw.device}, `auto` = {auto}", "",
-             "What each dtype would do (rel. error: the role's output — logprobs, values or scores — vs fp32 "
-             "on the last batch; gradient fractions at the loss scale the dtype would run with; weights: analytic "
-             "estimate as in `debug memory`).", "",
-             md_table(["role", "dtype", "rel. error", "max abs Δlogprob", "grad underflow", "grad overflow",
-                       "weights (est.)", "forward (s)"], table), "",
-             md_table(["role", "run dtype", "max abs weight", "max abs activation", "output range",
-                       "max abs grad (unscaled)", "grad below fp16 normal / above fp16 max, at the run's scale",
-                       "fp16 initial_scale_power (no early overflow)",
-                       "score diffs lost bf16 / fp16"], ranges), ""]
+        ranges.append(
+            [
+                name,
+                m["dtype"],
+                f"{m['weight_max']:.3g}",
+                f"{m['act_max']:.3g}",
+                f"[{m['out_range'][0]:.4g}, {m['out_range'][1]:.4g}]",
+                f"{m['grad_max']:.3g}" if m["trainable"] else "-",
+                _run_scale_fractions(m),
+                str(safe_scale_power(m)) if m["trainable"] and m["grad_max"] else "-",
+                (f"{_pct(lost['bf16'])} / {_pct(lost['fp16'])} of {m['pairs']}" if lost else "-"),
+            ]
+        )
+    lines = [
+        f"## debug precision: {steps} steps, world size {world}, {hw.device}, `auto` = {auto}",
+        "",
+        "What each dtype would do (rel. error: the role's output — logprobs, values or scores — vs fp32 "
+        "on the last batch; gradient fractions at the loss scale the dtype would run with; weights: analytic "
+        "estimate as in `debug memory`).",
+        "",
+        md_table(
+            [
+                "role",
+                "dtype",
+                "rel. error",
+                "max abs Δlogprob",
+                "grad underflow",
+                "grad overflow",
+                "weights (est.)",
+                "forward (s)",
+            ],
+            table,
+        ),
+        "",
+        md_table(
+            [
+                "role",
+                "run dtype",
+                "max abs weight",
+                "max abs activation",
+                "output range",
+                "max abs grad (unscaled)",
+                "grad below fp16 normal / above fp16 max, at the run's scale",
+                "fp16 initial_scale_power (no early overflow)",
+                "score diffs lost bf16 / fp16",
+            ],
+            ranges,
+        ),
+        "",
+    ]
     for name, m in roles.items():
         if m["trainable"] and m["dtype"] == "fp16":
-            lines.append(f"{name} loss scale: {' → '.join(f'{s:g}' for s in m['loss_scale'])}; "
-                         f"skipped steps: {int(m['skipped_steps'])} "
-                         f"({int(m['aligned_skips'])} for the partner's overflow)")
+            lines.append(
+                f"{name} loss scale: {' → '.join(f'{s:g}' for s in m['loss_scale'])}; "
+                f"skipped steps: {int(m['skipped_steps'])} "
+                f"({int(m['aligned_skips'])} for the partner's overflow)"
+            )
     gap = rows[-1].get("rollout_corr/logprob_abs_diff_max")
     if gap is not None:
         lines.append(f"rollout vs trainer in this run: max |Δlogprob| {gap:.3g}")
     if hw.device == "cpu":
-        slow = "fp16 is emulated on CPU" + ("" if {"avx512_bf16", "amx_bf16"} & set(hw.cpu_flags)
-                                           else "; bf16 is emulated without avx512_bf16/AMX")
+        slow = "fp16 is emulated on CPU" + ("" if hw.cpu_bf16 else "; bf16 is emulated without avx512_bf16/AMX")
         lines.append(f"note: forward timings are not representative here ({slow}); the numerics are.")
     lines += list(notes) + ["", "### Recommendations"]
     for name, a in advice.items():
         lines.append(f"- {name}{' (flagged)' if a['flagged'] else ''}: {a['reason']}")
     text = precision_block(advice)
     lines += ["", "```yaml", text.rstrip(), "```", "", f"debug precision took {seconds:.1f} s"]
-    return {"report": "\n".join(lines), "yaml": text, "recommendations": advice, "memory": mem,
-            "seconds": seconds}
+    return {"report": "\n".join(lines), "yaml": text, "recommendations": advice, "memory": mem, "seconds": seconds}

@@ -10,8 +10,18 @@ observation is a string (sent as one `user` message, or `tool` for the tool envi
 list of chat messages. Environments see text only: the rollout owns the token ids.
 See docs/ENVIRONMENTS.md.
 """
-from .base import BUILTIN_ENVS, Environment, EnvFactory, load_env_factory
+
+from .base import BUILTIN_ENVS, EnvFactory, Environment, load_env_factory
 from .tools import ToolEnv, calculator, load_tools, parse_hermes_tool_calls, tool_schemas
 
-__all__ = ["Environment", "EnvFactory", "BUILTIN_ENVS", "load_env_factory", "ToolEnv", "calculator",
-           "load_tools", "parse_hermes_tool_calls", "tool_schemas"]
+__all__ = [
+    "Environment",
+    "EnvFactory",
+    "BUILTIN_ENVS",
+    "load_env_factory",
+    "ToolEnv",
+    "calculator",
+    "load_tools",
+    "parse_hermes_tool_calls",
+    "tool_schemas",
+]

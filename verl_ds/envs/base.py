@@ -1,4 +1,5 @@
 """The environment contract and `load_env_factory`: `rollout.multi_turn.env` -> a per-episode factory."""
+
 from __future__ import annotations
 
 import importlib
@@ -47,12 +48,14 @@ def _check_method(cls, name: str, n_args: int, key: str) -> None:
     try:
         inspect.signature(fn).bind(None, *([None] * n_args))
     except TypeError:
-        raise ConfigError(key, f"{cls.__name__}.{name} must take {n_args} argument(s) besides self, "
-                               f"got {name}{inspect.signature(fn)}") from None
+        raise ConfigError(
+            key, f"{cls.__name__}.{name} must take {n_args} argument(s) besides self, got {name}{inspect.signature(fn)}"
+        ) from None
 
 
-def load_env_factory(spec: str, env_kwargs: dict, tools: list | None = None,
-                     key: str = "rollout.multi_turn.env") -> EnvFactory:
+def load_env_factory(
+    spec: str, env_kwargs: dict, tools: list | None = None, key: str = "rollout.multi_turn.env"
+) -> EnvFactory:
     """A zero-argument factory building one environment per episode. Checked now (import, methods,
     constructor arguments), so a bad path or signature is one line at start, not a crash mid-run.
     The tool environment also gets `tools` (the functions of `data.tools`)."""

@@ -4,6 +4,7 @@ The model answers; a wrong answer gets the observation `#` ("try again") until `
 answers were given. Reward 1 for a correct answer at try k is discounted to `discount ** (k-1)`.
 Small enough to train in seconds; it exercises every part of the multi-turn path.
 """
+
 from __future__ import annotations
 
 
@@ -14,7 +15,7 @@ class RetryEnv:
 
     def reset(self, example: dict):
         self.answer, self.tries = str(example["answer"]).strip(), 0
-        return None                       # the prompt is the first observation
+        return None  # the prompt is the first observation
 
     def step(self, action: str):
         self.tries += 1

@@ -6,6 +6,7 @@ without a call. A tool that raises or times out answers `error: ...` (counted in
 malformed call answers the same way: the model learns from it, the run never crashes on it.
 Schemas come from the functions' type hints and docstrings (`transformers.utils.get_json_schema`).
 """
+
 from __future__ import annotations
 
 import ast
@@ -15,12 +16,20 @@ import operator
 import re
 from typing import Callable
 
+from verl_ds.envs.base import import_object
 from verl_ds.errors import ConfigError
 
 BUILTIN_TOOLS = {"calculator": "verl_ds.envs.tools:calculator"}
 
-_BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BIN = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
@@ -34,7 +43,7 @@ def _arith(node) -> float | int:
     if isinstance(node, ast.BinOp) and type(node.op) in _BIN:
         left, right = _arith(node.left), _arith(node.right)
         if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1e6):
-            raise ValueError("exponent too large")      # 9**9**9 would run for ever
+            raise ValueError("exponent too large")  # 9**9**9 would run for ever
         return _BIN[type(node.op)](left, right)
     raise ValueError(f"unsupported expression element: {type(node).__name__}")
 
@@ -47,7 +56,7 @@ def calculator(expression: str) -> str:
     """
     if len(expression) > 200:
         raise ValueError("expression longer than 200 characters")
-    value = _arith(ast.parse(expression.strip(), mode="eval"))   # a parse tree walk, not eval()
+    value = _arith(ast.parse(expression.strip(), mode="eval"))  # a parse tree walk, not eval()
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         value = int(value)
     return str(value)
@@ -56,7 +65,6 @@ def calculator(expression: str) -> str:
 def load_tools(specs: list[str], key: str = "data.tools") -> list[Callable]:
     """`data.tools`: built-in names (`calculator`) or `pkg.module:function` paths; each must give a
     JSON schema (type hints + a docstring with an Args section)."""
-    from verl_ds.envs.base import import_object
 
     tools = []
     for i, spec in enumerate(specs):
@@ -78,9 +86,12 @@ def tool_schemas(tools: list[Callable], key: str = "data.tools") -> list[dict]:
     for fn in tools:
         try:
             out.append(get_json_schema(fn))
-        except Exception as e:   # transformers raises its own DocstringParsingException / TypeHintParsingException
-            raise ConfigError(key, f"{getattr(fn, '__name__', fn)}: no JSON schema ({e}); give it type hints "
-                                   "and a docstring with an Args section") from None
+        except Exception as e:  # transformers raises its own DocstringParsingException / TypeHintParsingException
+            raise ConfigError(
+                key,
+                f"{getattr(fn, '__name__', fn)}: no JSON schema ({e}); give it type hints "
+                "and a docstring with an Args section",
+            ) from None
     return out
 
 
@@ -101,8 +112,11 @@ def parse_hermes_tool_calls(text: str) -> list[dict | str]:
         except json.JSONDecodeError as e:
             calls.append(f"error: the tool call is not valid JSON ({e.msg})")
             continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
-                not isinstance(call.get("arguments", {}), dict):
+        if (
+            not isinstance(call, dict)
+            or not isinstance(call.get("name"), str)
+            or not isinstance(call.get("arguments", {}), dict)
+        ):
             calls.append('error: a tool call must be {"name": "...", "arguments": {...}}')
             continue
         calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
@@ -131,8 +145,12 @@ class ToolEnv:
             return None, 0.0, True, {"tool_calls": 0.0, "tool_failures": 0.0}
         results = [self._run(c) for c in calls]
         failures = sum(r.startswith("error:") for r in results)
-        return ([{"role": "tool", "content": r} for r in results], 0.0, False,
-                {"tool_calls": float(len(calls)), "tool_failures": float(failures)})
+        return (
+            [{"role": "tool", "content": r} for r in results],
+            0.0,
+            False,
+            {"tool_calls": float(len(calls)), "tool_failures": float(failures)},
+        )
 
     def _run(self, call: dict | str) -> str:
         if isinstance(call, str):

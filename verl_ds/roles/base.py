@@ -5,6 +5,7 @@ engine; the reaches into DeepSpeed internals are `_grad_partitions` (overflow al
 fp16 underflow statistic) and, for fp32 ZeRO-0 on CPU, `enable_backward_allreduce` (the gradient
 all-reduce is `dist.BucketAllReduce`), each in one place.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,8 @@ import warnings
 
 import torch
 
-from verl_ds.ds_config import ds_dtype
 from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_sum, init_distributed
+from verl_ds.ds_config import ds_dtype
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,12 @@ def trim_padding(batch: dict) -> tuple[dict, int]:
     mask = batch["attention_mask"]
     width = batch["response_mask"].shape[1]
     p = mask.shape[1] - width
-    used = mask.bool().any(0).cpu()      # one device sync, then index arithmetic on the host
-    start = int(used[:p].int().argmax()) if p and bool(used[:p].any()) else p   # first prompt column in use
-    keep = int(used[p:].nonzero().max()) + 1 if bool(used[p:].any()) else 1     # last response column in use
-    inputs = model_inputs({"input_ids": batch["input_ids"][:, start:p + keep],
-                           "attention_mask": mask[:, start:p + keep]})
+    used = mask.bool().any(0).cpu()  # one device sync, then index arithmetic on the host
+    start = int(used[:p].int().argmax()) if p and bool(used[:p].any()) else p  # first prompt column in use
+    keep = int(used[p:].nonzero().max()) + 1 if bool(used[p:].any()) else 1  # last response column in use
+    inputs = model_inputs(
+        {"input_ids": batch["input_ids"][:, start : p + keep], "attention_mask": mask[:, start : p + keep]}
+    )
     return inputs, keep
 
 
@@ -112,8 +114,9 @@ def enable_cpu_fp16() -> None:
         return
     acc.is_fp16_supported = lambda: True
     acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
-    log.warning("fp16 on CPU: enabled DeepSpeed's fp16 path on the CPU accelerator (emulated, slow; "
-                "for correctness checks)")
+    log.warning(
+        "fp16 on CPU: enabled DeepSpeed's fp16 path on the CPU accelerator (emulated, slow; for correctness checks)"
+    )
 
 
 class AutocastWarning(UserWarning):
@@ -130,9 +133,13 @@ def warn_if_autocast(*_hook_args) -> None:
     devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
     if not _AUTOCAST_WARNED and any(torch.is_autocast_enabled(d) for d in devices):
         _AUTOCAST_WARNED = True
-        warnings.warn("a role's forward runs inside a user-opened torch.autocast: verl-ds sets each role's "
-                      "precision itself (precision.*_dtype); autocast overrides it and can break fp16 loss "
-                      "scaling or the logprob mismatch. Remove the autocast context.", AutocastWarning, stacklevel=2)
+        warnings.warn(
+            "a role's forward runs inside a user-opened torch.autocast: verl-ds sets each role's "
+            "precision itself (precision.*_dtype); autocast overrides it and can break fp16 loss "
+            "scaling or the logprob mismatch. Remove the autocast context.",
+            AutocastWarning,
+            stacklevel=2,
+        )
 
 
 class Role:
@@ -152,11 +159,12 @@ class Role:
             model.eval()
         # a user's torch optimizer replaces the config's optimizer block
         params = [p for p in model.parameters() if p.requires_grad] if trainable and optimizer is None else None
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
-                                               config=ds_config)
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=params, optimizer=optimizer, config=ds_config
+        )
         self.engine.register_forward_pre_hook(warn_if_autocast)
         self.micro_batch_size = int(ds_config["train_micro_batch_size_per_gpu"])
-        self.aligned_skips = 0          # steps skipped because the partner role overflowed
+        self.aligned_skips = 0  # steps skipped because the partner role overflowed
         self._last_underflow = float("nan")
         # fp32 ZeRO-0 runs a plain torch optimizer: DeepSpeed keeps no gradient norm for it (`step`
         # measures one), and on CPU its gradients are averaged over the ranks by a reusable-buffer
@@ -179,7 +187,7 @@ class Role:
     def to_device(self, batch: dict) -> dict:
         return {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
-    max_tokens = 0   # roles.<role>.max_tokens_per_micro_batch; 0: micro-batches of micro_batch_size rows
+    max_tokens = 0  # roles.<role>.max_tokens_per_micro_batch; 0: micro-batches of micro_batch_size rows
 
     def packed(self, batch: dict) -> list[torch.Tensor]:
         """Under a token budget: `pack_by_tokens`, as many micro-batches on every rank (ZeRO-3 gathers
@@ -202,7 +210,7 @@ class Role:
         batch = self.to_device(batch)
         outs, rows, single = [], [], False
         for idx in self.micro_indices(batch):
-            out = fn(select_rows(batch, idx))           # an empty entry runs one dropped row
+            out = fn(select_rows(batch, idx))  # an empty entry runs one dropped row
             single = not isinstance(out, tuple)
             if len(idx):
                 outs.append((out,) if single else out)
@@ -212,7 +220,7 @@ class Role:
 
     # ------------------------------------------------------------ training (trainable roles)
     force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow
-    global_metric_keys: tuple = ()   # metrics normalised by global counts (see `summarize`)
+    global_metric_keys: tuple = ()  # metrics normalised by global counts (see `summarize`)
 
     def micro_loss(self, mb: dict, counts: dict) -> tuple[torch.Tensor, dict]:
         """(loss, metrics) of one micro-batch; `counts` = global_tokens/global_seqs for agg_loss."""
@@ -222,7 +230,7 @@ class Role:
         """Forward/backward over one mini-batch (this rank's share), leaving the optimizer step to
         `step()`. Losses use global counts, so the accumulated gradient equals the full mini-batch's."""
         gas = self.engine.gradient_accumulation_steps()
-        scale = gas * self.engine.world_size            # undo DeepSpeed's 1/gas and rank averaging
+        scale = gas * self.engine.world_size  # undo DeepSpeed's 1/gas and rank averaging
         batch = self.to_device(batch)
         # `gas` micro-steps: of micro_batch_size rows, or fewer when dynamic sampling shrank the batch.
         # Under a token budget, rows packed by length (`packed`), with the accumulation boundary set
@@ -260,7 +268,7 @@ class Role:
             self._last_underflow = self._underflow_fraction()
         # DeepSpeed clips a plain fp32 ZeRO-0 optimizer's gradients but keeps no norm: measure it here
         grads = self._grad_partitions() if self._plain else []
-        self._plain_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None   # foreach norms
+        self._plain_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None  # foreach norms
         self.engine.step()
 
     def has_overflow(self) -> bool:
@@ -268,7 +276,7 @@ class Role:
         if self.dtype != "fp16":
             return False
         bad = float(any(not torch.isfinite(g).all() for g in self._grad_partitions()))
-        return all_reduce_sum([bad])[0] > 0      # every rank must decide alike
+        return all_reduce_sum([bad])[0] > 0  # every rank must decide alike
 
     def force_skip(self) -> None:
         """Make DeepSpeed skip the pending step through its own overflow path (aligned overflow)."""
@@ -287,17 +295,16 @@ class Role:
 
     def _grad_partitions(self) -> list[torch.Tensor]:
         opt = self.engine.optimizer
-        if hasattr(opt, "grad_partitions_flat_buffer"):                       # ZeRO-3
+        if hasattr(opt, "grad_partitions_flat_buffer"):  # ZeRO-3
             return [opt.grad_partitions_flat_buffer]
-        if hasattr(opt, "averaged_gradients"):                                # ZeRO-1/2
+        if hasattr(opt, "averaged_gradients"):  # ZeRO-1/2
             return [g for gs in opt.averaged_gradients.values() if gs for g in gs if g is not None]
         return [p.grad for p in self.module.parameters() if p.grad is not None]  # stage 0
 
     def _master_params(self) -> list[torch.Tensor]:
         """The tensors the optimizer updates (fp32 masters for 16-bit roles), at any stage."""
         opt = self.engine.optimizer
-        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat",
-                     "fp32_groups_flat_partition"):
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
             if getattr(opt, attr, None):
                 return list(getattr(opt, attr))
         inner = getattr(opt, "optimizer", opt)
@@ -307,7 +314,7 @@ class Role:
         """fp16: fraction of (sampled) gradient elements that are exactly zero, i.e. underflowed."""
         zeros = total = 0
         for g in self._grad_partitions():
-            flat = g.reshape(-1)[:sample - total]
+            flat = g.reshape(-1)[: sample - total]
             zeros += int((flat == 0).sum())
             total += flat.numel()
             if total >= sample:
@@ -326,23 +333,26 @@ class Role:
         norm = self.engine.get_global_grad_norm()
         norm = self._plain_grad_norm if norm is None else norm
         norm = float(norm) if norm is not None else float("nan")
-        stats.update({
-            "master_dtype": str(master.dtype).replace("torch.", ""),
-            "grad_dtype": str(self.engine.get_data_types()[1]).replace("torch.", ""),
-            "loss_scale": float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 1.0)) or 1.0)
-            if self.dtype == "fp16" else 1.0,
-            "overflow": float(bool(getattr(opt, "overflow", False))),
-            "skipped_steps": float(self.engine.skipped_steps),
-            "aligned_skips": float(self.aligned_skips),
-            "grad_norm": norm if math.isfinite(norm) else float("nan"),
-        })
+        stats.update(
+            {
+                "master_dtype": str(master.dtype).replace("torch.", ""),
+                "grad_dtype": str(self.engine.get_data_types()[1]).replace("torch.", ""),
+                "loss_scale": float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 1.0)) or 1.0)
+                if self.dtype == "fp16"
+                else 1.0,
+                "overflow": float(bool(getattr(opt, "overflow", False))),
+                "skipped_steps": float(self.engine.skipped_steps),
+                "aligned_skips": float(self.aligned_skips),
+                "grad_norm": norm if math.isfinite(norm) else float("nan"),
+            }
+        )
         if self.dtype == "fp16":
             stats["grad_underflow_frac"] = self._last_underflow
         return stats
 
     # ------------------------------------------------------------ checkpoints
     @property
-    def has_frozen_params(self) -> bool:   # a LoRA actor: only the adapters are checkpointed
+    def has_frozen_params(self) -> bool:  # a LoRA actor: only the adapters are checkpointed
         return any(not p.requires_grad for p in self.module.parameters())
 
     def save(self, ckpt_dir: str, tag: str) -> None:
@@ -350,9 +360,13 @@ class Role:
 
     def load(self, ckpt_dir: str, tag: str) -> None:
         load_opt = self.trainable
-        path, _ = self.engine.load_checkpoint(ckpt_dir, tag=tag, load_optimizer_states=load_opt,
-                                              load_lr_scheduler_states=load_opt,
-                                              load_module_strict=not self.has_frozen_params)
+        path, _ = self.engine.load_checkpoint(
+            ckpt_dir,
+            tag=tag,
+            load_optimizer_states=load_opt,
+            load_lr_scheduler_states=load_opt,
+            load_module_strict=not self.has_frozen_params,
+        )
         if path is None:
             raise FileNotFoundError(f"no {self.name} checkpoint '{tag}' in {ckpt_dir}")
 

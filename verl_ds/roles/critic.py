@@ -1,4 +1,5 @@
 """Critic: a causal-LM backbone plus a scalar value head, trained with the clipped value loss."""
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.v_head.bias)
 
     def forward(self, input_ids, attention_mask, position_ids):
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
+        h = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return self.v_head(h).squeeze(-1)
 
 
@@ -43,10 +45,10 @@ class Critic(Role):
         self.cfg = loss_cfg
 
     def forward(self, batch: dict) -> torch.Tensor:
-        inputs, resp_len = trim_padding(batch)               # only the columns some row uses
+        inputs, resp_len = trim_padding(batch)  # only the columns some row uses
         values = self.engine(**inputs)
         # V(state before each response token)
-        return pad_response(values[:, -resp_len - 1:-1].float(), batch["response_mask"].shape[1])
+        return pad_response(values[:, -resp_len - 1 : -1].float(), batch["response_mask"].shape[1])
 
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:
@@ -56,6 +58,13 @@ class Critic(Role):
 
     def micro_loss(self, mb: dict, counts: dict):
         c = self.cfg
-        vf_loss, m = algos.value_loss(self.forward(mb), mb["old_values"], mb["returns"], mb["response_mask"],
-                                      clip=c.vf_clip, agg_mode=c.loss_agg_mode, **counts)
+        vf_loss, m = algos.value_loss(
+            self.forward(mb),
+            mb["old_values"],
+            mb["returns"],
+            mb["response_mask"],
+            clip=c.vf_clip,
+            agg_mode=c.loss_agg_mode,
+            **counts,
+        )
         return c.vf_coef * vf_loss, {"vf_loss": vf_loss, **m}

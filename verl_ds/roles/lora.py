@@ -1,6 +1,7 @@
 """LoRA actors through peft: only the adapters train (and are checkpointed); the rollout engine gets
 merged weights (base + scaled adapter) streamed one module at a time; the reference policy is the
 actor's own engine with its adapters disabled, so no second copy of the base model exists."""
+
 from __future__ import annotations
 
 import re
@@ -12,26 +13,43 @@ import torch
 _PREFIX = "base_model.model."
 
 
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, target_modules: list[str],
-               modules_to_save: list[str] = ()):
+def apply_lora(
+    model: torch.nn.Module,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str],
+    modules_to_save: list[str] = (),
+):
     """Wrap an HF causal LM with peft LoRA adapters; the base weights are frozen except
     `modules_to_save` (trained in full, e.g. the norms)."""
     from peft import LoraConfig, get_peft_model
 
     # a tied model keeps a trained embedding copy tied to its head, as the rollout engine does
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                                            target_modules=list(target_modules),
-                                            modules_to_save=list(modules_to_save) or None, task_type="CAUSAL_LM",
-                                            ensure_weight_tying=tied))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            lora_dropout=dropout,
+            target_modules=list(target_modules),
+            modules_to_save=list(modules_to_save) or None,
+            task_type="CAUSAL_LM",
+            ensure_weight_tying=tied,
+        ),
+    )
 
 
 def tied_embedding_targets(model: torch.nn.Module, names: list[str]) -> list[str]:
     """The `names` that hit a tied input/output embedding (the rollout engine keeps one matrix)."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return []
-    ends = {n for n, mod in model.named_modules()
-            if mod is model.get_input_embeddings() or mod is model.get_output_embeddings()}
+    ends = {
+        n
+        for n, mod in model.named_modules()
+        if mod is model.get_input_embeddings() or mod is model.get_output_embeddings()
+    }
     return [k for k in names if any(n == k or n.endswith("." + k) for n in ends)]
 
 
@@ -42,13 +60,14 @@ def is_lora_model(module: torch.nn.Module) -> bool:
 def hf_name(peft_name: str) -> str:
     """`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight` -> the base checkpoint's
     `model.layers.0.self_attn.q_proj.weight`."""
-    name = peft_name[len(_PREFIX):] if peft_name.startswith(_PREFIX) else peft_name
-    name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)      # a trained copy of a saved module
+    name = peft_name[len(_PREFIX) :] if peft_name.startswith(_PREFIX) else peft_name
+    name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)  # a trained copy of a saved module
     return name.replace(".base_layer.", ".")
 
 
 def _gathered(params: list, stage3: bool):
     import deepspeed
+
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None) if stage3 else nullcontext()
 
 
@@ -59,7 +78,7 @@ def iter_merged_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
     stage3 = any(hasattr(p, "ds_id") for p in module.parameters())
     seen: set[int] = set()
     for mod_name, mod in module.named_modules():
-        if hasattr(mod, "lora_A") and hasattr(mod, "base_layer"):       # a peft LoRA layer
+        if hasattr(mod, "lora_A") and hasattr(mod, "base_layer"):  # a peft LoRA layer
             params = list(mod.parameters())
             seen.update(id(p) for p in params)
             with _gathered(params, stage3), torch.no_grad():
@@ -72,8 +91,8 @@ def iter_merged_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
                 if base.bias is not None:
                     yield hf_name(f"{mod_name}.base_layer.bias"), base.bias.detach().clone()
             continue
-        if hasattr(mod, "original_module") and hasattr(mod, "modules_to_save"):   # modules_to_save wrapper
-            seen.update(id(p) for p in mod.original_module.parameters())          # the frozen original: not sent
+        if hasattr(mod, "original_module") and hasattr(mod, "modules_to_save"):  # modules_to_save wrapper
+            seen.update(id(p) for p in mod.original_module.parameters())  # the frozen original: not sent
             continue
         own = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
         if not own:
@@ -98,6 +117,7 @@ def adapter_state_dict(engine_or_module) -> dict[str, torch.Tensor]:
 class AdapterOffReference:
     """The reference policy of a LoRA actor: the actor's engine with its adapters disabled, i.e.
     exactly the base weights, with no second model in memory."""
+
     name, trainable = "reference", False
 
     def __init__(self, actor):

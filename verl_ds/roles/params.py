@@ -1,4 +1,5 @@
 """Stream a DeepSpeed engine's full weights as plain HF `(name, tensor)` pairs, one module at a time."""
+
 from __future__ import annotations
 
 import shutil
@@ -9,6 +10,8 @@ from typing import Iterator
 import torch
 
 from verl_ds.dist import barrier, rank
+from verl_ds.precision import TORCH_DTYPES
+from verl_ds.roles.lora import is_lora_model
 
 
 def iter_full_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -24,7 +27,7 @@ def iter_full_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
     from verl_ds.roles.lora import is_lora_model, iter_merged_params
 
     module = getattr(engine_or_module, "module", engine_or_module)
-    if is_lora_model(module):     # a LoRA actor streams its merged weights under the base's names
+    if is_lora_model(module):  # a LoRA actor streams its merged weights under the base's names
         yield from iter_merged_params(module)
         return
     stage3 = any(hasattr(p, "ds_id") for p in module.parameters())
@@ -44,19 +47,17 @@ def iter_full_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
 def export_hf(engine, out_dir: str | Path, dtype: str, tokenizer=None) -> Path:
     """Save the engine's model (a LoRA actor: merged) as an HF directory (safetensors, config dtype
     set). All ranks must call it (ZeRO-3 gathers are collective); only rank 0 keeps tensors and writes."""
-    from verl_ds.precision import TORCH_DTYPES
-    from verl_ds.roles.lora import is_lora_model
-
     keep = rank() == 0
     sd = {name: t.to(device="cpu", dtype=TORCH_DTYPES[dtype]) for name, t in iter_full_params(engine) if keep}
     module = getattr(engine, "module", engine)
     model = module.get_base_model() if is_lora_model(module) else module
 
     def write(tmp: Path) -> None:
-        model.config.dtype = TORCH_DTYPES[dtype]   # transformers 5 name (was torch_dtype)
+        model.config.dtype = TORCH_DTYPES[dtype]  # transformers 5 name (was torch_dtype)
         model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+
     return write_dir_atomically(out_dir, write)
 
 
@@ -75,6 +76,7 @@ def export_adapter(engine, out_dir: str | Path, tokenizer=None) -> Path:
         save_file(sd, str(tmp / "adapter_model.safetensors"))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+
     return write_dir_atomically(out_dir, write)
 
 

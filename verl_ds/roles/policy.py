@@ -1,4 +1,5 @@
 """Actor (trained) and reference (frozen): causal LMs that score response tokens."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,9 @@ from verl_ds.config import AlgorithmConfig
 from verl_ds.roles.base import Role, pad_response, trim_padding
 
 
-def load_causal_lm(path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False,
-                   lm_head_fp32: bool = False):
+def load_causal_lm(
+    path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False, lm_head_fp32: bool = False
+):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
@@ -50,14 +52,20 @@ def shared_prompt_logits(model, inputs: dict, resp_len: int) -> torch.Tensor:
     p = ids.shape[1] - resp_len
     distinct, inv = torch.unique(torch.cat([ids[:, :p], mask[:, :p]], 1), dim=0, return_inverse=True)
     rows = torch.arange(len(ids), device=ids.device)
-    first = torch.empty(len(distinct), dtype=torch.long, device=ids.device).scatter_(0, inv, rows)   # a row each
-    pre = model(input_ids=ids[first, :p], attention_mask=mask[first, :p], position_ids=pos[first, :p],
-                use_cache=True, logits_to_keep=1)
+    first = torch.empty(len(distinct), dtype=torch.long, device=ids.device).scatter_(0, inv, rows)  # a row each
+    pre = model(
+        input_ids=ids[first, :p],
+        attention_mask=mask[first, :p],
+        position_ids=pos[first, :p],
+        use_cache=True,
+        logits_to_keep=1,
+    )
     cache = pre.past_key_values
-    cache.reorder_cache(inv)                                  # row i reads its prompt's keys/values
+    cache.reorder_cache(inv)  # row i reads its prompt's keys/values
     # the response pass's last position predicts nothing; it runs so the pass is never empty
-    out = model(input_ids=ids[:, p:], attention_mask=mask, position_ids=pos[:, p:], past_key_values=cache,
-                use_cache=False)
+    out = model(
+        input_ids=ids[:, p:], attention_mask=mask, position_ids=pos[:, p:], past_key_values=cache, use_cache=False
+    )
     return torch.cat([pre.logits[inv], out.logits[:, :-1]], 1)
 
 
@@ -65,31 +73,31 @@ class PolicyRole(Role):
     """Log-probabilities of the response tokens: batch tensors are `[B, P + R]` with the response
     in the last R positions; outputs are fp32 `[B, R]`."""
 
-    share_prompts = False   # the builder's choice: model.share_prompt and can_share_prompts
+    share_prompts = False  # the builder's choice: model.share_prompt and can_share_prompts
 
     def forward(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
         width = batch["response_mask"].shape[1]
-        inputs, resp_len = trim_padding(batch)               # only the columns some row uses
+        inputs, resp_len = trim_padding(batch)  # only the columns some row uses
         if self.share_prompts and inputs["input_ids"].shape[1] > resp_len:
             logits = shared_prompt_logits(self.engine, inputs, resp_len)
-        else:   # only the R positions that predict response tokens: no [B, P, V] logits for the prompt,
+        else:  # only the R positions that predict response tokens: no [B, P, V] logits for the prompt,
             # and contiguous ones (a [:, :-1] slice would be copied by every pass over the logits)
             width_in = inputs["input_ids"].shape[1]
             keep = torch.arange(width_in - resp_len - 1, width_in - 1, device=inputs["input_ids"].device)
             logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
         if temperature != 1.0:
-            logits = logits / temperature                     # match the rollout's processed logprobs
+            logits = logits / temperature  # match the rollout's processed logprobs
         labels = inputs["input_ids"][:, -resp_len:]
         entropy = None
         if with_entropy and not (torch.is_grad_enabled() and self._entropy_needs_grad):
-            logprob, entropy = algos.logprobs_and_entropy(logits, labels, chunk_size=1024)   # a metric
+            logprob, entropy = algos.logprobs_and_entropy(logits, labels, chunk_size=1024)  # a metric
         else:
             logprob = algos.logprobs_from_logits(logits, labels, chunk_size=1024)
-            if with_entropy:   # an entropy bonus: its gradient too
+            if with_entropy:  # an entropy bonus: its gradient too
                 entropy = algos.entropy_from_logits(logits, chunk_size=1024)
         return pad_response(logprob, width), pad_response(entropy, width)
 
-    _entropy_needs_grad = False   # only an entropy bonus needs its gradient
+    _entropy_needs_grad = False  # only an entropy bonus needs its gradient
 
     @torch.no_grad()
     def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
@@ -131,16 +139,26 @@ class Actor(PolicyRole):
         is_w = None
         if c.tis_cap and "rollout_logprobs" in mb:
             is_w = algos.tis_weights(old, mb["rollout_logprobs"], mask, cap=c.tis_cap)
-        pg_loss, m = self.policy_loss(old, logprob, mb["advantages"], mask,
-                                       clip_low=c.clip_low, clip_high=c.clip_high, dual_clip_c=c.dual_clip_c,
-                                       agg_mode=c.loss_agg_mode, is_weights=is_w, **counts)
+        pg_loss, m = self.policy_loss(
+            old,
+            logprob,
+            mb["advantages"],
+            mask,
+            clip_low=c.clip_low,
+            clip_high=c.clip_high,
+            dual_clip_c=c.dual_clip_c,
+            agg_mode=c.loss_agg_mode,
+            is_weights=is_w,
+            **counts,
+        )
         loss = pg_loss
         ent = algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
         if c.entropy_coef:
             loss = loss - c.entropy_coef * ent
         if c.use_kl_loss and "ref_logprobs" in mb:
-            kl = algos.agg_loss(algos.kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask,
-                                c.loss_agg_mode, **counts)
+            kl = algos.agg_loss(
+                algos.kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask, c.loss_agg_mode, **counts
+            )
             loss = loss + c.kl_coef * kl
             m["kl_loss"] = kl
         return loss, {"pg_loss": pg_loss, "entropy": ent, **m}

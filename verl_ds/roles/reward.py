@@ -1,4 +1,5 @@
 """Reward model role: an HF sequence classifier (num_labels=1), optionally with int8 weights."""
+
 from __future__ import annotations
 
 import logging
@@ -44,15 +45,20 @@ def load_reward_model(path: str, dtype: str, activation_dtype: str, trust_remote
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        path, num_labels=1, dtype=torch.float32, trust_remote_code=trust_remote_code
+    )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     if dtype == "int8":
         before = tensor_bytes(model)
         model = quantize_int8(model.eval(), activation_dtype)
         after = tensor_bytes(model)
-        log.info("int8 reward model: %.2f MB -> %.2f MB (%.1f%% saved)", before / 2**20, after / 2**20,
-                 100 * (1 - after / before))
+        log.info(
+            "int8 reward model: %.2f MB -> %.2f MB (%.1f%% saved)",
+            before / 2**20,
+            after / 2**20,
+            100 * (1 - after / before),
+        )
     return model
 
 

@@ -5,6 +5,7 @@ identical requests: the group's prompts (and their seeds) are all-gathered as te
 generates the whole group batch, and each keeps its own prompts' samples. With TP = 1 (and for HF
 generate) a rank generates its own prompts and nothing moves.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,10 @@ def choose_engine(requested: str, params: int, cuda: bool) -> tuple[str, str]:
     if cuda:
         return "vllm", "GPU"
     if params < AUTO_HF_MAX_PARAMS:
-        return "hf", (f"{params / 1e6:.2f}M params on CPU: below {AUTO_HF_MAX_PARAMS / 1e6:.0f}M HF generate "
-                      "samples faster than vLLM; rollout.engine=vllm forces vLLM")
+        return "hf", (
+            f"{params / 1e6:.2f}M params on CPU: below {AUTO_HF_MAX_PARAMS / 1e6:.0f}M HF generate "
+            "samples faster than vLLM; rollout.engine=vllm forces vLLM"
+        )
     return "vllm", f"{params / 1e6:.1f}M params on CPU"
 
 
@@ -61,24 +64,35 @@ def resolve_engine(rollout_cfg, model_path: str) -> str:
     return engine
 
 
-def make_rollout(rollout_cfg, model_path: str, dtype: str, seed: int, trust_remote_code: bool = False,
-                 lm_head_fp32: bool = False):
+def make_rollout(
+    rollout_cfg, model_path: str, dtype: str, seed: int, trust_remote_code: bool = False, lm_head_fp32: bool = False
+):
     """This rank's rollout engine (`resolve_engine`: vLLM, or HF generate where asked for, chosen by
     auto, or where vLLM is absent)."""
     from .hf_rollout import HFRollout
 
     if resolve_engine(rollout_cfg, model_path) == "hf":
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return HFRollout(model_path, dtype, device=device, trust_remote_code=trust_remote_code,
-                         lm_head_fp32=lm_head_fp32)
+        return HFRollout(
+            model_path, dtype, device=device, trust_remote_code=trust_remote_code, lm_head_fp32=lm_head_fp32
+        )
     from .vllm_rollout import VLLMRollout
 
     return VLLMRollout(
-        model_path, dtype, tensor_parallel_size=rollout_cfg.tensor_parallel_size,
-        max_model_len=rollout_cfg.max_model_len, kv_cache_gb=rollout_cfg.kv_cache_gb,
-        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization, enforce_eager=rollout_cfg.enforce_eager,
-        bucket_mb=rollout_cfg.bucket_mb, block_size=rollout_cfg.block_size, seed=seed, sleep=rollout_cfg.sleep,
-        trust_remote_code=trust_remote_code, lm_head_fp32=lm_head_fp32)
+        model_path,
+        dtype,
+        tensor_parallel_size=rollout_cfg.tensor_parallel_size,
+        max_model_len=rollout_cfg.max_model_len,
+        kv_cache_gb=rollout_cfg.kv_cache_gb,
+        gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+        enforce_eager=rollout_cfg.enforce_eager,
+        bucket_mb=rollout_cfg.bucket_mb,
+        block_size=rollout_cfg.block_size,
+        seed=seed,
+        sleep=rollout_cfg.sleep,
+        trust_remote_code=trust_remote_code,
+        lm_head_fp32=lm_head_fp32,
+    )
 
 
 def prompt_positions(n_local: int, round_: int = 0) -> range:
@@ -88,9 +102,18 @@ def prompt_positions(n_local: int, round_: int = 0) -> range:
     return range(start, start + n_local)
 
 
-def generate_distributed(rollout, local_prompt_ids: list[list[int]], n: int, temperature: float,
-                         top_p: float, max_new_tokens: int, run_seed: int, step: int | str,
-                         round_: int = 0, seeds: list[int] | None = None) -> RolloutBatch:
+def generate_distributed(
+    rollout,
+    local_prompt_ids: list[list[int]],
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    run_seed: int,
+    step: int | str,
+    round_: int = 0,
+    seeds: list[int] | None = None,
+) -> RolloutBatch:
     """Samples for this rank's prompts (`group_ids` index the local prompts), each prompt seeded
     from (run_seed, step, its `prompt_positions` entry), or with `seeds` given (later turns of
     multi-turn episodes). Collective within a tensor-parallel group: every member must call it."""
@@ -122,14 +145,14 @@ def _gather_group(prompts: list[list[int]], seeds: list[int], tp: int) -> tuple[
     rows = torch.zeros(max(counts), width, dtype=torch.long)
     for i, (p, s) in enumerate(zip(prompts, seeds)):
         rows[i, 0], rows[i, 1] = len(p), s
-        rows[i, 2:2 + len(p)] = torch.as_tensor(p, dtype=torch.long)
+        rows[i, 2 : 2 + len(p)] = torch.as_tensor(p, dtype=torch.long)
     rows = rows.to(sizes.device)
     gathered = [torch.empty_like(rows) for _ in members]
     dist.all_gather(gathered, rows, group=group)
     out_p, out_s = [], []
     for c, g in zip(counts, gathered):
         for row in g[:c].cpu().tolist():
-            out_p.append(row[2:2 + row[0]])
+            out_p.append(row[2 : 2 + row[0]])
             out_s.append(row[1])
     me = members.index(vdist.rank())
     return out_p, out_s, sum(counts[:me])

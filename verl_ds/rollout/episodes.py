@@ -17,6 +17,7 @@ A template that rewrites history (one that renders earlier turns differently onc
 exist) cannot be continued as ids: the episode forks, and continues as a new training row whose
 prompt is the template's rendering of the conversation so far.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,15 +34,17 @@ from .seeding import turn_seed
 @dataclass(frozen=True)
 class TurnLimits:
     """`rollout.multi_turn` limits. Tokens count the response region (model + environment tokens)."""
+
     max_turns: int = 1
-    max_env_tokens: int = 0        # an observation's content is cut to this many tokens (0: no cut)
-    max_total_tokens: int = 0      # model + environment tokens of a row (0: only max_model_len bounds it)
-    max_model_len: int = 256       # prompt + response; an episode that would pass it ends truncated
+    max_env_tokens: int = 0  # an observation's content is cut to this many tokens (0: no cut)
+    max_total_tokens: int = 0  # model + environment tokens of a row (0: only max_model_len bounds it)
+    max_model_len: int = 256  # prompt + response; an episode that would pass it ends truncated
 
 
 @dataclass
 class Segment:
     """One training row: a prompt and what followed it, with the conversation as text."""
+
     prompt_ids: list[int]
     messages: list[dict]
     ids: list[int] = field(default_factory=list)
@@ -56,13 +59,13 @@ class Segment:
 
 @dataclass
 class Episode:
-    group: int                     # the prompt's index in this call
-    sample: int                    # 0 .. n-1
+    group: int  # the prompt's index in this call
+    sample: int  # 0 .. n-1
     env: object
     segments: list[Segment] = field(default_factory=list)
-    reward: float = 0.0            # the sum of the environment's step rewards
+    reward: float = 0.0  # the sum of the environment's step rewards
     turns: int = 0
-    finish: str = "stop"           # stop | length
+    finish: str = "stop"  # stop | length
     last_action: list[int] = field(default_factory=list)
     tool_calls: float = 0.0
     tool_failures: float = 0.0
@@ -77,23 +80,36 @@ class Episode:
 class Rollout:
     """What a rollout hands the trainer: the rows, and per row its episode's final answer (the
     text the task's reward function scores), the environment's reward, and the episode index."""
+
     batch: RolloutBatch
     final_ids: list[list[int]]
-    env_rewards: torch.Tensor      # [rows] float32
-    episode: torch.Tensor          # [rows] long: rows of one episode (forks) share it
+    env_rewards: torch.Tensor  # [rows] float32
+    episode: torch.Tensor  # [rows] long: rows of one episode (forks) share it
     metrics: dict[str, float] = field(default_factory=dict)
     episodes: list[Episode] = field(default_factory=list)
 
 
-def collect(rollout, examples: list[dict], prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-            max_new_tokens: int, run_seed: int, step: int | str, round_: int = 0, env_factory=None, codec=None,
-            limits: TurnLimits = TurnLimits(), strict: bool = True) -> Rollout:
+def collect(
+    rollout,
+    examples: list[dict],
+    prompt_ids: list[list[int]],
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    run_seed: int,
+    step: int | str,
+    round_: int = 0,
+    env_factory=None,
+    codec=None,
+    limits: TurnLimits = TurnLimits(),
+    strict: bool = True,
+) -> Rollout:
     """`n` episodes per prompt on this rank. Without an environment every episode is one turn: the
     engine's batch is the rows, as it always was. Collective within a tensor-parallel group."""
     if env_factory is None:
-        batch = generate_distributed(rollout, prompt_ids, n, temperature, top_p, max_new_tokens, run_seed, step,
-                                     round_)
-        final = [row[:int(k)] for row, k in zip(batch.response_ids.tolist(), batch.response_mask.sum(1).tolist())]
+        batch = generate_distributed(rollout, prompt_ids, n, temperature, top_p, max_new_tokens, run_seed, step, round_)
+        final = [row[: int(k)] for row, k in zip(batch.response_ids.tolist(), batch.response_mask.sum(1).tolist())]
         return Rollout(batch, final, torch.zeros(len(batch)), torch.arange(len(batch)))
     episodes = [Episode(group=g, sample=j, env=env_factory()) for g in range(len(prompt_ids)) for j in range(n)]
     batched = True
@@ -101,40 +117,49 @@ def collect(rollout, examples: list[dict], prompt_ids: list[list[int]], n: int, 
         ex = examples[ep.group]
         ep.segments.append(Segment(list(prompt_ids[ep.group]), codec.prompt_messages(ex["prompt"])))
         first = ep.env.reset(ex)
-        if first is not None:          # the environment opens the conversation: a prompt of its own
+        if first is not None:  # the environment opens the conversation: a prompt of its own
             msgs = _messages(first, "user")
             seg = ep.seg
             seg.messages += msgs
-            seg.prompt_ids = codec.render_ids(seg.messages, add_generation_prompt=True) if codec.use_template \
+            seg.prompt_ids = (
+                codec.render_ids(seg.messages, add_generation_prompt=True)
+                if codec.use_template
                 else seg.prompt_ids + codec.observation_ids(msgs)
+            )
             batched = False
     positions = prompt_positions(len(prompt_ids), round_)
     sampling = dict(temperature=temperature, top_p=top_p, run_seed=run_seed, step=step)
     turn, tp = 0, getattr(rollout, "tp", 1)
-    if tp > 1:        # a tensor-parallel group's members must send the same kind of request
+    if tp > 1:  # a tensor-parallel group's members must send the same kind of request
         batched = vdist.all_reduce_min(float(batched)) > 0
     while True:
         live = [ep for ep in episodes if ep.live]
-        if tp > 1:    # every member of a tensor-parallel group generates until the whole group is done
+        if tp > 1:  # every member of a tensor-parallel group generates until the whole group is done
             if vdist.all_reduce_max(float(len(live))) == 0:
                 break
         elif not live:
             break
         budgets = [_budget(ep, max_new_tokens, limits) for ep in live]
         if turn == 0 and batched:
-            out = generate_distributed(rollout, prompt_ids, n, max_new_tokens=max_new_tokens, round_=round_,
-                                       **sampling)
+            out = generate_distributed(rollout, prompt_ids, n, max_new_tokens=max_new_tokens, round_=round_, **sampling)
         else:
             seeds = [turn_seed(run_seed, step, positions[ep.group], ep.sample, turn) for ep in live]
             new_tokens = max(budgets, default=1)
-            if tp > 1:    # the group's members send identical requests, token limit included
+            if tp > 1:  # the group's members send identical requests, token limit included
                 new_tokens = int(vdist.all_reduce_max(float(new_tokens)))
-            out = generate_distributed(rollout, [ep.seg.prompt_ids + ep.seg.ids for ep in live], 1,
-                                       max_new_tokens=new_tokens, seeds=seeds, **sampling)
+            out = generate_distributed(
+                rollout,
+                [ep.seg.prompt_ids + ep.seg.ids for ep in live],
+                1,
+                max_new_tokens=new_tokens,
+                seeds=seeds,
+                **sampling,
+            )
         rows = out.to_lists()
-        for ep, budget, ids, lps, reason in zip(live, budgets, rows["responses"], rows["logprobs"],
-                                                rows["finish_reasons"]):
-            if len(ids) > budget:      # this episode's own budget (the call ran to the largest one)
+        for ep, budget, ids, lps, reason in zip(
+            live, budgets, rows["responses"], rows["logprobs"], rows["finish_reasons"]
+        ):
+            if len(ids) > budget:  # this episode's own budget (the call ran to the largest one)
                 ids, lps, reason = ids[:budget], lps[:budget], "length"
             _act(ep, ids, lps, reason, codec, limits)
         turn += 1
@@ -164,7 +189,7 @@ def _act(ep: Episode, ids: list[int], lps: list[float], reason: str, codec, limi
     text = codec.action_text(ids)
     seg.messages.append({"role": "assistant", "content": text})
     ep.finish = reason
-    if reason == "length" and codec.use_template:   # cut mid-turn: no end-of-turn token to continue after
+    if reason == "length" and codec.use_template:  # cut mid-turn: no end-of-turn token to continue after
         ep.live = False
         return
     obs, reward, done, info = ep.env.step(text)
@@ -174,21 +199,21 @@ def _act(ep: Episode, ids: list[int], lps: list[float], reason: str, codec, limi
     if done or obs is None or ep.turns >= limits.max_turns:
         ep.live = False
         return
-    msgs = _messages(obs, getattr(ep.env, "observation_role", "user"))   # a string: one message of that role
+    msgs = _messages(obs, getattr(ep.env, "observation_role", "user"))  # a string: one message of that role
     if limits.max_env_tokens:
         for m in msgs:
             ids_ = codec.content_ids(m["content"])
             if len(ids_) > limits.max_env_tokens:
-                m["content"] = codec.decode(ids_[:limits.max_env_tokens])
+                m["content"] = codec.decode(ids_[: limits.max_env_tokens])
     if codec.extends(seg.messages, seg.messages + msgs):
         delta = codec.observation_ids(msgs)
         used, total = len(seg.ids) + len(delta), len(seg.prompt_ids) + len(seg.ids) + len(delta)
         if total >= limits.max_model_len or (limits.max_total_tokens and used >= limits.max_total_tokens):
-            ep.finish, ep.live = "length", False   # no room left for another model turn
+            ep.finish, ep.live = "length", False  # no room left for another model turn
             return
         seg.add(delta, model=False)
         seg.messages += msgs
-    else:                              # the template rewrote history: continue as a new row
+    else:  # the template rewrote history: continue as a new row
         messages = seg.messages + msgs
         prompt = codec.render_ids(messages, add_generation_prompt=True)
         if len(prompt) >= limits.max_model_len:
@@ -219,15 +244,17 @@ def _assemble(episodes: list[Episode], codec, pad_id: int, strict: bool) -> Roll
     turns = [ep.turns for ep in episodes] or [0]
     model_tok = batch.loss_mask.sum(1)
     metrics = {
-        "multi_turn/turns/mean": sum(turns) / n_ep, "multi_turn/turns/max": float(max(turns)),
+        "multi_turn/turns/mean": sum(turns) / n_ep,
+        "multi_turn/turns/max": float(max(turns)),
         "multi_turn/forks": float(sum(len(ep.segments) - 1 for ep in episodes)),
         "tools/call_frequency": sum(ep.tool_calls for ep in episodes) / max(sum(turns), 1),
-        "tools/failure_frequency": sum(ep.tool_failures for ep in episodes) /
-        max(sum(ep.tool_calls for ep in episodes), 1.0),
+        "tools/failure_frequency": sum(ep.tool_failures for ep in episodes)
+        / max(sum(ep.tool_calls for ep in episodes), 1.0),
         "response/model_tokens/mean": float(model_tok.mean()) if len(batch) else 0.0,
         "response/env_tokens/mean": float((batch.response_mask.sum(1) - model_tok).mean()) if len(batch) else 0.0,
     }
     if strict:
         metrics["multi_turn/token_mismatch_fraction"] = mismatched / max(checked, 1)
-    return Rollout(batch, final, torch.tensor(env_r, dtype=torch.float32), torch.tensor(index, dtype=torch.long),
-                   metrics, episodes)
+    return Rollout(
+        batch, final, torch.tensor(env_r, dtype=torch.float32), torch.tensor(index, dtype=torch.long), metrics, episodes
+    )

@@ -1,5 +1,6 @@
 """`HFRollout`: the same interface on `transformers.generate` — the fallback when vLLM is absent
 and the baseline the benchmark compares vLLM against."""
+
 from __future__ import annotations
 
 import time
@@ -7,8 +8,11 @@ from typing import Iterable
 
 import torch
 
+from verl_ds.algos import use_fp32_lm_head
+from verl_ds.precision import TORCH_DTYPES
+
 from .batch import RolloutBatch
-from .weights import DTYPES, ParamChecker, eos_token_ids, pad_token_id
+from .weights import ParamChecker, eos_token_ids, pad_token_id
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -21,7 +25,7 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
         if top_p < 1.0:
             sorted_x, idx = x.sort(dim=-1, descending=True)
             cum = sorted_x.softmax(-1).cumsum(-1)
-            drop = cum - sorted_x.softmax(-1) > top_p     # keep the token that crosses top_p
+            drop = cum - sorted_x.softmax(-1) > top_p  # keep the token that crosses top_p
             x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     return torch.log_softmax(x, dim=-1)
 
@@ -31,7 +35,7 @@ def inverse_cdf_sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     the first token whose cumulative probability exceeds u (zero-probability tokens never win)."""
     cdf = logprobs.double().exp().cumsum(-1)
     tok = torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return torch.minimum(tok, (cdf < cdf[:, -1:]).sum(-1))    # rounding at u ~ 1: the last nonzero token
+    return torch.minimum(tok, (cdf < cdf[:, -1:]).sum(-1))  # rounding at u ~ 1: the last nonzero token
 
 
 class _PromptStreams:
@@ -51,17 +55,27 @@ class _PromptStreams:
 
 
 class HFRollout:
-    tp = 1   # one model per rank
+    tp = 1  # one model per rank
 
-    def __init__(self, model_path: str, dtype: str = "fp32", device: str = "cpu", trust_remote_code: bool = False,
-                 lm_head_fp32: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "fp32",
+        device: str = "cpu",
+        trust_remote_code: bool = False,
+        lm_head_fp32: bool = False,
+    ):
         from transformers import AutoModelForCausalLM
 
         self.model_path, self.device, self.dtype = str(model_path), device, dtype
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.dtype],
-                                                          trust_remote_code=trust_remote_code).to(device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=TORCH_DTYPES[self.dtype], trust_remote_code=trust_remote_code
+            )
+            .to(device)
+            .eval()
+        )
         if lm_head_fp32:
-            from verl_ds.algos import use_fp32_lm_head
             use_fp32_lm_head(self.model)
         self.checker = ParamChecker(model_path)
         self.eos_ids = eos_token_ids(model_path)
@@ -70,8 +84,15 @@ class HFRollout:
         self.last_metrics: dict[str, float] = {}
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int = 16, seeds: list[int] | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 16,
+        seeds: list[int] | None = None,
+    ) -> RolloutBatch:
         """Left-padded batched `generate`; responses end at (and include) the first eos. With `seeds`,
         prompt i's n samples come from a stream seeded with seeds[i] alone (see `_PromptStreams`);
         None: `generate`'s own sampling from the global RNG."""
@@ -81,25 +102,38 @@ class HFRollout:
         groups = [i for i in range(len(prompt_token_ids)) for _ in range(n)]
         if not prompts:
             return RolloutBatch.from_lists([], [], [], [], [], pad_id=self.pad_id)
-        padded = RolloutBatch.from_lists(prompts, [[]] * len(prompts), [[]] * len(prompts),
-                                         [""] * len(prompts), groups, pad_id=self.pad_id)
+        padded = RolloutBatch.from_lists(
+            prompts, [[]] * len(prompts), [[]] * len(prompts), [""] * len(prompts), groups, pad_id=self.pad_id
+        )
         t0 = time.perf_counter()
         if temperature <= 0:
             sample_kw = {"do_sample": False}
         elif seeds is None:
             sample_kw = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         else:
-            u = torch.cat([torch.rand(n, max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
-                                      dtype=torch.float64) for s in seeds])
-            sample_kw = {"do_sample": False, "logits_processor": LogitsProcessorList(
-                [_PromptStreams(u.to(self.device), temperature, top_p)])}
+            u = torch.cat(
+                [
+                    torch.rand(n, max_new_tokens, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
+                    for s in seeds
+                ]
+            )
+            sample_kw = {
+                "do_sample": False,
+                "logits_processor": LogitsProcessorList([_PromptStreams(u.to(self.device), temperature, top_p)]),
+            }
         out = self.model.generate(
-            input_ids=padded.prompt_ids.to(self.device), attention_mask=padded.attention_mask.to(self.device),
-            max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-            output_logits=True, return_dict_in_generate=True, **sample_kw)
+            input_ids=padded.prompt_ids.to(self.device),
+            attention_mask=padded.attention_mask.to(self.device),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **sample_kw,
+        )
         dt = time.perf_counter() - t0
-        seq = out.sequences[:, padded.prompt_ids.shape[1]:].cpu()              # [B, T]
-        logits = torch.stack(out.logits, dim=1).cpu()                          # [B, T, V] raw
+        seq = out.sequences[:, padded.prompt_ids.shape[1] :].cpu()  # [B, T]
+        logits = torch.stack(out.logits, dim=1).cpu()  # [B, T, V] raw
         lp = processed_logprobs(logits, temperature, top_p).gather(-1, seq.unsqueeze(-1)).squeeze(-1)
         responses, logprobs, reasons = [], [], []
         eos = torch.as_tensor(self.eos_ids)
@@ -127,7 +161,7 @@ class HFRollout:
         self.checker.finish()
         return {"timing_s/update_weights": time.perf_counter() - t0}
 
-    def sleep(self) -> None:   # nothing to free: HF generate holds no cache between calls
+    def sleep(self) -> None:  # nothing to free: HF generate holds no cache between calls
         pass
 
     def shutdown(self, release: bool = True) -> None:

@@ -6,6 +6,7 @@ prompt's seed is instead a 62-bit hash of (run seed, step, global prompt positio
 `seed .. seed + n - 1` of two prompts overlap with probability ~n / 2^62. The same run seed
 reproduces the run, and a resumed run (which restores `step`) draws the same samples.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -8,6 +8,7 @@ makes vLLM reuse the launcher's ranks; `tensor_parallel_size` consecutive ranks 
 `(name, tensor)` pairs on their own device and are loaded in byte-bounded buckets. On GPU the
 engine sleeps while the roles train (weights offloaded, KV cache freed) and wakes for the sync.
 """
+
 from __future__ import annotations
 
 import gc
@@ -19,21 +20,26 @@ from typing import Iterable
 
 import torch
 
+from verl_ds.dist import init_distributed, rank
+from verl_ds.errors import ConfigError
+from verl_ds.precision import TORCH_DTYPES
+
 from .batch import RolloutBatch
-from .weights import DTYPES, TIED_HEAD, ParamChecker, eos_token_ids, layer_group, pad_token_id
+from .weights import TIED_HEAD, ParamChecker, eos_token_ids, layer_group, pad_token_id
 
 log = logging.getLogger(__name__)
-_VLLM_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def _cpu_bind() -> str:
     """This rank's share of the cores (by LOCAL_RANK): two in-process engines would otherwise both
     pin core 0, and the engine's binding also applies to the trainer in the same process."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    local, size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_SIZE", os.environ.get(
-        "LOCAL_WORLD_SIZE", 1)))
+    local, size = (
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1))),
+    )
     per = max(1, len(cores) // max(size, 1))
-    mine = cores[local * per:(local + 1) * per] or cores[-1:]
+    mine = cores[local * per : (local + 1) * per] or cores[-1:]
     return ",".join(map(str, mine))
 
 
@@ -41,7 +47,6 @@ def _remove_stale_tp_shm(tp: int) -> None:
     """vLLM's CPU tensor-parallel group creates /dev/shm/<...>-[<ranks>]-cpushm_<i> with O_EXCL and a
     name that does not change between runs; a killed run's file would make the next start fail
     (errno 17). Each rank removes its own stale one before the engine starts."""
-    from verl_ds.dist import rank
 
     r = rank()
     ranks = "-".join(str(x) for x in range(r // tp * tp, r // tp * tp + tp))
@@ -51,18 +56,30 @@ def _remove_stale_tp_shm(tp: int) -> None:
 
 
 class VLLMRollout:
-    def __init__(self, model_path: str, dtype: str = "fp32", *, tensor_parallel_size: int = 1,
-                 max_model_len: int = 256, kv_cache_gb: float = 0.25, gpu_memory_utilization: float = 0.5,
-                 enforce_eager: bool = True, bucket_mb: int = 256, block_size: int = 0, seed: int = 0,
-                 sleep: bool = True, trust_remote_code: bool = False, lm_head_fp32: bool = False):
-        from verl_ds.dist import init_distributed
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "fp32",
+        *,
+        tensor_parallel_size: int = 1,
+        max_model_len: int = 256,
+        kv_cache_gb: float = 0.25,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        bucket_mb: int = 256,
+        block_size: int = 0,
+        seed: int = 0,
+        sleep: bool = True,
+        trust_remote_code: bool = False,
+        lm_head_fp32: bool = False,
+    ):
 
-        init_distributed()   # external_launcher joins the process group the roles use
-        if dtype not in _VLLM_DTYPE:
-            raise ValueError(f"rollout dtype {dtype!r}: expected one of {', '.join(_VLLM_DTYPE)}")
+        init_distributed()  # external_launcher joins the process group the roles use
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"rollout dtype {dtype!r}: expected one of {', '.join(TORCH_DTYPES)}")
         self.model_path, self.dtype, self.tp = str(model_path), dtype, tensor_parallel_size
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.checker = ParamChecker(model_path)   # names/shapes read once from the headers
+        self.checker = ParamChecker(model_path)  # names/shapes read once from the headers
         self.eos_ids = eos_token_ids(model_path)
         self.pad_id = pad_token_id(model_path)
         self.cuda = torch.cuda.is_available()
@@ -72,13 +89,21 @@ class VLLMRollout:
         self.asleep = False
         self.last_metrics: dict[str, float] = {}
         kwargs = dict(
-            model=self.model_path, dtype=_VLLM_DTYPE[dtype], skip_tokenizer_init=True,
-            trust_remote_code=trust_remote_code, enforce_eager=enforce_eager, max_model_len=max_model_len,
-            seed=seed, tensor_parallel_size=tensor_parallel_size, distributed_executor_backend="external_launcher",
-            logprobs_mode="processed_logprobs", worker_extension_cls="verl_ds.rollout.worker_ext.WeightSyncExtension")
-        if block_size:     # CPU attention runs per block: 128-token blocks waste work on short rollouts
+            model=self.model_path,
+            dtype=str(TORCH_DTYPES[dtype]).removeprefix("torch."),  # vLLM's names: float32, bfloat16, ...
+            skip_tokenizer_init=True,
+            trust_remote_code=trust_remote_code,
+            enforce_eager=enforce_eager,
+            max_model_len=max_model_len,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="external_launcher",
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="verl_ds.rollout.worker_ext.WeightSyncExtension",
+        )
+        if block_size:  # CPU attention runs per block: 128-token blocks waste work on short rollouts
             kwargs["block_size"] = block_size
-        if lm_head_fp32:   # vLLM's own switch: the lm_head projection and logits in fp32
+        if lm_head_fp32:  # vLLM's own switch: the lm_head projection and logits in fp32
             kwargs["hf_overrides"] = {"head_dtype": "float32"}
         if self.cuda:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep)
@@ -86,8 +111,11 @@ class VLLMRollout:
             # No chunked prefill on CPU: vLLM rewinds a seeded request's generator when it discards
             # a partial prefill's sample, and CPU generators have no offset (RuntimeError as soon as
             # one step's prompts pass max_num_batched_tokens).
-            kwargs.update(kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enable_chunked_prefill=False,
-                          max_num_batched_tokens=max(max_model_len, 4096))
+            kwargs.update(
+                kv_cache_memory_bytes=int(kv_cache_gb * 2**30),
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(max_model_len, 4096),
+            )
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind())
             if enforce_eager:
                 # eager on CPU, yet vLLM's sampler still torch.compiles one logprob-rank helper at the
@@ -113,20 +141,28 @@ class VLLMRollout:
             llm = LLM(**kwargs)
         except (RuntimeError, ValueError) as e:
             if self.cuda and "memory" in str(e).lower():
-                from verl_ds.errors import ConfigError
                 free, total = torch.cuda.mem_get_info()
-                raise ConfigError("rollout.gpu_memory_utilization",
-                                  f"vLLM could not get its memory: {free / 2**30:.1f} GiB free of "
-                                  f"{total / 2**30:.1f} GiB, it needs {gpu_util:.2f} x {total / 2**30:.1f} = "
-                                  f"{gpu_util * total / 2**30:.1f} GiB ({e})") from None
+                raise ConfigError(
+                    "rollout.gpu_memory_utilization",
+                    f"vLLM could not get its memory: {free / 2**30:.1f} GiB free of "
+                    f"{total / 2**30:.1f} GiB, it needs {gpu_util:.2f} x {total / 2**30:.1f} = "
+                    f"{gpu_util * total / 2**30:.1f} GiB ({e})",
+                ) from None
             raise
         self.start_s = time.perf_counter() - t0
         log.info("vLLM engine up in %.1f s (%s, TP=%d, in-process)", self.start_s, self.dtype, self.tp)
         return llm
 
     # ---------------------------------------------------------------- generation
-    def generate(self, prompt_token_ids: list[list[int]], n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int = 16, seeds: list[int] | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 16,
+        seeds: list[int] | None = None,
+    ) -> RolloutBatch:
         """`n` samples per prompt, contiguous per prompt (`group_ids` index the prompts). `seeds[i]`
         seeds prompt i's samples (see seeding.py); None: the engine's own RNG. Every member of a
         tensor-parallel group must call it with the same arguments."""
@@ -135,14 +171,27 @@ class VLLMRollout:
 
         self.wake_up()
         prompts = [list(map(int, p)) for p in prompt_token_ids]
-        greedy = temperature <= 0     # vLLM refuses n > 1 when greedy: send n copies of n=1 instead
+        greedy = temperature <= 0  # vLLM refuses n > 1 when greedy: send n copies of n=1 instead
         reqs = [i for i in range(len(prompts)) for _ in range(n if greedy else 1)]
-        params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=top_p,
-                                 max_tokens=max_new_tokens, logprobs=0, stop_token_ids=self.eos_ids,
-                                 detokenize=False, seed=None if seeds is None else int(seeds[i])) for i in reqs]
+        params = [
+            SamplingParams(
+                n=1 if greedy else n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                stop_token_ids=self.eos_ids,
+                detokenize=False,
+                seed=None if seeds is None else int(seeds[i]),
+            )
+            for i in reqs
+        ]
         t0 = time.perf_counter()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in reqs], params,
-                                 use_tqdm=False) if reqs else []
+        outs = (
+            self.llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in reqs], params, use_tqdm=False)
+            if reqs
+            else []
+        )
         dt = time.perf_counter() - t0
         rows = dict(prompts=[], responses=[], logprobs=[], finish_reasons=[], group_ids=[])
         for i, out in zip(reqs, outs):
@@ -183,7 +232,7 @@ class VLLMRollout:
         t0 = time.perf_counter()
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        dt = DTYPES[self.dtype]
+        dt = TORCH_DTYPES[self.dtype]
         self.checker.begin()
         bucket, nbytes, group, n_buckets = [], 0, None, 0
         for name, tensor in named_tensors:
@@ -208,7 +257,7 @@ class VLLMRollout:
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        self.llm.reset_prefix_cache()   # cached KV blocks were computed with the old weights
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         return {"timing_s/update_weights": time.perf_counter() - t0, "rollout/sync_buckets": float(n_buckets)}
 
     def _load(self, bucket: list) -> None:

@@ -3,6 +3,7 @@
 Names and shapes come from the safetensors headers (no tensor is read), once at start-up, so a
 bad sync is refused before anything reaches an engine.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from verl_ds.precision import TORCH_DTYPES as DTYPES  # noqa: F401  (re-exported: one name -> torch dtype map)
 TIED_HEAD = "lm_head.weight"
 
 
@@ -74,11 +74,14 @@ class ParamChecker:
             return False
         if name not in self.expected:
             hint = " (strip the 'module.' prefix)" if name.startswith("module.") else ""
-            raise ValueError(f"weight sync: unknown parameter {name!r}{hint}; the rollout model "
-                             f"has e.g. {sorted(self.expected)[:3]}")
+            raise ValueError(
+                f"weight sync: unknown parameter {name!r}{hint}; the rollout model has e.g. {sorted(self.expected)[:3]}"
+            )
         if tuple(tensor.shape) != self.expected[name]:
-            raise ValueError(f"weight sync: parameter {name!r} has shape {tuple(tensor.shape)}, "
-                             f"the rollout model expects {self.expected[name]}")
+            raise ValueError(
+                f"weight sync: parameter {name!r} has shape {tuple(tensor.shape)}, "
+                f"the rollout model expects {self.expected[name]}"
+            )
         self.seen.add(name)
         return True
 

@@ -5,14 +5,17 @@ tensors themselves, on their own device: no serialization, no file. `reload_weig
 is_checkpoint_format=True)` takes HF names and re-runs vLLM's own weight processing (fused qkv /
 gate_up, tensor-parallel sharding, tied embeddings).
 """
+
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
 
 # A bucket holds only some layers by design; vLLM warns about every layer a reload did not touch.
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                   "vllm.model_executor.model_loader.reload.inplace")
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.layerwise",
+    "vllm.model_executor.model_loader.reload.inplace",
+)
 
 
 def _errors_only(record: logging.LogRecord) -> bool:

@@ -1,5 +1,6 @@
 """`python -m verl_ds.train.ppo` (or `deepspeed --module verl_ds.train.ppo`): familiar flags mapped
 onto the run config, then the same trainer as `verl-ds train`."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,18 +29,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m verl_ds.train.ppo", description="PPO/GRPO training on DeepSpeed (see verl-ds train)")
     p.add_argument("--config", default=None, help="YAML run config (defaults apply without one)")
     p.add_argument("--model_name_or_path", default=None, help="HF model directory -> model.path")
-    p.add_argument("--rollout_batch_size", type=_positive, default=None,
-                   help="prompts per step -> trainer.prompts_per_step")
-    p.add_argument("--train_batch_size", type=_positive, default=None,
-                   help="samples per optimizer step -> trainer.mini_batch_size")
+    p.add_argument(
+        "--rollout_batch_size", type=_positive, default=None, help="prompts per step -> trainer.prompts_per_step"
+    )
+    p.add_argument(
+        "--train_batch_size", type=_positive, default=None, help="samples per optimizer step -> trainer.mini_batch_size"
+    )
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="dotted overrides: key.sub=value")
     return p
 
 
 def to_overrides(args) -> list[str]:
-    mapped = {"model.path": args.model_name_or_path, "trainer.prompts_per_step": args.rollout_batch_size,
-              "trainer.mini_batch_size": args.train_batch_size}
+    mapped = {
+        "model.path": args.model_name_or_path,
+        "trainer.prompts_per_step": args.rollout_batch_size,
+        "trainer.mini_batch_size": args.train_batch_size,
+    }
     return [f"{k}={v}" for k, v in mapped.items() if v is not None] + list(args.overrides)
 
 

@@ -8,7 +8,7 @@ def train(cfg, reward_fn=None, exiting: bool = False) -> dict:
 
     with RLTrainer(cfg, reward_fn=reward_fn) as trainer:
         metrics = trainer.fit()
-        trainer.close(exiting=exiting)      # after an error, __exit__ closes in full
+        trainer.close(exiting=exiting)  # after an error, __exit__ closes in full
     if exiting:
-        barrier()   # the ranks end together, so the launcher sees them all done in one look
+        barrier()  # the ranks end together, so the launcher sees them all done in one look
     return metrics

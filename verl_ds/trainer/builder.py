@@ -1,5 +1,6 @@
 """Builds everything one run needs from a RunConfig: the initial model, tokenizer, prompts, every
 role's DeepSpeed engine and the rollout engine (DeepSpeed-Chat's rlhf_engine.py, in one place)."""
+
 from __future__ import annotations
 
 import logging
@@ -9,16 +10,27 @@ from verl_ds.config import RunConfig, active_roles, validate_paths
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import load_examples, tokenize_prompts
 from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
+from verl_ds.diagnostics.memory import ModelShape, choose_zero_stages
+from verl_ds.dist import barrier, rank, world_size
 from verl_ds.ds_config import render_ds_configs
-from verl_ds.envs import load_env_factory, load_tools, tool_schemas
+from verl_ds.envs import load_env_factory, tool_schemas
 from verl_ds.errors import ConfigError
 from verl_ds.precision import ResolvedPrecision
-from verl_ds.roles import (Actor, Critic, PolicyRole, Reference, RewardModel, Role, load_causal_lm,
-                           load_reward_model, load_value_model)
+from verl_ds.roles import (
+    Actor,
+    Critic,
+    PolicyRole,
+    Reference,
+    RewardModel,
+    Role,
+    load_causal_lm,
+    load_reward_model,
+    load_value_model,
+)
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.policy import can_share_prompts
 from verl_ds.rollout.episodes import TurnLimits
-from verl_ds.dist import barrier, rank
+from verl_ds.rollout.weights import eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +43,9 @@ def resolve_model_path(cfg: RunConfig) -> str:
     out = Path(cfg.trainer.run_dir) / "init_model"
     if rank() == 0 and not (out / "config.json").exists():
         t = cfg.model.tiny
-        build_tiny_llama(out, build_char_tokenizer(), hidden=t.hidden, layers=t.layers, heads=t.heads,
-                         ffn=t.ffn, seed=t.seed)
+        build_tiny_llama(
+            out, build_char_tokenizer(), hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn, seed=t.seed
+        )
     barrier()
     return str(out)
 
@@ -40,12 +53,18 @@ def resolve_model_path(cfg: RunConfig) -> str:
 def build_codec(cfg: RunConfig, tokenizer, model_path: str, tools: list) -> ChatCodec:
     """How prompts and observations become ids: the chat template (with the `tools` of `data.tools`
     and `data.system_prompt`), or the tokenizer alone. Multi-turn runs check the template now."""
-    from verl_ds.rollout.weights import eos_token_ids
 
     d = cfg.data
     schemas = tool_schemas(tools) if tools else None
-    codec = ChatCodec(tokenizer, d.apply_chat_template, schemas, d.system_prompt, model=cfg.model.path,
-                      eos_ids=eos_token_ids(model_path), few_shot=d.few_shot)
+    codec = ChatCodec(
+        tokenizer,
+        d.apply_chat_template,
+        schemas,
+        d.system_prompt,
+        model=cfg.model.path,
+        eos_ids=eos_token_ids(model_path),
+        few_shot=d.few_shot,
+    )
     if cfg.rollout.multi_turn.env:
         codec.check_turns()
     return codec
@@ -58,15 +77,20 @@ def build_episodes(cfg: RunConfig, codec: ChatCodec, tools: list) -> dict:
     if not mt.env:
         return {}
     limits = TurnLimits(mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len)
-    return dict(env_factory=load_env_factory(mt.env, mt.env_kwargs, tools or None), codec=codec, limits=limits,
-                strict=mt.tokenization_check == "strict")
+    return dict(
+        env_factory=load_env_factory(mt.env, mt.env_kwargs, tools or None),
+        codec=codec,
+        limits=limits,
+        strict=mt.tokenization_check == "strict",
+    )
 
 
 def build_prompts(cfg: RunConfig, tokenizer, codec: ChatCodec | None = None) -> tuple[list[dict], list[dict]]:
     """Tokenized (train, validation) prompts."""
     d = cfg.data
-    train, val = (tokenize_prompts(x, tokenizer, d.max_prompt_length, d.apply_chat_template, codec)
-                  for x in load_examples(d))
+    train, val = (
+        tokenize_prompts(x, tokenizer, d.max_prompt_length, d.apply_chat_template, codec) for x in load_examples(d)
+    )
     if not train:
         raise ConfigError("data", "the prompt dataset is empty")
     return train, val
@@ -79,19 +103,18 @@ def zero_stages(cfg: RunConfig, model_path: str, precision: ResolvedPrecision, w
 
     import torch
 
-    from verl_ds.diagnostics.memory import ModelShape, choose_zero_stages
-
     auto = [r for r in active_roles(cfg) if getattr(cfg.roles, r).zero_stage == "auto"]
     if not auto:
         return {}
     if torch.cuda.is_available():
         budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         if not cfg.rollout.sleep and cfg.rollout.engine == "vllm":
-            budget *= 1 - cfg.rollout.gpu_memory_utilization      # vLLM keeps its share while training
+            budget *= 1 - cfg.rollout.gpu_memory_utilization  # vLLM keeps its share while training
     else:
         import os
 
         import psutil
+
         budget = psutil.virtual_memory().total / int(os.environ.get("LOCAL_SIZE", world))
     shape = ModelShape.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
     chosen = choose_zero_stages(cfg, shape, render_ds_configs(cfg, world, precision), world, budget, auto)
@@ -101,34 +124,39 @@ def zero_stages(cfg: RunConfig, model_path: str, precision: ResolvedPrecision, w
 
 def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -> dict:
     """One DeepSpeed engine per active role, each from its own rendered config."""
-    from verl_ds.dist import world_size
-    ds = render_ds_configs(cfg, precision=precision,
-                           zero_stages=zero_stages(cfg, model_path, precision, world_size()))
+    ds = render_ds_configs(cfg, precision=precision, zero_stages=zero_stages(cfg, model_path, precision, world_size()))
     p, m = cfg.precision, cfg.model
     gc = p.enable_grad_checkpointing
     fp32_head, lora = precision.lm_head_fp32, m.lora
     policy = load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head)
     if lora.rank:
         tied = tied_embedding_targets(policy, lora.target_modules)
-        if tied:   # adapters on a tied embedding cannot be merged into the engine's one matrix
-            raise ConfigError("model.lora.target_modules", f"{tied} is this model's tied input/output "
-                                                           "embedding: train it in full with modules_to_save instead")
+        if tied:  # adapters on a tied embedding cannot be merged into the engine's one matrix
+            raise ConfigError(
+                "model.lora.target_modules",
+                f"{tied} is this model's tied input/output embedding: train it in full with modules_to_save instead",
+            )
         policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules, lora.modules_to_save)
     roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, temperature=cfg.rollout.temperature)}
     if lora.rank and cfg.algorithm.kl_coef > 0:
         roles["reference"] = AdapterOffReference(roles["actor"])
     if "critic" in active_roles(cfg):
-        roles["critic"] = Critic(load_value_model(m.critic_path or model_path, m.trust_remote_code, gc),
-                                 ds["critic"], cfg.algorithm)
+        roles["critic"] = Critic(
+            load_value_model(m.critic_path or model_path, m.trust_remote_code, gc), ds["critic"], cfg.algorithm
+        )
     if "reference" in ds:
-        roles["reference"] = Reference(load_causal_lm(model_path, m.trust_remote_code, lm_head_fp32=fp32_head),
-                                       ds["reference"])
+        roles["reference"] = Reference(
+            load_causal_lm(model_path, m.trust_remote_code, lm_head_fp32=fp32_head), ds["reference"]
+        )
     if "reward" in ds:
         dtype = precision.reward
-        roles["reward"] = RewardModel(load_reward_model(m.reward_path, dtype, precision.reward_activation,
-                                                        m.trust_remote_code), ds["reward"], int8=dtype == "int8")
+        roles["reward"] = RewardModel(
+            load_reward_model(m.reward_path, dtype, precision.reward_activation, m.trust_remote_code),
+            ds["reward"],
+            int8=dtype == "int8",
+        )
     for name, role in roles.items():
-        if isinstance(role, Role):   # a LoRA reference runs on the actor's engine and budget
+        if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = getattr(cfg.roles, name).max_tokens_per_micro_batch
         if isinstance(role, PolicyRole):
             role.share_prompts = m.share_prompt and can_share_prompts(role.module)

@@ -4,6 +4,7 @@ Layout: <run_dir>/checkpoints/step_<k>/{actor,critic}/ (DeepSpeed) + trainer_sta
 All ranks write into `.step_<k>.tmp`; rank 0 renames it once everyone is done, so a crash never
 leaves a half-written `step_<k>` that `resume: auto` would pick.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from verl_ds.dist import barrier, rank
+from verl_ds.errors import ConfigError
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -35,11 +37,13 @@ def save_checkpoint(root: Path, step: int, roles: dict, state: dict, keep_last: 
     if rank() == 0:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
     # per-rank RNG (sampling seeds differ per rank)
-    torch.save({"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-                "python_pos": random.getstate()[2]}, tmp / f"rng_rank{rank()}.pt")
+    torch.save(
+        {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]), "python_pos": random.getstate()[2]},
+        tmp / f"rng_rank{rank()}.pt",
+    )
     barrier()
     if rank() == 0:
-        old = root / f".step_{step}.old"        # swap by renames: a complete step_<k> always exists
+        old = root / f".step_{step}.old"  # swap by renames: a complete step_<k> always exists
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             final.rename(old)
@@ -53,13 +57,16 @@ def save_checkpoint(root: Path, step: int, roles: dict, state: dict, keep_last: 
 
 def load_checkpoint(path: Path, roles: dict) -> dict:
     """Restore roles and RNG; return the trainer state dict (step, sampler, kl, reward_norm)."""
-    from verl_ds.errors import ConfigError
 
-    missing = [p.name for p in [path / "trainer_state.json", path / f"rng_rank{rank()}.pt",
-                                *(path / name for name in roles)] if not p.exists()]
+    missing = [
+        p.name
+        for p in [path / "trainer_state.json", path / f"rng_rank{rank()}.pt", *(path / name for name in roles)]
+        if not p.exists()
+    ]
     if missing:
-        raise ConfigError("trainer.resume", f"{path} is not a complete verl-ds checkpoint (missing: "
-                                            f"{', '.join(missing)})")
+        raise ConfigError(
+            "trainer.resume", f"{path} is not a complete verl-ds checkpoint (missing: {', '.join(missing)})"
+        )
     for name, role in roles.items():
         role.load(str(path / name), tag="ds")
     rng = torch.load(path / f"rng_rank{rank()}.pt", weights_only=True)

@@ -1,5 +1,6 @@
 """Dynamic sampling's bookkeeping (DAPO `filter_groups`): which groups carry a GRPO gradient, and
 how kept groups from several generation rounds become one batch."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,11 @@ def varied_groups(metric: torch.Tensor, group_ids: torch.Tensor, n_groups: int) 
 
 def select_groups(batch, examples, raw, shaped, groups: list[int]):
     """The rows of `groups` (in that order), renumbered 0..len(groups)-1."""
-    rows = torch.cat([(batch.group_ids == g).nonzero().flatten() for g in groups]) if groups \
+    rows = (
+        torch.cat([(batch.group_ids == g).nonzero().flatten() for g in groups])
+        if groups
         else torch.zeros(0, dtype=torch.long)
+    )
     out = batch.select(rows)
     remap = {g: i for i, g in enumerate(groups)}
     out.group_ids = torch.tensor([remap[int(g)] for g in out.group_ids], dtype=torch.long)
@@ -30,5 +34,4 @@ def merge_parts(parts):
         batches.append(b)
         offset += len(ex)
     batch = RolloutBatch.cat([b for b in batches if len(b)]) if any(len(b) for b in batches) else batches[0]
-    return (batch, [e for p in parts for e in p[1]], torch.cat([p[2] for p in parts]),
-            torch.cat([p[3] for p in parts]))
+    return (batch, [e for p in parts for e in p[1]], torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]))

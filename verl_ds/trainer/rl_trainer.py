@@ -3,6 +3,7 @@
 `RLTrainer.step()` reads top to bottom as the data flow of one step (see docs/ARCHITECTURE.md). It is the only
 place that knows every role; each phase is one call into the layer that owns it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,16 @@ from verl_ds.data.dataset import PromptSampler
 from verl_ds.data.reward import task_reward_fn
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
-from verl_ds.dist import (all_gather_object, all_reduce_max, all_reduce_min, all_reduce_sum, init_distributed, rank,
-                          world_size)
+from verl_ds.diagnostics.plots import plot_curves
+from verl_ds.dist import (
+    all_gather_object,
+    all_reduce_max,
+    all_reduce_min,
+    all_reduce_sum,
+    init_distributed,
+    rank,
+    world_size,
+)
 from verl_ds.ds_config import resolve
 from verl_ds.envs import load_tools
 from verl_ds.errors import ConfigError
@@ -28,14 +37,15 @@ from verl_ds.roles.base import in_row_order
 from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import episodes, make_rollout, resolve_engine, sync_distributed
 from verl_ds.trainer import builder
-from verl_ds.trainer.groups import merge_parts, select_groups, varied_groups
 from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from verl_ds.trainer.groups import merge_parts, select_groups, varied_groups
 
 log = logging.getLogger(__name__)
 
 
 class RLTrainer:
     """`with RLTrainer(cfg) as t: t.fit()` — or call `close()` (logger, vLLM) yourself."""
+
     track_activations = False  # `debug memory` sets it: also measure saved-for-backward bytes
 
     def __init__(self, cfg: RunConfig, reward_fn=None):
@@ -45,15 +55,15 @@ class RLTrainer:
         self.rollout = self.logger = None
         # rank 0 logs at logging.level; other ranks only warnings
         logging.getLogger("verl_ds").setLevel(cfg.logging.level if self.rank == 0 else logging.WARNING)
-        self.precision = resolve(cfg)          # the one place `auto` meets the hardware
+        self.precision = resolve(cfg)  # the one place `auto` meets the hardware
         self.run_dir = Path(cfg.trainer.run_dir)
         self.model_path = builder.resolve_model_path(cfg)
         # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
         self.cfg = cfg = replace(cfg, rollout=replace(cfg.rollout, engine=resolve_engine(cfg.rollout, self.model_path)))
         self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
-        tools = load_tools(cfg.data.tools)                       # imported and checked once
+        tools = load_tools(cfg.data.tools)  # imported and checked once
         self.codec = builder.build_codec(cfg, self.tokenizer, self.model_path, tools)
-        self.episode_kw = builder.build_episodes(cfg, self.codec, tools)   # {}: single-turn
+        self.episode_kw = builder.build_episodes(cfg, self.codec, tools)  # {}: single-turn
         self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer, self.codec)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
         self.reward_fn = reward_fn or task_reward_fn(cfg.data)
@@ -62,13 +72,21 @@ class RLTrainer:
         self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")
         self.estimator = algos.get_advantage_estimator(cfg.algorithm.estimator)
         a = cfg.algorithm
-        self.kl_ctl = (algos.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon) if a.kl_target
-                       else algos.FixedKLController(a.kl_coef))
+        self.kl_ctl = (
+            algos.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+            if a.kl_target
+            else algos.FixedKLController(a.kl_coef)
+        )
         self.reward_stats = algos.RunningMeanStd()
         self.buffer_dtype = self.precision.torch_dtype("buffer")
-        self.rollout = make_rollout(cfg.rollout, self.model_path, self.precision.rollout, cfg.trainer.seed,
-                                    trust_remote_code=cfg.model.trust_remote_code,
-                                    lm_head_fp32=self.precision.lm_head_fp32)
+        self.rollout = make_rollout(
+            cfg.rollout,
+            self.model_path,
+            self.precision.rollout,
+            cfg.trainer.seed,
+            trust_remote_code=cfg.model.trust_remote_code,
+            lm_head_fp32=self.precision.lm_head_fp32,
+        )
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
@@ -81,13 +99,16 @@ class RLTrainer:
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
         # a Timer that, every logging.memory_every steps, also accounts each role's memory per stage
         every = cfg.logging.memory_every
-        timer = MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations) \
-            if self.track_activations or (every and self.global_step % every == 0) else Timer()
+        timer = (
+            MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations)
+            if self.track_activations or (every and self.global_step % every == 0)
+            else Timer()
+        )
         with timer("step"):
             # 1-3. prompts -> rollout -> rewards (+ overlong shaping); more rounds when dynamic
             # sampling drops groups whose samples all scored alike
             batch, examples, raw_scores, shaped, sample_metrics = self._collect(timer)
-            self.rollout.sleep()          # GPU: hand vLLM's memory to the roles until the sync
+            self.rollout.sleep()  # GPU: hand vLLM's memory to the roles until the sync
             scores = self._normalize(shaped)
             # the model's own tokens: multi-turn rows also hold environment tokens, which the model
             # attends to (attention_mask) but no loss, KL, entropy or metric counts
@@ -108,21 +129,37 @@ class RLTrainer:
                 ref_lp = self.reference.logprobs(data, r.temperature).cpu() if self.reference else None
             with timer("values", stage="score", role="critic"):
                 values = self.critic.values(data).cpu() if self.critic else None
-            buf = {k: self._buffered(v) for k, v in dict(old_logprobs=old_lp, ref_logprobs=ref_lp,
-                                                         old_values=values,
-                                                         rollout_logprobs=batch.rollout_logprobs).items()}
+            buf = {
+                k: self._buffered(v)
+                for k, v in dict(
+                    old_logprobs=old_lp, ref_logprobs=ref_lp, old_values=values, rollout_logprobs=batch.rollout_logprobs
+                ).items()
+            }
             # 5. KL: in the reward (classic PPO), or later as a loss term (GRPO style)
-            kl_in_reward = self._kl(buf["old_logprobs"], buf["ref_logprobs"], mask) * self.kl_ctl.value \
-                if not a.use_kl_loss else None
+            kl_in_reward = (
+                self._kl(buf["old_logprobs"], buf["ref_logprobs"], mask) * self.kl_ctl.value
+                if not a.use_kl_loss
+                else None
+            )
             token_rewards = _token_rewards(scores, mask, kl_in_reward)
             # 6. advantages (fp32)
             with timer("adv"):
-                adv, returns = self.estimator(token_rewards=token_rewards, scores=token_rewards.sum(-1),
-                                              values=buf["old_values"], response_mask=mask,
-                                              group_ids=batch.group_ids, gamma=a.gamma, lam=a.lam)
-            train = {**data, **{k: v for k, v in buf.items() if v is not None},
-                     "advantages": adv.float(), "returns": returns.float()}
-            if a.mask_truncated:          # samples cut at max_new_tokens teach nothing about endings
+                adv, returns = self.estimator(
+                    token_rewards=token_rewards,
+                    scores=token_rewards.sum(-1),
+                    values=buf["old_values"],
+                    response_mask=mask,
+                    group_ids=batch.group_ids,
+                    gamma=a.gamma,
+                    lam=a.lam,
+                )
+            train = {
+                **data,
+                **{k: v for k, v in buf.items() if v is not None},
+                "advantages": adv.float(),
+                "returns": returns.float(),
+            }
+            if a.mask_truncated:  # samples cut at max_new_tokens teach nothing about endings
                 train["response_mask"] = mask * (1 - truncated)[:, None]
             # 7. ppo_epochs over mini-batches for the actor and the critic
             update_metrics, first_lp = self._update(train, timer, n_minis, first_is_old)
@@ -135,14 +172,20 @@ class RLTrainer:
         kl = self._kl(buf["old_logprobs"], buf["ref_logprobs"], mask)
         kl_sum, n_tok, n_seq = all_reduce_sum([float((kl * mask).sum()), float(mask.sum()), float(len(batch))])
         kl_mean = kl_sum / max(n_tok, 1.0)
-        self.kl_ctl.update(kl_mean, n_steps=int(n_seq))     # same value on every rank
+        self.kl_ctl.update(kl_mean, n_steps=int(n_seq))  # same value on every rank
         # 9. metrics (reduced over ranks; rank 0 writes them)
-        metrics = reduce_metrics({
-            **update_metrics, **sync_metrics, **timer.times, **timer.memory_metrics(),
-            **self._batch_metrics(batch, raw_scores, scores, old_lp, kl_mean, timer.times["timing_s/step"]),
-            **sample_metrics, "response/truncated_fraction": float(truncated.mean()),
-            **self._precision_metrics(),
-        })
+        metrics = reduce_metrics(
+            {
+                **update_metrics,
+                **sync_metrics,
+                **timer.times,
+                **timer.memory_metrics(),
+                **self._batch_metrics(batch, raw_scores, scores, old_lp, kl_mean, timer.times["timing_s/step"]),
+                **sample_metrics,
+                "response/truncated_fraction": float(truncated.mean()),
+                **self._precision_metrics(),
+            }
+        )
         if self.val_prompts and cfg.trainer.val_every and self.global_step % cfg.trainer.val_every == 0:
             metrics.update(self.validate())
         self.logger.log(metrics, self.global_step)
@@ -159,12 +202,22 @@ class RLTrainer:
         cfg, r, fg = self.cfg, self.cfg.rollout, self.cfg.algorithm.filter_groups
         parts, rounds, seen, dropped, drawn = [], 0, 0, 0, []
         while True:
-            idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank::self.world]
+            idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank :: self.world]
             examples = [self.prompts[i] for i in idx]
             with timer("gen", stage="rollout", role="rollout"):
-                ro = episodes.collect(self.rollout, examples, [e["prompt_ids"] for e in examples], r.n,
-                                      r.temperature, r.top_p, r.max_new_tokens, run_seed=cfg.trainer.seed,
-                                      step=self.global_step, round_=rounds, **self.episode_kw)
+                ro = episodes.collect(
+                    self.rollout,
+                    examples,
+                    [e["prompt_ids"] for e in examples],
+                    r.n,
+                    r.temperature,
+                    r.top_p,
+                    r.max_new_tokens,
+                    run_seed=cfg.trainer.seed,
+                    step=self.global_step,
+                    round_=rounds,
+                    **self.episode_kw,
+                )
                 batch = ro.batch
             with timer("reward", stage="score", role="reward"):
                 raw = self._score(ro, examples)
@@ -186,11 +239,19 @@ class RLTrainer:
         # nothing varied on some rank: train on the last round as drawn (its advantages are zero)
         out = select_groups(*merged, list(range(k))) if k else last
         drawn = torch.cat(drawn)
-        seen_all, dropped_all, drawn_sum, drawn_n = all_reduce_sum([float(seen), float(dropped),
-                                                                     float(drawn.sum()), float(len(drawn))])
-        return (*out, {**ro.metrics, "filter/kept_groups": float(k * self.world), "filter/rounds": float(rounds),
-                       "filter/zero_variance_fraction": dropped_all / max(seen_all, 1.0),
-                       "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0)})   # before filtering
+        seen_all, dropped_all, drawn_sum, drawn_n = all_reduce_sum(
+            [float(seen), float(dropped), float(drawn.sum()), float(len(drawn))]
+        )
+        return (
+            *out,
+            {
+                **ro.metrics,
+                "filter/kept_groups": float(k * self.world),
+                "filter/rounds": float(rounds),
+                "filter/zero_variance_fraction": dropped_all / max(seen_all, 1.0),
+                "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0),
+            },
+        )  # before filtering
 
     def validate(self) -> dict[str, float]:
         """Held-out prompts on the rollout engine with the current weights: greedy accuracy (mean
@@ -198,28 +259,61 @@ class RLTrainer:
         mean@k and unbiased pass@k (a sample passes with reward >= 1). Collective: every rank calls it."""
         cfg, r = self.cfg, self.cfg.rollout
         k, name = cfg.trainer.val_n, cfg.data.task
-        mine = self.val_prompts[self.rank::self.world]
+        mine = self.val_prompts[self.rank :: self.world]
         ids = [e["prompt_ids"] for e in mine]
-        tag = f"val{self.global_step}"          # seeds apart from every training step's
-        greedy = episodes.collect(self.rollout, mine, ids, 1, 0.0, 1.0, r.max_new_tokens, run_seed=cfg.trainer.seed,
-                                  step=tag, **self.episode_kw)
-        sampled = episodes.collect(self.rollout, mine, ids, k, r.temperature, r.top_p, r.max_new_tokens,
-                                   run_seed=cfg.trainer.seed, step=tag, round_=1, **self.episode_kw)
+        tag = f"val{self.global_step}"  # seeds apart from every training step's
+        greedy = episodes.collect(
+            self.rollout,
+            mine,
+            ids,
+            1,
+            0.0,
+            1.0,
+            r.max_new_tokens,
+            run_seed=cfg.trainer.seed,
+            step=tag,
+            **self.episode_kw,
+        )
+        sampled = episodes.collect(
+            self.rollout,
+            mine,
+            ids,
+            k,
+            r.temperature,
+            r.top_p,
+            r.max_new_tokens,
+            run_seed=cfg.trainer.seed,
+            step=tag,
+            round_=1,
+            **self.episode_kw,
+        )
         self.rollout.sleep()
         acc = _per_episode(self._score(greedy, mine), greedy.episode)
-        scores = _per_episode(self._score(sampled, mine), sampled.episode).view(len(mine), k) if mine \
-            else torch.zeros(0, k)
+        scores = (
+            _per_episode(self._score(sampled, mine), sampled.episode).view(len(mine), k) if mine else torch.zeros(0, k)
+        )
         passed = [algos.pass_at_k(k, int((row >= 1).sum()), k) for row in scores]
-        tot = all_reduce_sum([float(acc.sum()), float(scores.mean(-1).sum()) if mine else 0.0, sum(passed),
-                              float(greedy.batch.loss_mask.sum()), float(len(mine))])
+        tot = all_reduce_sum(
+            [
+                float(acc.sum()),
+                float(scores.mean(-1).sum()) if mine else 0.0,
+                sum(passed),
+                float(greedy.batch.loss_mask.sum()),
+                float(len(mine)),
+            ]
+        )
         n = max(tot[4], 1.0)
         if self.rank == 0 and mine:
-            last_rows = [int((greedy.episode == e).nonzero()[-1]) for e in range(len(mine))]   # forks: the last
+            last_rows = [int((greedy.episode == e).nonzero()[-1]) for e in range(len(mine))]  # forks: the last
             texts = self._decode(greedy.batch.select(last_rows))
             rows = [(e["prompt"], text, float(s)) for e, text, s in zip(mine, texts, acc)][:16]
             self.logger.log_samples(rows, self.global_step, key="val_samples")
-        out = {f"val/{name}/accuracy": tot[0] / n, f"val/{name}/mean@{k}": tot[1] / n,
-               f"val/{name}/pass@{k}": tot[2] / n, "val/response_length/mean": tot[3] / n}
+        out = {
+            f"val/{name}/accuracy": tot[0] / n,
+            f"val/{name}/mean@{k}": tot[1] / n,
+            f"val/{name}/pass@{k}": tot[2] / n,
+            "val/response_length/mean": tot[3] / n,
+        }
         # multi-turn: the greedy episodes' turns and tool use (mean over ranks, as every metric)
         out.update({f"val/{k}": v for k, v in greedy.metrics.items() if k.startswith(("tools/", "multi_turn/turns"))})
         return out
@@ -227,16 +321,27 @@ class RLTrainer:
     def _overlong(self, batch) -> torch.Tensor:
         o, r = self.cfg.algorithm.overlong, self.cfg.rollout
         lengths = batch.loss_mask.sum(-1)
-        return algos.overlong_penalty(lengths, r.max_new_tokens, o.buffer_len, o.penalty) if o.buffer_len \
+        return (
+            algos.overlong_penalty(lengths, r.max_new_tokens, o.buffer_len, o.penalty)
+            if o.buffer_len
             else torch.zeros_like(lengths)
+        )
 
     def _score(self, ro: episodes.Rollout, examples) -> torch.Tensor:
         """Each row's score: the reward model's on the whole row, or the task's reward function on
         its episode's final answer; plus the environment's reward (0 in single-turn jobs)."""
         batch = ro.batch
         if self.reward_model is not None:
-            return self.reward_model.score({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-                                            "response_mask": batch.response_mask}).cpu() + ro.env_rewards
+            return (
+                self.reward_model.score(
+                    {
+                        "input_ids": batch.input_ids,
+                        "attention_mask": batch.attention_mask,
+                        "response_mask": batch.response_mask,
+                    }
+                ).cpu()
+                + ro.env_rewards
+            )
         texts = self.tokenizer.batch_decode(ro.final_ids, skip_special_tokens=True)
         out = [float(self.reward_fn(t, examples[int(g)]["answer"])) for t, g in zip(texts, batch.group_ids)]
         return torch.tensor(out) + ro.env_rewards
@@ -247,10 +352,14 @@ class RLTrainer:
             return scores.clamp(-a.reward_clip, a.reward_clip) if a.reward_clip else scores
         # statistics over the whole batch (every rank), so each rank's normalizer state stays identical
         everyone = all_gather_object(scores.tolist())
-        start = sum(len(x) for x in everyone[:self.rank])
-        full = algos.normalize_rewards(torch.tensor([v for x in everyone for v in x]), mode=a.reward_normalization,
-                                       clip=a.reward_clip, stats=self.reward_stats)
-        return full[start:start + len(scores)]
+        start = sum(len(x) for x in everyone[: self.rank])
+        full = algos.normalize_rewards(
+            torch.tensor([v for x in everyone for v in x]),
+            mode=a.reward_normalization,
+            clip=a.reward_clip,
+            stats=self.reward_stats,
+        )
+        return full[start : start + len(scores)]
 
     def _buffered(self, t):
         """The rollout buffer keeps logprobs/values in `buffer_dtype`; the math upcasts to fp32."""
@@ -268,7 +377,7 @@ class RLTrainer:
     def _mini_batches(self, n: int) -> int:
         """Mini-batches per epoch, the same on every rank (forked multi-turn episodes give ranks
         different row counts): the most any rank needs for `n` rows of `_mini_rows` each."""
-        return max(1, int(all_reduce_max(float(-(-n // max(self._mini_rows(n), 1))))))   # collective: no early exit
+        return max(1, int(all_reduce_max(float(-(-n // max(self._mini_rows(n), 1))))))  # collective: no early exit
 
     def _update(self, train: dict, timer: Timer, n_minis: int, first_is_old: bool = False):
         """`ppo_epochs` over `n_minis` mini-batches -> (metrics, the first epoch's fp32 logprobs or
@@ -301,28 +410,34 @@ class RLTrainer:
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
             if collect:
-                rows, lps = zip(*self.actor.collected)    # micro-batches may be packed out of order
+                rows, lps = zip(*self.actor.collected)  # micro-batches may be packed out of order
                 first_lp = in_row_order(list(rows), list(lps)).float().cpu()
                 self.actor.collected = None
                 train["old_logprobs"] = self._buffered(first_lp)
         out = {(k if k.startswith("critic/") else f"actor/{k}"): v / count for k, v in sums.items()}
         if self.critic:
-            out["critic/vf_explained_var"] = _explained_var(train["returns"], train["old_values"],
-                                                            train["response_mask"])
+            out["critic/vf_explained_var"] = _explained_var(
+                train["returns"], train["old_values"], train["response_mask"]
+            )
         return out, first_lp
 
     def _batch_metrics(self, batch, raw_scores, scores, old_lp, kl_mean, step_s) -> dict[str, float]:
         mask = batch.loss_mask
         rollout_perf = {k: v for k, v in getattr(self.rollout, "last_metrics", {}).items() if k.startswith("perf/")}
         return {
-            "reward/mean": raw_scores.mean().item(), "reward/normalized_mean": scores.mean().item(),
+            "reward/mean": raw_scores.mean().item(),
+            "reward/normalized_mean": scores.mean().item(),
             "response_length/mean": mask.sum(-1).mean().item(),
-            "actor/kl_ref": kl_mean, "actor/kl_coef": float(self.kl_ctl.value),
+            "actor/kl_ref": kl_mean,
+            "actor/kl_coef": float(self.kl_ctl.value),
             "data/position": float(self.sampler.epoch * self.sampler.n + self.sampler.pos),
             # rollout-vs-trainer gap on the same weights: precision and sync health
-            **{f"rollout_corr/{k}": float(v) for k, v in
-               algos.mismatch_metrics(old_lp, batch.rollout_logprobs, mask).items()},
-            "perf/throughput": float(batch.attention_mask.sum()) / max(step_s, 1e-9), **rollout_perf,
+            **{
+                f"rollout_corr/{k}": float(v)
+                for k, v in algos.mismatch_metrics(old_lp, batch.rollout_logprobs, mask).items()
+            },
+            "perf/throughput": float(batch.attention_mask.sum()) / max(step_s, 1e-9),
+            **rollout_perf,
         }
 
     def _precision_metrics(self) -> dict[str, float]:
@@ -336,7 +451,7 @@ class RLTrainer:
 
     def _decode(self, batch) -> list[str]:
         """Each row's response as text; multi-turn rows with their turns marked ([model] / [env])."""
-        lens = batch.response_mask.sum(1).long().tolist()   # right-padded: the first n are the response
+        lens = batch.response_mask.sum(1).long().tolist()  # right-padded: the first n are the response
         rows = [ids[:n] for ids, n in zip(batch.response_ids.tolist(), lens)]
         if not batch.multi_turn:
             return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
@@ -352,8 +467,10 @@ class RLTrainer:
         return out
 
     def _log_samples(self, batch, examples, scores):
-        rows = [(examples[int(g)]["prompt"], resp, float(s))
-                for g, resp, s in list(zip(batch.group_ids, self._decode(batch), scores))[:16]]
+        rows = [
+            (examples[int(g)]["prompt"], resp, float(s))
+            for g, resp, s in list(zip(batch.group_ids, self._decode(batch), scores))[:16]
+        ]
         self.logger.log_samples(rows, self.global_step)
 
     # ------------------------------------------------------------------ checkpoints
@@ -361,10 +478,14 @@ class RLTrainer:
         return {k: v for k, v in self.roles.items() if v.trainable}
 
     def save(self) -> Path:
-        state = {"sampler": self.sampler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                 "reward_stats": self.reward_stats.state_dict()}
-        return save_checkpoint(self.run_dir / "checkpoints", self.global_step, self._trained_roles(), state,
-                               self.cfg.checkpoint.keep_last)
+        state = {
+            "sampler": self.sampler.state_dict(),
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "reward_stats": self.reward_stats.state_dict(),
+        }
+        return save_checkpoint(
+            self.run_dir / "checkpoints", self.global_step, self._trained_roles(), state, self.cfg.checkpoint.keep_last
+        )
 
     def _maybe_resume(self) -> bool:
         resume = self.cfg.trainer.resume
@@ -413,12 +534,14 @@ class RLTrainer:
                 if every and self.global_step % every == 0:
                     self.save()
             if not (cfg.checkpoint.every and self.global_step % cfg.checkpoint.every == 0):
-                self.save()                     # the final state, for resume and for the record
+                self.save()  # the final state, for resume and for the record
             self.export(self.run_dir / "final_model", cfg.checkpoint.export_dtype)
             if self.rank == 0:
-                from verl_ds.diagnostics.plots import plot_curves
-                plot_curves(self.logger.path, self.run_dir / "reward_curve.png",
-                            keys=("reward/mean", f"val/{cfg.data.task}/accuracy"))
+                plot_curves(
+                    self.logger.path,
+                    self.run_dir / "reward_curve.png",
+                    keys=("reward/mean", f"val/{cfg.data.task}/accuracy"),
+                )
         finally:
             bar.close()
         return metrics
@@ -433,7 +556,7 @@ class RLTrainer:
         if rollout is not None:
             rollout.shutdown(release=not exiting)
 
-    def __enter__(self) -> "RLTrainer":
+    def __enter__(self) -> RLTrainer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -452,7 +575,7 @@ def _token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.T
     """`[B, R]` rewards: each sequence's score on its last response token, minus the per-token KL
     penalty when the KL is in the reward."""
     rewards = torch.zeros_like(mask)
-    last = (mask.cumsum(-1).argmax(-1))            # index of the last response token
+    last = mask.cumsum(-1).argmax(-1)  # index of the last response token
     rewards[torch.arange(len(scores)), last] = scores.to(rewards.dtype)
     return rewards - kl_penalty if kl_penalty is not None else rewards
 

@@ -5,20 +5,20 @@ batch sizes, so it answers "will it fit" for models that can't be built here (`v
 Stages of one RL step: `rollout`, `score`, `update`, `sync`; components: `weights_<dtype>`,
 `master`, `grads`, `optimizer`, `kv_cache`, `logits_buffer`, `activations`, `other`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from verl_ds.ds_config import ds_dtype
 
-MIB = 2 ** 20
-GIB = 2 ** 30
+MIB = 2**20
+GIB = 2**30
 BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 STAGES = ("rollout", "score", "update", "sync")
 STAGE_GROUPS = {"rollout": ("rollout", "score"), "train": ("update", "sync"), "all": STAGES}
 COMPONENTS = ("weights", "master", "grads", "optimizer", "kv_cache", "logits_buffer", "activations", "other")
 GPU_OVERHEAD_GIB = 1.0  # CUDA context + allocator slack per process (an assumption; measured varies)
-
 
 
 @dataclass
@@ -35,16 +35,22 @@ class ModelShape:
     mlp_bias: bool = False
 
     @classmethod
-    def from_hf_config(cls, c: dict) -> "ModelShape":
+    def from_hf_config(cls, c: dict) -> ModelShape:
         """A Llama/Qwen2/Mistral-style decoder from its HF config.json dict."""
         c = c.get("text_config", c)
         heads = c["num_attention_heads"]
-        return cls(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
-                   kv_heads=c.get("num_key_value_heads") or heads, ffn=c["intermediate_size"],
-                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                   tied=bool(c.get("tie_word_embeddings", False)),
-                   attn_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
-                   mlp_bias=bool(c.get("mlp_bias", False)))
+        return cls(
+            vocab=c["vocab_size"],
+            hidden=c["hidden_size"],
+            layers=c["num_hidden_layers"],
+            heads=heads,
+            kv_heads=c.get("num_key_value_heads") or heads,
+            ffn=c["intermediate_size"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            tied=bool(c.get("tie_word_embeddings", False)),
+            attn_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
+            mlp_bias=bool(c.get("mlp_bias", False)),
+        )
 
     def layer_params(self) -> int:
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -62,8 +68,15 @@ class ModelShape:
     def lora_params(self, rank: int, targets) -> int:
         """Adapter parameters of LoRA rank `rank` on the named projections of every layer."""
         h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.ffn
-        dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+        dims = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, f),
+            "up_proj": (h, f),
+            "down_proj": (f, h),
+        }
         return self.layers * sum(rank * (i + o) for t, (i, o) in dims.items() if t in set(targets))
 
     def largest_module(self) -> int:
@@ -73,9 +86,10 @@ class ModelShape:
 @dataclass
 class Workload:
     """Per-rank batch geometry of one step."""
-    gen_batch: int           # sequences the rollout engine on this rank generates at once
-    local_batch: int         # sequences of the rollout batch this rank scores and trains on
-    seq_len: int             # prompt + response (upper bound)
+
+    gen_batch: int  # sequences the rollout engine on this rank generates at once
+    local_batch: int  # sequences of the rollout batch this rank scores and trains on
+    seq_len: int  # prompt + response (upper bound)
     resp_len: int
     world: int = 1
 
@@ -85,13 +99,22 @@ def workload(cfg, world: int) -> Workload:
     per_rank = total // world
     # one engine per tensor-parallel group: it generates for the group's ranks
     gen = per_rank * (cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1)
-    return Workload(gen, per_rank, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens,
-                    cfg.rollout.max_new_tokens, world)
+    return Workload(
+        gen, per_rank, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens, world
+    )
 
 
-def role_memory(shape: ModelShape, ds: dict, *, head: str, trainable: bool, w: Workload,
-                grad_checkpointing: bool = False, weight_dtype: str | None = None,
-                adapter_params: int = 0) -> dict[str, dict[str, float]]:
+def role_memory(
+    shape: ModelShape,
+    ds: dict,
+    *,
+    head: str,
+    trainable: bool,
+    w: Workload,
+    grad_checkpointing: bool = False,
+    weight_dtype: str | None = None,
+    adapter_params: int = 0,
+) -> dict[str, dict[str, float]]:
     """One DeepSpeed role's bytes per stage: {stage: {component: bytes}} (resident in every stage,
     transient parts only in the stages that run this role). `adapter_params` > 0: a LoRA role whose
     frozen base adds only weights; masters, gradients and Adam states cover the adapters alone."""
@@ -102,7 +125,7 @@ def role_memory(shape: ModelShape, ds: dict, *, head: str, trainable: bool, w: W
     stage, n = int(zero.get("stage", 0)), w.world
     psi = shape.params(head) + adapter_params
     resident = {f"weights_{wdtype}": psi * BYTES[wdtype] / (n if stage >= 3 else 1)}
-    base_psi, psi = psi, (adapter_params or psi)     # from here on: the trained parameters
+    base_psi, psi = psi, (adapter_params or psi)  # from here on: the trained parameters
     if trainable:
         opt_shard = n if stage >= 1 else 1
         grad_dtype = ds.get("data_types", {}).get("grad_accum_dtype") or dtype
@@ -115,27 +138,43 @@ def role_memory(shape: ModelShape, ds: dict, *, head: str, trainable: bool, w: W
     mb = int(ds.get("train_micro_batch_size_per_gpu", 1))
     t, r, h, v = w.seq_len, w.resp_len, shape.hidden, shape.vocab
     kvdim = shape.kv_heads * shape.head_dim
-    gathered = (shape.largest_module() + min(base_psi, int(zero.get("stage3_prefetch_bucket_size", 5e7)))) * b \
-        if stage >= 3 else 0.0
+    gathered = (
+        (shape.largest_module() + min(base_psi, int(zero.get("stage3_prefetch_bucket_size", 5e7)))) * b
+        if stage >= 3
+        else 0.0
+    )
     out_logits = mb * t * (v if head == "lm" else 1) * b
     # no-grad forward: one layer's intermediates live at a time; logits + fp32 log-softmax of the response
-    fwd = {"activations": mb * t * (4 * h + 2 * kvdim + 3 * shape.ffn) * b,
-           "logits_buffer": out_logits + (mb * r * v * 4 if head == "lm" else 0), "other": gathered}
+    fwd = {
+        "activations": mb * t * (4 * h + 2 * kvdim + 3 * shape.ffn) * b,
+        "logits_buffer": out_logits + (mb * r * v * 4 if head == "lm" else 0),
+        "other": gathered,
+    }
     stages = {s: dict(resident) for s in STAGES}
     stages["score"].update(fwd)  # every role runs a no-grad forward while scoring
     if trainable:
         per_layer = mb * t * (10 * h + 4 * kvdim + 5 * shape.ffn) * b  # saved for backward (SwiGLU decoder)
         acts = (shape.layers * mb * t * h * b + per_layer) if grad_checkpointing else shape.layers * per_layer
         saved_logits = mb * r * v * 4 * 3 if head == "lm" else 0  # fp32 logits, log-softmax, softmax (entropy)
-        step_tmp = 4 * psi / (n if stage >= 1 else 1) if stage >= 1 or dtype != "fp32" else 0.0  # fp32 grad copy at step
+        step_tmp = (
+            4 * psi / (n if stage >= 1 else 1) if stage >= 1 or dtype != "fp32" else 0.0
+        )  # fp32 grad copy at step
         bucket = min(psi, float(zero.get("reduce_bucket_size", 5e8))) * BYTES[grad_dtype] if stage in (1, 2) else 0.0
-        stages["update"].update(grads=grads, activations=acts + saved_logits, logits_buffer=out_logits,
-                                other=gathered + step_tmp + bucket)
+        stages["update"].update(
+            grads=grads, activations=acts + saved_logits, logits_buffer=out_logits, other=gathered + step_tmp + bucket
+        )
     return stages
 
 
-def rollout_memory(shape: ModelShape, rcfg, dtype: str, w: Workload, actor_module_bytes: float,
-                   gpu_gib: float | None, weights_bytes: float) -> dict[str, dict[str, float]]:
+def rollout_memory(
+    shape: ModelShape,
+    rcfg,
+    dtype: str,
+    w: Workload,
+    actor_module_bytes: float,
+    gpu_gib: float | None,
+    weights_bytes: float,
+) -> dict[str, dict[str, float]]:
     """The generation engine: full weights (TP=1) + KV cache, resident in every stage for vLLM (its
     pool is reserved at start and not released; on GPU, weights + pool = gpu_memory_utilization x
     the GPU), only during `rollout` for HF generate (then the whole batch's cache)."""
@@ -162,27 +201,42 @@ HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score"}
 def run_role_memory(cfg, shape: ModelShape, role: str, ds: dict, w: Workload) -> dict[str, dict[str, float]]:
     """`role_memory` with what the run config says about this role (head, int8 reward, LoRA)."""
     lora = cfg.model.lora
-    return role_memory(shape, ds, head=HEADS[role], trainable=role in ("actor", "critic"), w=w,
-                       grad_checkpointing=cfg.precision.enable_grad_checkpointing,
-                       weight_dtype="int8" if role == "reward" and cfg.precision.reward_dtype == "int8" else None,
-                       adapter_params=shape.lora_params(lora.rank, lora.target_modules)
-                       if role == "actor" and lora.rank else 0)
+    return role_memory(
+        shape,
+        ds,
+        head=HEADS[role],
+        trainable=role in ("actor", "critic"),
+        w=w,
+        grad_checkpointing=cfg.precision.enable_grad_checkpointing,
+        weight_dtype="int8" if role == "reward" and cfg.precision.reward_dtype == "int8" else None,
+        adapter_params=shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0,
+    )
 
 
-def estimate_memory(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: int, rollout_dtype: str,
-                    gpu_gib: float | None = None, reward_shape: ModelShape | None = None
-                    ) -> dict[str, dict[str, dict[str, float]]]:
+def estimate_memory(
+    cfg,
+    shape: ModelShape,
+    ds_configs: dict[str, dict],
+    world: int,
+    rollout_dtype: str,
+    gpu_gib: float | None = None,
+    reward_shape: ModelShape | None = None,
+) -> dict[str, dict[str, dict[str, float]]]:
     """{stage: {role: {component: bytes}}} per GPU (rank 0, which also hosts the rollout engine)."""
-    if cfg.rollout.engine == "auto":   # the engine the trainer would pick for this model and device
+    if cfg.rollout.engine == "auto":  # the engine the trainer would pick for this model and device
         from verl_ds.rollout.distributed import choose_engine
+
         engine = choose_engine("auto", shape.params("lm"), bool(gpu_gib))[0]
         cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine))
     w = workload(cfg, world)
-    per_role = {role: run_role_memory(cfg, (reward_shape or shape) if role == "reward" else shape, role, ds, w)
-                for role, ds in ds_configs.items()}
+    per_role = {
+        role: run_role_memory(cfg, (reward_shape or shape) if role == "reward" else shape, role, ds, w)
+        for role, ds in ds_configs.items()
+    }
     rdt = rollout_dtype
-    per_role["rollout"] = rollout_memory(shape, cfg.rollout, rdt, w, shape.largest_module() * 4, gpu_gib,
-                                         shape.params("lm") * BYTES[rdt])
+    per_role["rollout"] = rollout_memory(
+        shape, cfg.rollout, rdt, w, shape.largest_module() * 4, gpu_gib, shape.params("lm") * BYTES[rdt]
+    )
     if gpu_gib:
         per_role["process"] = {s: {"other": GPU_OVERHEAD_GIB * GIB} for s in STAGES}
     return {s: {role: per_role[role][s] for role in per_role} for s in STAGES}
@@ -209,8 +263,15 @@ def peak_by_role(stages: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def choose_zero_stages(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: int, budget_bytes: float,
-                       auto_roles: list[str], headroom: float = 0.8) -> dict[str, int]:
+def choose_zero_stages(
+    cfg,
+    shape: ModelShape,
+    ds_configs: dict[str, dict],
+    world: int,
+    budget_bytes: float,
+    auto_roles: list[str],
+    headroom: float = 0.8,
+) -> dict[str, int]:
     """`zero_stage: auto`: for each role in `auto_roles`, the lowest ZeRO stage (0-3; frozen roles
     0 or 3) at which every role's peak estimate, summed, fits `headroom` x `budget_bytes`. Roles
     not yet decided count at stage 3. ZeRO-3 when nothing fits."""
@@ -231,7 +292,7 @@ def choose_zero_stages(cfg, shape: ModelShape, ds_configs: dict[str, dict], worl
         return max(totals.values())
 
     for role in auto_roles:
-        for stage in ((0, 1, 2, 3) if role in ("actor", "critic") else (0, 3)):
+        for stage in (0, 1, 2, 3) if role in ("actor", "critic") else (0, 3):
             if peak({**chosen, role: stage}) <= headroom * budget_bytes:
                 chosen[role] = stage
                 break

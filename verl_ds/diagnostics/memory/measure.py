@@ -3,13 +3,15 @@
 `MemoryTimer` is a `Timer`; the trainer names each phase's stage and role explicitly
 (`timer("ref", stage="score", role="reference")`) and logs `memory/<stage>/<role>/<component>_mib`.
 """
+
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager, nullcontext
 
-from verl_ds.diagnostics.metrics import Timer
 from verl_ds.diagnostics.memory.estimate import MIB
+from verl_ds.diagnostics.metrics import Timer
+from verl_ds.precision import dtype_name
 
 
 def _nbytes(t) -> int:
@@ -17,8 +19,7 @@ def _nbytes(t) -> int:
 
 
 def _dtype_name(t) -> str:
-    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8", "qint8": "int8"}.get(
-        str(t.dtype).replace("torch.", ""), str(t.dtype).replace("torch.", ""))
+    return dtype_name(t.dtype)
 
 
 def account_role(role) -> dict[str, float]:
@@ -44,6 +45,7 @@ def account_role(role) -> dict[str, float]:
         t = t if t is not None else p.data
         add(f"weights_{_dtype_name(t)}", t)
     from verl_ds.roles.reward import tensor_bytes  # int8 packed weights live outside parameters()
+
     packed = tensor_bytes(module) - sum(_nbytes(p) for p in params) - sum(_nbytes(b) for b in module.buffers())
     if packed > 0:
         out["weights_int8"] = out.get("weights_int8", 0.0) + packed
@@ -70,7 +72,7 @@ class _SavedTensors:
     """Peak bytes autograd keeps for backward (storages counted once, parameters excluded)."""
 
     def __init__(self):
-        self.live: dict[int, list] = {}   # storage ptr -> [bytes, refs]
+        self.live: dict[int, list] = {}  # storage ptr -> [bytes, refs]
         self.now = self.peak = 0
 
     def pack(self, t):
@@ -113,8 +115,10 @@ def process_memory() -> dict[str, float]:
     import torch
 
     if torch.cuda.is_available():
-        return {"cuda_peak": float(torch.cuda.max_memory_allocated()),
-                "cuda_reserved": float(torch.cuda.memory_reserved())}
+        return {
+            "cuda_peak": float(torch.cuda.max_memory_allocated()),
+            "cuda_reserved": float(torch.cuda.memory_reserved()),
+        }
     import psutil
 
     return {"rss": float(psutil.Process(os.getpid()).memory_info().rss)}
@@ -185,6 +189,7 @@ class MemoryTimer(Timer):
 def _max_logits(box: list, out) -> None:
     t = getattr(out, "logits", out)
     import torch
+
     if torch.is_tensor(t):
         box[0] = max(box[0], _nbytes(t))
 
@@ -197,5 +202,3 @@ def stages_from_metrics(metrics: dict[str, float]) -> dict[str, dict[str, dict[s
         if len(parts) == 4 and parts[0] == "memory" and parts[3].endswith("_mib") and parts[3] != "total_mib":
             out.setdefault(parts[1], {}).setdefault(parts[2], {})[parts[3][:-4]] = v * MIB
     return out
-
-

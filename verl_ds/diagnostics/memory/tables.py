@@ -1,10 +1,21 @@
 """Markdown tables and the `verl-ds debug memory` report."""
+
 from __future__ import annotations
 
 import math
 
-from verl_ds.diagnostics.memory.estimate import (COMPONENTS, GIB, GPU_OVERHEAD_GIB, MIB, STAGE_GROUPS, STAGES,
-                                                 ModelShape, estimate_memory, stage_totals, verdict)
+from verl_ds.diagnostics.memory.estimate import (
+    COMPONENTS,
+    GIB,
+    GPU_OVERHEAD_GIB,
+    MIB,
+    STAGE_GROUPS,
+    STAGES,
+    ModelShape,
+    estimate_memory,
+    stage_totals,
+    verdict,
+)
 
 
 def fmt_bytes(x: float | None) -> str:
@@ -39,17 +50,22 @@ def memory_table(est: dict, measured: dict | None, stages=STAGES) -> str:
             for c in _components(e, m):
                 rows.append([role, c, fmt_bytes(e.get(c)), fmt_bytes(m.get(c)) if measured else "n/a"])
             if role != "process":
-                rows.append([role, "**total**", fmt_bytes(sum(e.values())),
-                             fmt_bytes(sum(m.values())) if m else "n/a"])
-        rows.append(["**all roles**", "**total**", fmt_bytes(stage_totals({s: e_roles})[s]),
-                     fmt_bytes(sum(sum(c.values()) for r, c in m_roles.items() if r != "process")) if m_roles else "n/a"])
+                rows.append([role, "**total**", fmt_bytes(sum(e.values())), fmt_bytes(sum(m.values())) if m else "n/a"])
+        rows.append(
+            [
+                "**all roles**",
+                "**total**",
+                fmt_bytes(stage_totals({s: e_roles})[s]),
+                fmt_bytes(sum(sum(c.values()) for r, c in m_roles.items() if r != "process")) if m_roles else "n/a",
+            ]
+        )
         out.append(f"### stage: {s}\n\n" + md_table(["role", "component", "estimate", "measured"], rows))
     return "\n\n".join(out)
 
 
 def _merge_weights(comp: dict) -> tuple[dict, str]:
     """`weights_<dtype>` entries -> one `weights` entry, and the dtype label."""
-    dts = [k[len("weights_"):] for k in comp if k.startswith("weights_")]
+    dts = [k[len("weights_") :] for k in comp if k.startswith("weights_")]
     out = {k: v for k, v in comp.items() if not k.startswith("weights_")}
     if dts:
         out["weights"] = sum(comp[f"weights_{d}"] for d in dts)
@@ -66,12 +82,14 @@ def compare_table(a: dict, b: dict, names=("a", "b")) -> str:
             vb = sum(rb.values()) if c == "total" else rb.get(c, 0.0)
             ratio = f"{vb / va:.2f}" if va else "n/a"
             label = f"weights ({da} → {db})" if c == "weights" and da != db else c
-            rows.append([role, label, fmt_bytes(va), fmt_bytes(vb),
-                         ("+" if vb >= va else "-") + fmt_bytes(abs(vb - va)), ratio])
+            rows.append(
+                [role, label, fmt_bytes(va), fmt_bytes(vb), ("+" if vb >= va else "-") + fmt_bytes(abs(vb - va)), ratio]
+            )
     return md_table(["role", "component", names[0], names[1], "delta", "ratio"], rows)
 
 
 # ============================================================== report (used by `verl-ds debug memory`)
+
 
 def load_shape(config_json: str) -> ModelShape:
     import json
@@ -90,8 +108,9 @@ def load_shape(config_json: str) -> ModelShape:
         raise ConfigError(str(p), f"not a decoder config.json this estimate understands ({e})") from None
 
 
-def report(cfg, shape: ModelShape, world: int, stage: str = "all", measured: dict | None = None,
-           gpu_gib: float | None = None) -> str:
+def report(
+    cfg, shape: ModelShape, world: int, stage: str = "all", measured: dict | None = None, gpu_gib: float | None = None
+) -> str:
     """The Markdown `debug memory` prints: a header, one table per stage, and the verdict."""
     from verl_ds.ds_config import render_ds_configs, resolve
 
@@ -99,16 +118,24 @@ def report(cfg, shape: ModelShape, world: int, stage: str = "all", measured: dic
     est = estimate_memory(cfg, shape, render_ds_configs(cfg, world, precision), world, precision.rollout, gpu_gib)
     stages = STAGE_GROUPS.get(stage, (stage,))
     dt = {r: precision.role(r) for r in est["update"] if r not in ("rollout", "process")}
-    head = (f"## Memory per GPU: {shape.params('lm') / 1e6:.2f}M-parameter model, world size {world}, "
-            f"rollout {cfg.rollout.engine}, dtypes {dt}\n\n"
-            "Estimate: analytic, from the model config, the DeepSpeed configs and the batch sizes (sequence "
-            "length = max_prompt_length + max_new_tokens, an upper bound). Measured: "
-            + ("tensor accounting during one real step (first step: optimizer states appear at the first "
-               "optimizer step; activations = peak bytes saved for backward)." if measured else "n/a (not built)."))
+    head = (
+        f"## Memory per GPU: {shape.params('lm') / 1e6:.2f}M-parameter model, world size {world}, "
+        f"rollout {cfg.rollout.engine}, dtypes {dt}\n\n"
+        "Estimate: analytic, from the model config, the DeepSpeed configs and the batch sizes (sequence "
+        "length = max_prompt_length + max_new_tokens, an upper bound). Measured: "
+        + (
+            "tensor accounting during one real step (first step: optimizer states appear at the first "
+            "optimizer step; activations = peak bytes saved for backward)."
+            if measured
+            else "n/a (not built)."
+        )
+    )
     text = head + "\n\n" + memory_table(est, measured, stages)
     if gpu_gib:
         ok, peak_stage, peak = verdict({s: est[s] for s in stages}, gpu_gib)
-        text += (f"\n\n**Verdict: {'fits' if ok else 'does NOT fit'}** on one {gpu_gib:g} GiB GPU per rank: "
-                 f"estimated peak {fmt_bytes(peak)} in stage `{peak_stage}` "
-                 f"(includes {GPU_OVERHEAD_GIB:g} GiB CUDA context/allocator allowance).")
+        text += (
+            f"\n\n**Verdict: {'fits' if ok else 'does NOT fit'}** on one {gpu_gib:g} GiB GPU per rank: "
+            f"estimated peak {fmt_bytes(peak)} in stage `{peak_stage}` "
+            f"(includes {GPU_OVERHEAD_GIB:g} GiB CUDA context/allocator allowance)."
+        )
     return text

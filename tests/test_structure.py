@@ -1,0 +1,97 @@
+"""The structure docs/ARCHITECTURE.md describes, checked: the layers (import-linter's contract in
+setup.cfg), no import circle between any two modules (function-level imports included), and the
+decisions that have exactly one home."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "verl_ds"
+
+
+def test_layers_contract_is_kept():
+    """setup.cfg's [importlinter] layers: a module imports only from the layers below its own."""
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
+    proc = subprocess.run([exe, "--config", str(ROOT / "setup.cfg")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 kept, 0 broken" in proc.stdout
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_modules():
+    """No two modules import each other, directly or through others, even from inside a function
+    (where a circle hides from Python's import machinery but not from the reader)."""
+    g = grimp.build_graph("verl_ds")
+    edges = {m: set(g.find_modules_directly_imported_by(m)) for m in g.modules}
+    assert _circles(edges) == []
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check itself
+
+
+# A CPU feature flag as the code would test it: an exact string, or the flag set of `Hardware`.
+_FLAG = re.compile(r"(avx|amx|sse|fma|neon|sve)\w*", re.I)
+
+
+def _flag_uses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if _FLAG.fullmatch(node.value) or "/proc/cpuinfo" in node.value:
+                uses.append(node.value)
+        elif isinstance(node, ast.Attribute) and node.attr in ("cpu_flags", "_cpu_flags"):
+            uses.append(node.attr)
+    return uses
+
+
+def test_only_precision_knows_cpu_flags():
+    """One home for the hardware rule: no module but precision.py reads /proc/cpuinfo, names a CPU
+    flag or looks into `Hardware.cpu_flags` (others ask `Hardware.cpu_bf16` or `auto_compute_dtype`)."""
+    users = sorted(p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if _flag_uses(p))
+    assert users == ["precision.py"], {u: _flag_uses(PKG / u) for u in users}
