@@ -23,6 +23,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}\n")
 
 
+def _positive(kind):
+    """An argparse type: a number > 0 (a bad one is the parser's one-line error)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+POS_INT, POS_FLOAT = _positive(int), _positive(float)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="verl-ds", description="RL post-training for LLMs on DeepSpeed")
     p.add_argument("--version", action="version", version=f"verl-ds {__version__}")
@@ -37,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     csub = config.add_subparsers(dest="config_command", parser_class=_Parser, required=True)
     render = csub.add_parser("render", help="print the resolved run config and every role's DeepSpeed JSON")
     render.add_argument("--config", required=True)
-    render.add_argument("--world-size", type=int, default=None)
+    render.add_argument("--world-size", type=POS_INT, default=None)
     render.add_argument("overrides", nargs="*")
+    csub.add_parser("docs", help="print every config key (type, default, allowed values, help) as Markdown")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", parser_class=_Parser, required=True)
@@ -47,14 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("overrides", nargs="*")
     step = bsub.add_parser("step", help="per-phase step time, tokens/s, MFU, and a plain-PyTorch floor")
     step.add_argument("--config", required=True)
-    step.add_argument("--steps", type=int, default=5)
+    step.add_argument("--steps", type=POS_INT, default=5)
     step.add_argument("overrides", nargs="*")
     prec = bsub.add_parser(
         "precision", help="the same training under fp32/bf16/fp16: memory, speed, reward, loss scale"
     )
     prec.add_argument("--config", required=True)
     prec.add_argument("--dtypes", default="fp32,bf16,fp16")
-    prec.add_argument("--steps", type=int, default=5)
+    prec.add_argument("--steps", type=POS_INT, default=5)
     prec.add_argument("--out", default=None, help="output folder (default: <trainer.run_dir>/bench_precision)")
     prec.add_argument("overrides", nargs="*")
 
@@ -64,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--config", help="run config (with --compare: optional, unused)")
     mem.add_argument("--stage", default="all", choices=("all", "rollout", "train", "score", "update", "sync"))
     mem.add_argument("--model-config", help="an HF config.json: estimate only, nothing is built")
-    mem.add_argument("--world-size", type=int, default=None)
-    mem.add_argument("--gpu-memory-gb", type=float, default=None, help="print a fits / doesn't-fit verdict")
+    mem.add_argument("--world-size", type=POS_INT, default=None)
+    mem.add_argument("--gpu-memory-gb", type=POS_FLOAT, default=None, help="print a fits / doesn't-fit verdict")
     mem.add_argument("--compare", nargs=2, metavar=("A_YAML", "B_YAML"), help="Markdown delta of two configs")
     mem.add_argument("--metric", default="peak_memory", choices=("peak_memory", "rollout", "score", "update", "sync"))
     mem.add_argument("overrides", nargs="*")
@@ -73,18 +93,29 @@ def build_parser() -> argparse.ArgumentParser:
         "precision", help="per role: value ranges and what fp32/bf16/fp16 would do; a recommended precision: block"
     )
     prec.add_argument("--config", required=True)
-    prec.add_argument("--steps", type=int, default=3)
+    prec.add_argument("--steps", type=POS_INT, default=3)
     prec.add_argument("--out", default=None, help="output folder (default: <trainer.run_dir>/debug_precision)")
     prec.add_argument("overrides", nargs="*")
     return p
 
 
+def cmd_config(args) -> int:
+    if args.config_command == "docs":
+        from verl_ds.config import config_reference
+
+        print(config_reference(), end="")
+        return 0
+    return cmd_render(args)
+
+
 def cmd_render(args) -> int:
+    """The run config, its precision and every role's DeepSpeed JSON, on any machine: a model or
+    data path absent here is listed, not an error (what is present is checked as a run would)."""
     from verl_ds.config import load_config, to_dict, validate_paths
     from verl_ds.ds_config import render_ds_configs, resolve
 
-    cfg = load_config(args.config, args.overrides)
-    validate_paths(cfg)  # what a run would check first
+    cfg = load_config(args.config, args.overrides, args.world_size)
+    absent = validate_paths(cfg, missing_ok=True)
     precision = resolve(cfg)
     rendered = render_ds_configs(cfg, args.world_size, precision)
     print("# run config (as given; `auto` resolves to the precision below)")
@@ -92,6 +123,17 @@ def cmd_render(args) -> int:
     resolved = {k: v for k, v in vars(precision).items() if not k.endswith("loss_scaling")}
     print("\n# precision (resolved on this machine)")
     print(yaml.safe_dump(resolved, sort_keys=False).rstrip())
+    unresolved = [f"{key}: {msg} (a run stops here)" for key, msg in (a.split(": ", 1) for a in absent)]
+    for role in rendered:
+        if getattr(cfg.roles, role).zero_stage == "auto":
+            stage = rendered[role].get("zero_optimization", {}).get("stage", 0)
+            unresolved.append(
+                f"roles.{role}.zero_stage: auto is chosen at start from the model and the GPU memory; "
+                f"shown: the JSON's stage {stage}"
+            )
+    if unresolved:
+        print("\n# not resolved on this machine")
+        print("\n".join(f"#   {line}" for line in unresolved))
     for role, ds in rendered.items():
         print(f"\n# {role}: DeepSpeed config")
         print(json.dumps(ds, indent=2))
@@ -116,8 +158,6 @@ def cmd_bench(args) -> int:
         from verl_ds.diagnostics.bench_step import bench_step
         from verl_ds.trainer.rl_trainer import RLTrainer
 
-        if args.steps <= 0:
-            raise ConfigError("--steps", f"must be > 0, got {args.steps}")
         cfg = load_config(
             args.config,
             args.overrides + ["logging.wandb.mode=disabled", "trainer.val_every=0", "trainer.val_before_train=false"],
@@ -138,8 +178,6 @@ def cmd_bench_precision(args) -> int:
     from verl_ds.trainer.rl_trainer import RLTrainer
 
     dtypes = parse_dtypes(args.dtypes)
-    if args.steps <= 0:
-        raise ConfigError("--steps", f"must be > 0, got {args.steps}")
     out = args.out or str(Path(load_config(args.config, args.overrides).trainer.run_dir) / "bench_precision")
     res = bench_precision(args.config, args.overrides, dtypes, args.steps, out, RLTrainer)
     print(res["table"])
@@ -215,14 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[verl-ds] %(message)s", stream=sys.stdout)
     # torch.distributed's deprecation notices for calls DeepSpeed makes: not actionable by users
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    handlers = {"train": cmd_train, "config": cmd_render, "bench": cmd_bench, "debug": cmd_debug}
+    handlers = {"train": cmd_train, "config": cmd_config, "bench": cmd_bench, "debug": cmd_debug}
     if args.command is None:
         build_parser().print_help()
         return 2
     try:
         rc = handlers[args.command](args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        for err in e.errors:
+            print(f"error: {err}", file=sys.stderr)
         rc = 2
     if args.exiting and args.command == "train":
         _exit_now(rc)

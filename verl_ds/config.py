@@ -11,7 +11,7 @@ import difflib
 import json
 import os
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,8 +25,11 @@ from verl_ds.algos import (
     KL_KINDS,
     POLICY_LOSSES,
 )
-from verl_ds.errors import ConfigError
+from verl_ds.data.reward import get_reward_fn
+from verl_ds.envs import load_env_factory, load_tools
+from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import TRAINED_ROLES, PrecisionConfig
+from verl_ds.schema import field_errors, markdown, opt, section
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
@@ -46,7 +49,9 @@ def read_ds_json(name: str, key: str) -> dict:
     if not path.is_file():
         raise ConfigError(key, f"DeepSpeed config file not found: {path}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), f"not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(str(path), f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     if not isinstance(data, dict):
@@ -54,130 +59,152 @@ def read_ds_json(name: str, key: str) -> dict:
     return data
 
 
+# ---------------------------------------------------------------- the schema
+# Every key's type, default, help and allowed values stand at its field (`schema.opt`): the
+# loader, `validate` and docs/CONFIG.md (`verl-ds config docs`) read them from here.
+
+
 @dataclass
 class TinyModelConfig:
     """Used when `model.path: tiny`: a random-init char-level Llama is built in the run dir."""
 
-    hidden: int = 128
-    layers: int = 2
-    heads: int = 4
-    ffn: int = 256
-    seed: int = 0
+    hidden: int = opt(128, "hidden size", gt=0)
+    layers: int = opt(2, "decoder layers", gt=0)
+    heads: int = opt(4, "attention heads (must divide hidden)", gt=0)
+    ffn: int = opt(256, "MLP width", gt=0)
+    seed: int = opt(0, "initialisation seed")
 
 
 @dataclass
 class LoraConfig:
     """A LoRA actor (peft): rank 0 = off. The reference is the base with adapters disabled."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    rank: int = opt(0, "adapter rank; 0: no LoRA (full fine-tuning)", ge=0)
+    alpha: float = opt(16.0, "LoRA scaling numerator (scale = alpha / rank)", gt=0)
+    dropout: float = opt(0.0, "dropout on the adapter input", ge=0, lt=1)
+    target_modules: list = opt(
+        help="module names that get adapters",
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )
-    modules_to_save: list = field(default_factory=list)  # trained in full besides the adapters (e.g. norm)
+    modules_to_save: list = opt(help="modules trained in full besides the adapters (e.g. a norm)", factory=list)
 
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"  # HF directory, or "tiny"
-    tokenizer_path: Optional[str] = None  # defaults to `path`
-    trust_remote_code: bool = False  # only when asked for
-    critic_path: Optional[str] = None  # None: the critic starts from the actor's backbone
-    reward_path: Optional[str] = None  # an HF sequence classifier; None: the task's rule reward
-    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    # actor/reference passes run each distinct prompt once, its keys/values shared by its n responses
-    # (exact; HF causal LMs with a KV cache; off by itself under gradient checkpointing, which drops caches)
-    share_prompt: bool = True
+    """The policy model and the optional critic / reward model directories."""
+
+    path: str = opt("tiny", "an HF model directory, or `tiny` (a random char-level Llama built in the run dir)")
+    tokenizer_path: Optional[str] = opt(None, "tokenizer directory; null: `path`")
+    trust_remote_code: bool = opt(False, "run the model directory's own Python code (only when you trust it)")
+    critic_path: Optional[str] = opt(None, "the critic's initial weights; null: the actor's backbone + a value head")
+    reward_path: Optional[str] = opt(None, "an HF sequence classifier scoring responses; null: data.reward_fn alone")
+    tiny: TinyModelConfig = section(TinyModelConfig)
+    lora: LoraConfig = section(LoraConfig)
+    share_prompt: bool = opt(
+        True,
+        "actor/reference passes run each distinct prompt once and share its keys/values with its n responses "
+        "(exact; off by itself under gradient checkpointing, which drops caches)",
+    )
 
 
 @dataclass
 class ArithmeticConfig:
-    min_value: int = 0
-    max_value: int = 4
-    num_operands: int = 2
-    ops: str = "+"
-    size: int = 10000
+    """`data.task: arithmetic`: generated `a+b=` prompts."""
+
+    min_value: int = opt(0, "smallest operand")
+    max_value: int = opt(4, "largest operand")
+    num_operands: int = opt(2, "operands per prompt", gt=0)
+    ops: str = opt("+", "operators to draw from, e.g. `+-*`")
+    size: int = opt(10000, "prompts generated", gt=0)
 
 
 @dataclass
 class ReasoningGymConfig:
     """`data.task: reasoning_gym`: a generator of the reasoning-gym package (offline)."""
 
-    name: str = "basic_arithmetic"
-    size: int = 2000
-    seed: int = 0
-    val_size: int = 64  # validation: another seed, questions seen in training removed
-    val_seed: int = 100003
-    config: dict = field(default_factory=dict)  # the generator's own options
-    reward_threshold: Optional[float] = None  # partial credit -> 1 if >= threshold else 0
+    name: str = opt("basic_arithmetic", "the reasoning-gym dataset name")
+    size: int = opt(2000, "training questions", gt=0)
+    seed: int = opt(0, "generator seed of the training questions")
+    val_size: int = opt(64, "validation questions (another seed; questions seen in training removed)", ge=0)
+    val_seed: int = opt(100003, "generator seed of the validation questions")
+    config: dict = opt(help="the generator's own options", factory=dict)
+    reward_threshold: Optional[float] = opt(None, "partial credit -> 1 if >= threshold else 0; null: as scored")
 
 
 @dataclass
 class DataConfig:
-    task: str = "arithmetic"  # arithmetic | files
-    train_files: list = field(default_factory=list)  # jsonl or parquet, for task: files
-    val_files: list = field(default_factory=list)  # held-out prompts, same keys (task: files)
-    val_fraction: float = 0.0  # built-in task: distinct prompts held out for validation
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    reward_fn: str = "arithmetic"  # a registry name, a dotted path module:function, or none (env reward only)
-    apply_chat_template: bool = False
-    system_prompt: Optional[str] = None  # a system message before every prompt (chat template only)
-    few_shot: list = field(
-        default_factory=list
-    )  # chat messages ({role, content}) between the system prompt and each prompt
-    tools: list = field(default_factory=list)  # calculator | pkg.module:function; for rollout.multi_turn.env: tools
-    max_prompt_length: int = 64
-    shuffle: bool = True
-    seed: int = 0
-    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
-    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
+    """Prompts, answers, the rule reward and how prompts are rendered."""
+
+    task: str = opt("arithmetic", "where prompts come from", choices=("arithmetic", "files", "reasoning_gym"))
+    train_files: list = opt(help="jsonl or parquet files (task: files)", factory=list)
+    val_files: list = opt(help="held-out prompts, same keys (task: files)", factory=list)
+    val_fraction: float = opt(0.0, "built-in tasks: distinct prompts held out for validation", ge=0, lt=1)
+    prompt_key: str = opt("prompt", "the prompt's key in a data file")
+    answer_key: str = opt("answer", "the answer's key in a data file")
+    reward_fn: str = opt(
+        "arithmetic",
+        "the rule reward: arithmetic, gsm8k, last_number, math_verify, reasoning_gym, a dotted path "
+        "`module:function` (importable), or `none` (the environment's reward alone)",
+    )
+    apply_chat_template: bool = opt(False, "render prompts with the tokenizer's chat template")
+    system_prompt: Optional[str] = opt(None, "a system message before every prompt (chat template only)")
+    few_shot: list = opt(help="chat messages ({role, content}) between the system prompt and each prompt", factory=list)
+    tools: list = opt(
+        help="tools for rollout.multi_turn.env: tools: `calculator` or `pkg.module:function`", factory=list
+    )
+    max_prompt_length: int = opt(64, "prompt tokens at most (longer prompts are cut from the left)", gt=0)
+    shuffle: bool = opt(True, "shuffle the training prompts each epoch")
+    seed: int = opt(0, "seed of the shuffle and of the validation split")
+    arithmetic: ArithmeticConfig = section(ArithmeticConfig)
+    reasoning_gym: ReasoningGymConfig = section(ReasoningGymConfig)
 
 
 @dataclass
 class FilterGroupsConfig:
     """DAPO dynamic sampling: drop groups whose samples all scored alike, sample more prompts."""
 
-    enabled: bool = False
-    metric: str = "acc"  # acc: the rule reward as returned | score: after shaping
-    max_rounds: int = 4  # generation rounds per step at most
+    enabled: bool = opt(False, "filter groups by reward variance")
+    metric: str = opt("acc", "acc: the rule reward as returned; score: after shaping", choices=("acc", "score"))
+    max_rounds: int = opt(4, "generation rounds per step at most", gt=0)
 
 
 @dataclass
 class OverlongConfig:
     """DAPO soft overlong punishment: linear penalty over the last `buffer_len` tokens."""
 
-    buffer_len: int = 0  # 0: off
-    penalty: float = 1.0
+    buffer_len: int = opt(0, "tokens before rollout.max_new_tokens where the penalty ramps up; 0: off", ge=0)
+    penalty: float = opt(1.0, "the penalty at max_new_tokens", ge=0)
 
 
 @dataclass
 class AlgorithmConfig:
-    estimator: str = "grpo"  # gae | grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
-    gamma: float = 1.0
-    lam: float = 1.0
-    ppo_epochs: int = 1
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip_c: Optional[float] = None
-    loss_agg_mode: str = "token-mean"
-    entropy_coef: float = 0.0
-    vf_clip: Optional[float] = 0.5  # null: no value clipping
-    vf_coef: float = 1.0
-    kl_estimator: str = "k3"
-    use_kl_loss: bool = True  # KL as a loss term (GRPO style) ...
-    kl_coef: float = 0.04  # ... or, when use_kl_loss is false, in the reward
-    kl_target: Optional[float] = None  # set for the adaptive KL controller (in-reward KL)
-    kl_horizon: int = 10000
-    reward_normalization: str = "none"  # none | batch | running
-    reward_clip: Optional[float] = None
-    tis_cap: Optional[float] = None  # truncated IS against the rollout policy when set
-    policy_loss: str = "vanilla"  # vanilla (PPO clip) | gspo (sequence ratio) | cispo
-    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
-    overlong: OverlongConfig = field(default_factory=OverlongConfig)
-    mask_truncated: bool = False  # samples cut at max_new_tokens contribute no loss
+    """The advantage estimator, the policy loss and the KL term."""
+
+    estimator: str = opt("grpo", "advantage estimator (gae needs a critic)", choices=ADVANTAGE_ESTIMATORS)
+    gamma: float = opt(1.0, "discount (gae, reinforce_pp)", ge=0, le=1)
+    lam: float = opt(1.0, "GAE lambda", ge=0, le=1)
+    ppo_epochs: int = opt(1, "passes over each rollout batch", gt=0)
+    clip_low: float = opt(0.2, "PPO ratio clip below 1", ge=0)
+    clip_high: float = opt(0.2, "PPO ratio clip above 1 (DAPO's clip-higher: > clip_low)", ge=0)
+    dual_clip_c: Optional[float] = opt(None, "dual-clip PPO's bound on negative-advantage ratios (> 1); null: off")
+    loss_agg_mode: str = opt("token-mean", "how token losses become one number", choices=AGG_LOSS_MODES)
+    entropy_coef: float = opt(0.0, "entropy bonus coefficient")
+    vf_clip: Optional[float] = opt(0.5, "value clipping range; null: no value clipping", gt=0)
+    vf_coef: float = opt(1.0, "value loss coefficient", ge=0)
+    kl_estimator: str = opt("k3", "KL estimator against the reference", choices=KL_KINDS)
+    use_kl_loss: bool = opt(True, "KL as a loss term (GRPO style); false: in the reward")
+    kl_coef: float = opt(0.04, "KL coefficient; 0: no reference model", ge=0)
+    kl_target: Optional[float] = opt(None, "adaptive KL controller's target (in-reward KL); null: fixed kl_coef", gt=0)
+    kl_horizon: int = opt(10000, "adaptive KL controller's horizon", gt=0)
+    reward_normalization: str = opt("none", "normalise scores", choices=("none", "batch", "running"))
+    reward_clip: Optional[float] = opt(None, "clip scores to [-c, c] after normalisation; null: off", gt=0)
+    tis_cap: Optional[float] = opt(
+        None, "truncated importance sampling against the rollout policy, capped; null: off", gt=0
+    )
+    policy_loss: str = opt("vanilla", "vanilla (PPO clip) | gspo (sequence ratio) | cispo", choices=POLICY_LOSSES)
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig)
+    overlong: OverlongConfig = section(OverlongConfig)
+    mask_truncated: bool = opt(False, "samples cut at max_new_tokens contribute no loss")
 
 
 @dataclass
@@ -185,41 +212,53 @@ class MultiTurnConfig:
     """Multi-turn episodes (agents, tools, environments); see docs/ENVIRONMENTS.md. No `env`: every
     episode is one turn (a single-turn job)."""
 
-    env: str = ""  # tools | retry | pkg.module:Class (importable from PYTHONPATH)
-    env_kwargs: dict = field(default_factory=dict)  # keyword arguments of the environment's constructor
-    max_turns: int = 4  # model turns per episode at most
-    max_env_tokens: int = 0  # an observation's content is cut to this many tokens (0: no cut)
-    max_total_tokens: int = 0  # model + environment tokens per row (0: rollout.max_model_len bounds it)
-    tokenization_check: str = "strict"  # strict: compare each episode's ids with a one-shot render (metric) | off
+    env: str = opt("", "tools | retry | pkg.module:Class (importable from PYTHONPATH); empty: single-turn")
+    env_kwargs: dict = opt(help="keyword arguments of the environment's constructor", factory=dict)
+    max_turns: int = opt(4, "model turns per episode at most", gt=0)
+    max_env_tokens: int = opt(0, "an observation's content is cut to this many tokens; 0: no cut", ge=0)
+    max_total_tokens: int = opt(0, "model + environment tokens per row; 0: rollout.max_model_len bounds it", ge=0)
+    tokenization_check: str = opt(
+        "strict", "strict: compare each episode's ids with a one-shot render (a metric)", choices=("strict", "off")
+    )
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "vllm"  # vllm | hf | auto (CPU: HF generate for models under 2M params)
-    n: int = 8  # samples per prompt
-    temperature: float = 1.0  # > 0; the trainer scores with the same temperature
-    top_p: float = 1.0  # < 1: rollout logprobs are of the truncated distribution
-    max_new_tokens: int = 8
-    tensor_parallel_size: int = 1  # ranks that share one vLLM engine; must divide the world size
-    enforce_eager: bool = True
-    max_model_len: int = 256
-    kv_cache_gb: float = 0.25  # CPU: the KV cache size (GPU: gpu_memory_utilization)
-    block_size: int = 0  # KV-cache block, tokens (multiple of 32); 0: vLLM's (CPU 128)
-    bucket_mb: int = 256  # weight-sync bucket size (bounds peak extra memory)
-    gpu_memory_utilization: float = 0.5  # GPU: fraction of device memory vLLM may take
-    sleep: bool = True  # GPU: free vLLM's weights and KV cache while training
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Sampling: the engine, the sampling parameters and vLLM's memory."""
+
+    engine: str = opt(
+        "vllm", "vllm | hf | auto (CPU: HF generate for models under 2M parameters)", choices=("vllm", "hf", "auto")
+    )
+    n: int = opt(8, "samples per prompt", gt=0)
+    temperature: float = opt(1.0, "sampling temperature; the trainer scores with the same", gt=0)
+    top_p: float = opt(1.0, "nucleus sampling; < 1: rollout logprobs are of the truncated distribution", gt=0, le=1)
+    max_new_tokens: int = opt(8, "response tokens at most (multi-turn: per model turn)", gt=0)
+    tensor_parallel_size: int = opt(1, "ranks that share one vLLM engine; must divide the world size", gt=0)
+    enforce_eager: bool = opt(True, "vLLM without CUDA graphs / torch.compile")
+    max_model_len: int = opt(256, "vLLM's context length (prompt + response)", gt=0)
+    kv_cache_gb: float = opt(0.25, "CPU: the KV cache size in GiB (GPU: gpu_memory_utilization)", gt=0)
+    block_size: int = opt(0, "KV-cache block in tokens (a multiple of 32); 0: vLLM's (CPU 128)", ge=0)
+    bucket_mb: int = opt(256, "weight-sync bucket size in MiB (bounds the extra memory of a sync)", gt=0)
+    gpu_memory_utilization: float = opt(0.5, "GPU: the fraction of device memory vLLM may take", gt=0, le=1)
+    sleep: bool = opt(True, "GPU: free vLLM's weights and KV cache while training")
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig)
 
 
 @dataclass
 class RoleConfig:
-    ds_config: str = ""  # a DeepSpeed JSON file (relative: to ds_configs/)
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
-    micro_batch_size: int = 8  # per rank
-    max_tokens_per_micro_batch: int = 0  # > 0: micro-batches by padded tokens instead (dynamic size)
-    zero_stage: Any = None  # None: the JSON's | 0-3 | auto: the lowest stage that fits
+    """One role's DeepSpeed engine: its JSON file, optimizer and batch."""
+
+    ds_config: str = opt("", "a DeepSpeed JSON file (relative: to ds_configs/)")
+    lr: float = opt(1e-6, "learning rate (trained roles)", gt=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
+    betas: list = opt(help="AdamW betas", factory=lambda: [0.9, 0.999])
+    micro_batch_size: int = opt(8, "rows per micro-batch per rank", gt=0)
+    max_tokens_per_micro_batch: int = opt(0, "> 0: micro-batches by padded tokens instead (dynamic size)", ge=0)
+    zero_stage: Any = opt(
+        None,
+        "null: the JSON's | 0-3 | auto: the lowest stage that fits (GPU memory)",
+        choices=(None, "auto", 0, 1, 2, 3),
+    )
 
 
 def _role(ds: str, lr: float = 1e-6) -> RoleConfig:
@@ -228,62 +267,76 @@ def _role(ds: str, lr: float = 1e-6) -> RoleConfig:
 
 @dataclass
 class RolesConfig:
-    actor: RoleConfig = field(default_factory=lambda: _role("actor_zero3_fp32.json", 5e-4))
-    critic: RoleConfig = field(default_factory=lambda: _role("critic_zero2_fp32.json", 1e-3))
-    reference: RoleConfig = field(default_factory=lambda: _role("ref_zero0.json"))
-    reward: RoleConfig = field(default_factory=lambda: _role("reward_zero0.json"))
+    """The four roles; a run builds only those it needs (`active_roles`)."""
+
+    actor: RoleConfig = opt(help="the policy", factory=lambda: _role("actor_zero3_fp32.json", 5e-4))
+    critic: RoleConfig = opt(
+        help="the value model (estimator gae)", factory=lambda: _role("critic_zero2_fp32.json", 1e-3)
+    )
+    reference: RoleConfig = opt(help="the frozen KL reference (kl_coef > 0)", factory=lambda: _role("ref_zero0.json"))
+    reward: RoleConfig = opt(help="the reward model (model.reward_path)", factory=lambda: _role("reward_zero0.json"))
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "offline"  # online | offline | disabled
-    project: str = "verl-ds"
-    run_name: Optional[str] = None
-    entity: Optional[str] = None
+    """Weights & Biases."""
+
+    mode: str = opt("offline", "online | offline (synced later) | disabled", choices=("online", "offline", "disabled"))
+    project: str = opt("verl-ds", "the W&B project")
+    run_name: Optional[str] = opt(None, "the W&B run name; null: W&B's")
+    entity: Optional[str] = opt(None, "the W&B entity (team); null: your default")
 
 
 @dataclass
 class LoggingConfig:
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    sample_every: int = 10  # a table of generations every K steps
-    memory_every: int = 1  # memory/<stage>/<role>/* every K steps (0: never)
-    level: str = "INFO"
+    """Metrics, samples and memory accounting."""
+
+    wandb: WandbConfig = section(WandbConfig)
+    sample_every: int = opt(10, "a table of generations every K steps; 0: never", ge=0)
+    memory_every: int = opt(1, "memory/<stage>/<role>/* every K steps; 0: never", ge=0)
+    level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # 0: only at the end
-    keep_last: int = 2
-    export_dtype: str = "fp32"  # the final HF export of the actor
-    export: str = "merged"  # LoRA: merged (an HF model) | adapter (peft format)
+    """Checkpoints (atomic, resumable) and the final HF export."""
+
+    every: int = opt(0, "a checkpoint every K steps; 0: only at the end", ge=0)
+    keep_last: int = opt(2, "checkpoints kept; 0: all", ge=0)
+    export_dtype: str = opt("fp32", "dtype of the final HF export of the actor", choices=("fp32", "fp16", "bf16"))
+    export: str = opt("merged", "LoRA: merged (an HF model) | adapter (peft format)", choices=("merged", "adapter"))
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 100
-    prompts_per_step: int = 16  # rollout batch, in prompts (x rollout.n samples)
-    mini_batch_size: int = 0  # samples per optimizer step; 0: the whole rollout batch
-    max_grad_norm: float = 1.0
-    seed: int = 1
-    run_dir: str = "runs/default"
-    resume: str = "none"  # none | auto | <checkpoint dir>
-    device: str = "auto"  # auto | cpu | cuda
-    val_every: int = 0  # validate every K steps (0: never during training)
-    val_before_train: Optional[bool] = None  # None: yes when a validation set exists
-    val_n: int = 4  # samples per validation prompt (mean@k, pass@k)
+    """The loop: steps, batch, seed, run directory, validation."""
+
+    steps: int = opt(100, "rollout steps", gt=0)
+    prompts_per_step: int = opt(16, "rollout batch in prompts (x rollout.n samples)", gt=0)
+    mini_batch_size: int = opt(0, "samples per optimizer step; 0: the whole rollout batch", ge=0)
+    max_grad_norm: float = opt(1.0, "gradient clipping", gt=0)
+    seed: int = opt(1, "the run's seed (sampling, shuffling, dropout)")
+    run_dir: str = opt("runs/default", "metrics, checkpoints, samples and the final model go here")
+    resume: str = opt("none", "none | auto (the newest checkpoint in run_dir) | a checkpoint directory")
+    device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
+    val_every: int = opt(0, "validate every K steps; 0: never during training", ge=0)
+    val_before_train: Optional[bool] = opt(None, "validate before step 1; null: yes when a validation set exists")
+    val_n: int = opt(4, "samples per validation prompt (mean@k, pass@k)", gt=0)
 
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    roles: RolesConfig = field(default_factory=RolesConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """A run: one YAML file, sections below."""
+
+    model: ModelConfig = section(ModelConfig)
+    data: DataConfig = section(DataConfig)
+    algorithm: AlgorithmConfig = section(AlgorithmConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    roles: RolesConfig = section(RolesConfig)
+    precision: PrecisionConfig = section(PrecisionConfig, "per-role dtypes, loss scaling and comm dtypes")
+    logging: LoggingConfig = section(LoggingConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
+    trainer: TrainerConfig = section(TrainerConfig)
 
 
 # ---------------------------------------------------------------- building from dicts
@@ -313,13 +366,18 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
     return True, value
 
 
-def from_dict(cls, data: Any, prefix: str = ""):
-    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
+def from_dict(cls, data: Any, prefix: str = "", errors: list[ConfigError] | None = None):
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types. Every such
+    mistake is collected (a bad key keeps its default meanwhile): into `errors` when given, else
+    raised together at the end."""
+    top = errors is None
+    errors = [] if top else errors
     where = prefix.rstrip(".") or "<root>"
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(where, f"expected a mapping, got {type(data).__name__}")
+        errors.append(ConfigError(where, f"expected a mapping, got {type(data).__name__}"))
+        data = {}
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     defaults = cls()  # nested sections start from their parent's defaults, then take the user's keys
@@ -328,20 +386,28 @@ def from_dict(cls, data: Any, prefix: str = ""):
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise ConfigError(f"{prefix}{key}", f"unknown key{hint}")
+            errors.append(ConfigError(f"{prefix}{key}", f"unknown key{hint}"))
+            continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp) and not isinstance(value, tp):
             if isinstance(value, dict):
                 value = {**_shallow(getattr(defaults, key)), **value}
-            kwargs[key] = from_dict(tp, value, f"{prefix}{key}.")
+            kwargs[key] = from_dict(tp, value, f"{prefix}{key}.", errors)
             continue
         ok, coerced = _type_ok(value, tp)
         if not ok:
-            raise ConfigError(f"{prefix}{key}", f"expected {_type_name(tp)}, got {value!r}")
+            errors.append(ConfigError(f"{prefix}{key}", f"expected {_type_name(tp)}, got {value!r}"))
+            continue
         kwargs[key] = coerced
-    obj = cls(**kwargs)
-    if hasattr(obj, "validate"):
-        obj.validate(prefix)
+    try:
+        obj = cls(**kwargs)
+        if hasattr(obj, "validate"):
+            obj.validate(prefix)
+    except ConfigError as e:  # a section that checks itself (PrecisionConfig)
+        errors.extend(e.errors)
+        obj = defaults
+    if top:
+        raise_all(errors)
     return obj
 
 
@@ -384,7 +450,9 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(str(p), "config file not found")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(p), f"not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         loc = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -396,227 +464,286 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, world_size: int | None = None
+) -> RunConfig:
+    """The YAML file + dotted overrides, built and validated once (for `world_size` ranks; default
+    $WORLD_SIZE, which the launcher sets)."""
     data = read_yaml(path) if path else {}
     data = apply_overrides(data, overrides or [])
-    cfg = from_dict(RunConfig, data)
-    validate(cfg)
+    errors: list[ConfigError] = []  # the structure's mistakes, reported with the values' (one pass)
+    cfg = from_dict(RunConfig, data, errors=errors)
+    validate(cfg, world_size, errors)
     return cfg
+
+
+def config_reference() -> str:
+    """docs/CONFIG.md: every key of the run config, read from the fields."""
+    return markdown(
+        RunConfig,
+        "Run config reference",
+        "Generated from the fields of `verl_ds/config.py` and `verl_ds/precision.py` by `verl-ds config docs > "
+        "docs/CONFIG.md` (a test fails when this file is stale). A run config is one YAML file with these sections; "
+        "any key may be overridden on the command line as `section.key=value`. Unknown keys, wrong types and values "
+        "outside `allowed` are refused, all at once, one line each.",
+    )
 
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def validate(cfg: RunConfig, world_size: int | None = None) -> None:
-    """Every static check of a run config, each a ConfigError naming the key (or file).
+def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigError] | None = None) -> None:
+    """Every static check of a run config, in one pass; all mistakes are raised together, each a
+    ConfigError naming the key (or file).
 
-    Field types were checked when the config was built; here: choices, ranges, cross-field rules,
-    the model directories, the batch geometry against `world_size` ranks, and the ZeRO-stage facts
-    of each role's DeepSpeed JSON file.
+    Field types were checked when the config was built; here: each field's choices and bounds (its
+    `opt` metadata), then the rules between fields, the names a run resolves (reward function,
+    environment, tools), the batch geometry against `world_size` ranks (default: $WORLD_SIZE) and
+    the facts of each role's DeepSpeed JSON file. The model and data paths: `validate_paths`.
     """
+    errors = [*(errors or []), *field_errors(cfg)]  # `errors`: what building the config found
+    raise_all(errors)  # the rules below assume each field is in range
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    a, r, t, d = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.data
-    choices = {
-        "algorithm.estimator": (a.estimator, ADVANTAGE_ESTIMATORS),
-        "algorithm.kl_estimator": (a.kl_estimator, KL_KINDS),
-        "algorithm.loss_agg_mode": (a.loss_agg_mode, AGG_LOSS_MODES),
-        "algorithm.reward_normalization": (a.reward_normalization, ("none", "batch", "running")),
-        "algorithm.policy_loss": (a.policy_loss, POLICY_LOSSES),
-        "algorithm.filter_groups.metric": (a.filter_groups.metric, ("acc", "score")),
-        "rollout.engine": (r.engine, ("vllm", "hf", "auto")),
-        "logging.wandb.mode": (cfg.logging.wandb.mode, ("online", "offline", "disabled")),
-        "data.task": (d.task, ("arithmetic", "files", "reasoning_gym")),
-        "trainer.device": (t.device, ("auto", "cpu", "cuda")),
-        "rollout.multi_turn.tokenization_check": (r.multi_turn.tokenization_check, ("strict", "off")),
-        "logging.level": (cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR")),
-        "checkpoint.export_dtype": (cfg.checkpoint.export_dtype, ("fp32", "fp16", "bf16")),
-        "checkpoint.export": (cfg.checkpoint.export, ("merged", "adapter")),
-    }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(key, f"'{value}' is not one of {', '.join(allowed)}")
-    positive = {
-        "trainer.steps": t.steps,
-        "trainer.prompts_per_step": t.prompts_per_step,
-        "rollout.n": r.n,
-        "rollout.max_new_tokens": r.max_new_tokens,
-        "rollout.tensor_parallel_size": r.tensor_parallel_size,
-        "algorithm.ppo_epochs": a.ppo_epochs,
-        "rollout.temperature": r.temperature,
-        "algorithm.kl_horizon": a.kl_horizon,
-        "trainer.val_n": t.val_n,
-        "data.max_prompt_length": d.max_prompt_length,
-        "rollout.bucket_mb": r.bucket_mb,
-        "algorithm.filter_groups.max_rounds": a.filter_groups.max_rounds,
-        "rollout.multi_turn.max_turns": r.multi_turn.max_turns,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(key, f"must be > 0, got {value}")
-    for role in ("actor", "critic", "reference", "reward"):
-        if getattr(cfg.roles, role).micro_batch_size <= 0:
-            raise ConfigError(f"roles.{role}.micro_batch_size", "must be > 0")
-        if getattr(cfg.roles, role).max_tokens_per_micro_batch < 0:
-            raise ConfigError(f"roles.{role}.max_tokens_per_micro_batch", "must be >= 0 (0: off)")
-    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
-        raise ConfigError("algorithm.dual_clip_c", f"must be > 1, got {a.dual_clip_c}")
-    if a.kl_target is not None:
-        if a.kl_target <= 0:
-            raise ConfigError("algorithm.kl_target", f"must be > 0, got {a.kl_target}")
-        if a.use_kl_loss:
-            raise ConfigError(
-                "algorithm.kl_target",
-                "the adaptive KL controller acts on the in-reward KL; "
-                "set algorithm.use_kl_loss: false or drop kl_target",
-            )
-    if not 0 <= d.val_fraction < 1:
-        raise ConfigError("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
-    if t.val_every < 0:
-        raise ConfigError("trainer.val_every", f"must be >= 0, got {t.val_every}")
-    if d.val_files and d.task != "files":
-        raise ConfigError(
-            "data.val_files", "validation files go with task 'files' (the built-in task uses data.val_fraction)"
-        )
-    if cfg.model.lora.rank < 0 or (cfg.model.lora.rank and not cfg.model.lora.target_modules):
-        raise ConfigError("model.lora", "rank must be >= 0 and target_modules non-empty")
-    if cfg.model.lora.rank and "critic" in active_roles(cfg):
-        raise ConfigError("model.lora.rank", "LoRA is for the actor of critic-free estimators here (grpo, rloo, ...)")
-    if a.dual_clip_c is not None and a.policy_loss != "vanilla":
-        raise ConfigError(
-            "algorithm.dual_clip_c", f"dual clip applies to the vanilla PPO loss only, not '{a.policy_loss}'"
-        )
-    if not 0 <= a.overlong.buffer_len <= r.max_new_tokens:
-        raise ConfigError(
-            "algorithm.overlong.buffer_len",
-            f"must be in [0, rollout.max_new_tokens = {r.max_new_tokens}], got {a.overlong.buffer_len}",
-        )
-    if a.filter_groups.enabled and r.n < 2:
-        raise ConfigError("algorithm.filter_groups.enabled", "filtering groups by reward variance needs rollout.n >= 2")
-    if a.estimator in GROUP_ESTIMATORS and r.n < 2:
-        raise ConfigError(
-            "rollout.n", f"estimator '{a.estimator}' compares samples of one prompt: needs n >= 2, got {r.n}"
-        )
-    if r.block_size < 0 or r.block_size % 32:
-        raise ConfigError("rollout.block_size", f"must be 0 (vLLM's default) or a multiple of 32, got {r.block_size}")
-    if not 0 < r.top_p <= 1:
-        raise ConfigError("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-    if r.max_model_len < d.max_prompt_length + r.max_new_tokens:
-        raise ConfigError(
-            "rollout.max_model_len",
-            f"{r.max_model_len} < data.max_prompt_length "
-            f"{d.max_prompt_length} + rollout.max_new_tokens {r.max_new_tokens}",
-        )
-    mt = r.multi_turn
-    if mt.max_env_tokens < 0 or mt.max_total_tokens < 0:
-        raise ConfigError("rollout.multi_turn", "max_env_tokens and max_total_tokens must be >= 0 (0: no limit)")
-    if d.tools and mt.env != "tools":
-        raise ConfigError(
-            "data.tools", "tools are called through the tool environment: set rollout.multi_turn.env: tools"
-        )
-    if mt.env == "tools" and not d.tools:
-        raise ConfigError("data.tools", "rollout.multi_turn.env: tools needs at least one tool (e.g. [calculator])")
-    if mt.env and a.overlong.buffer_len:
-        raise ConfigError(
-            "algorithm.overlong.buffer_len",
-            "the overlong penalty measures one response against "
-            "rollout.max_new_tokens; multi-turn rows hold several turns",
-        )
-    if d.system_prompt is not None and not d.apply_chat_template:
-        raise ConfigError("data.system_prompt", "a system prompt needs data.apply_chat_template: true")
-    if d.few_shot and not d.apply_chat_template:
-        raise ConfigError("data.few_shot", "few-shot chat messages need data.apply_chat_template: true")
+    a, r, t, d, mt = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.data, cfg.rollout.multi_turn
+
+    def rule(bad: bool, key: str, message: str) -> None:
+        if bad:
+            errors.append(ConfigError(key, message))
+
+    rule(a.dual_clip_c is not None and a.dual_clip_c <= 1, "algorithm.dual_clip_c", f"must be > 1, got {a.dual_clip_c}")
+    rule(
+        a.dual_clip_c is not None and a.policy_loss != "vanilla",
+        "algorithm.dual_clip_c",
+        f"dual clip applies to the vanilla PPO loss only, not '{a.policy_loss}'",
+    )
+    rule(
+        a.kl_target is not None and a.use_kl_loss,
+        "algorithm.kl_target",
+        "the adaptive KL controller acts on the in-reward KL; set algorithm.use_kl_loss: false or drop kl_target",
+    )
+    rule(
+        bool(d.val_files) and d.task != "files",
+        "data.val_files",
+        "validation files go with task 'files' (the built-in task uses data.val_fraction)",
+    )
+    rule(
+        d.task == "files" and not d.train_files,
+        "data.train_files",
+        "task 'files' needs at least one jsonl or parquet file",
+    )
+    rule(
+        cfg.model.lora.rank > 0 and not cfg.model.lora.target_modules,
+        "model.lora.target_modules",
+        "a LoRA actor needs at least one target module",
+    )
+    rule(
+        cfg.model.lora.rank > 0 and "critic" in active_roles(cfg),
+        "model.lora.rank",
+        "LoRA is for the actor of critic-free estimators here (grpo, rloo, ...)",
+    )
+    rule(
+        a.overlong.buffer_len > r.max_new_tokens,
+        "algorithm.overlong.buffer_len",
+        f"must be in [0, rollout.max_new_tokens = {r.max_new_tokens}], got {a.overlong.buffer_len}",
+    )
+    rule(
+        a.filter_groups.enabled and r.n < 2,
+        "algorithm.filter_groups.enabled",
+        "filtering groups by reward variance needs rollout.n >= 2",
+    )
+    rule(
+        a.estimator in GROUP_ESTIMATORS and r.n < 2,
+        "rollout.n",
+        f"estimator '{a.estimator}' compares samples of one prompt: needs n >= 2, got {r.n}",
+    )
+    rule(
+        r.block_size % 32 != 0,
+        "rollout.block_size",
+        f"must be 0 (vLLM's default) or a multiple of 32, got {r.block_size}",
+    )
+    rule(
+        r.max_model_len < d.max_prompt_length + r.max_new_tokens,
+        "rollout.max_model_len",
+        f"{r.max_model_len} < data.max_prompt_length {d.max_prompt_length} + rollout.max_new_tokens {r.max_new_tokens}",
+    )
+    rule(
+        bool(d.tools) and mt.env != "tools",
+        "data.tools",
+        "tools are called through the tool environment: set rollout.multi_turn.env: tools",
+    )
+    rule(
+        mt.env == "tools" and not d.tools,
+        "data.tools",
+        "rollout.multi_turn.env: tools needs at least one tool (e.g. [calculator])",
+    )
+    rule(
+        bool(mt.env) and a.overlong.buffer_len > 0,
+        "algorithm.overlong.buffer_len",
+        "the overlong penalty measures one response against rollout.max_new_tokens; multi-turn rows hold several turns",
+    )
+    rule(
+        d.system_prompt is not None and not d.apply_chat_template,
+        "data.system_prompt",
+        "a system prompt needs data.apply_chat_template: true",
+    )
+    rule(
+        bool(d.few_shot) and not d.apply_chat_template,
+        "data.few_shot",
+        "few-shot chat messages need data.apply_chat_template: true",
+    )
     for i, m in enumerate(d.few_shot):
-        if not (isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())):
-            raise ConfigError(f"data.few_shot[{i}]", f"expected {{role: ..., content: ...}} (strings), got {m!r}")
-    if d.task == "files" and not d.train_files:
-        raise ConfigError("data.train_files", "task 'files' needs at least one jsonl or parquet file")
+        ok = isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
+        rule(not ok, f"data.few_shot[{i}]", f"expected {{role: ..., content: ...}} (strings), got {m!r}")
+    rule(len(cfg.roles.actor.betas) != 2, "roles.actor.betas", f"expected two numbers, got {cfg.roles.actor.betas!r}")
+    errors += _name_errors(cfg)
     # batch geometry over `world` ranks
-    if world % r.tensor_parallel_size:
-        raise ConfigError(
-            "rollout.tensor_parallel_size", f"{r.tensor_parallel_size} does not divide the world size {world}"
-        )
+    rule(
+        world % r.tensor_parallel_size != 0,
+        "rollout.tensor_parallel_size",
+        f"{r.tensor_parallel_size} does not divide the world size {world}",
+    )
     batch = t.prompts_per_step * r.n
     mini = t.mini_batch_size or batch
-    if mini <= 0 or batch % mini:
-        raise ConfigError(
-            "trainer.mini_batch_size",
-            f"{mini} does not divide the rollout batch {batch} (trainer.prompts_per_step x rollout.n)",
-        )
-    if t.prompts_per_step % world:  # every rank must run the same number of micro-batches
-        raise ConfigError(
-            "trainer.prompts_per_step", f"{t.prompts_per_step} prompts do not split evenly over {world} ranks"
-        )
-    _validate_ds_files(cfg, world, mini)
+    rule(
+        batch % mini != 0,
+        "trainer.mini_batch_size",
+        f"{mini} does not divide the rollout batch {batch} (trainer.prompts_per_step x rollout.n)",
+    )
+    rule(
+        t.prompts_per_step % world != 0,
+        "trainer.prompts_per_step",  # every rank runs as many micro-batches
+        f"{t.prompts_per_step} prompts do not split evenly over {world} ranks",
+    )
+    errors += _ds_file_errors(cfg, world, mini)
+    raise_all(errors)
 
 
-def validate_paths(cfg: RunConfig) -> None:
-    """The model directories exist and hold an HF model (and a tokenizer). Separate from `validate`:
-    a config may be rendered on a machine that lacks the model; a run checks them before anything
-    is built."""
+def _name_errors(cfg: RunConfig) -> list[ConfigError]:
+    """The names a run resolves at start, resolved now, so `config render` catches them too: the
+    reward function, the tools and the environment (imported, their signatures checked)."""
+    out = []
+    try:
+        get_reward_fn(cfg.data.reward_fn)
+    except ConfigError as e:
+        out.append(e)
+    tools = None
+    try:
+        tools = load_tools(cfg.data.tools) if cfg.data.tools else None
+    except ConfigError as e:
+        out.append(e)
+    mt = cfg.rollout.multi_turn
+    if mt.env and not (mt.env == "tools" and tools is None):  # no tools: reported above
+        try:
+            load_env_factory(mt.env, mt.env_kwargs, tools)
+        except ConfigError as e:
+            out.append(e)
+    return out
+
+
+def validate_paths(cfg: RunConfig, missing_ok: bool = False) -> list[str]:
+    """The paths a run reads or writes: data files, model directories (an HF model, a tokenizer),
+    the run directory (a directory, or creatable) and the checkpoint to resume from. Separate from
+    `validate`: a config may be rendered on a machine without its model or data; with `missing_ok`
+    an absent path is returned as a note instead of an error (what is there is still checked)."""
+    errors, notes = [], []
+
+    def absent(key: str, message: str) -> None:
+        (notes.append(f"{key}: {message}") if missing_ok else errors.append(ConfigError(key, message)))
+
     for key in ("train_files", "val_files"):
         for i, f in enumerate(getattr(cfg.data, key)):
-            if not Path(f).is_file():
-                raise ConfigError(f"data.{key}[{i}]", f"file not found: {f}")
+            p = Path(f)
+            if not p.exists():
+                absent(f"data.{key}[{i}]", f"file not found: {f}")
+            elif not p.is_file() or not os.access(p, os.R_OK):
+                errors.append(ConfigError(f"data.{key}[{i}]", f"not a readable file: {f}"))
     m = cfg.model
     for key in ("path", "tokenizer_path", "critic_path", "reward_path"):
         value = getattr(m, key)
         if not value or (key == "path" and value == "tiny"):
             continue
         p = Path(value)
-        if not p.is_dir():
-            raise ConfigError(f"model.{key}", f"directory not found: {value}")
-        if key != "tokenizer_path" and not (p / "config.json").is_file():
-            raise ConfigError(f"model.{key}", f"{value} has no config.json: not an HF model directory")
+        if not p.exists():
+            absent(f"model.{key}", f"directory not found: {value}")
+        elif not p.is_dir():
+            errors.append(ConfigError(f"model.{key}", f"{value} is a file, not a model directory"))
+        elif key != "tokenizer_path" and not (p / "config.json").is_file():
+            errors.append(ConfigError(f"model.{key}", f"{value} has no config.json: not an HF model directory"))
     tok = m.tokenizer_path or (m.path if m.path != "tiny" else None)
-    if tok and not any(
-        (Path(tok) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-    ):
-        key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
-        raise ConfigError(key, f"{tok} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
+    if tok and Path(tok).is_dir() and not any((Path(tok) / f).is_file() for f in tokenizer_files):
+        if not any(e.where == key for e in errors):  # one line per directory
+            errors.append(ConfigError(key, f"{tok} has no tokenizer (tokenizer.json / tokenizer_config.json)"))
+    run_dir = Path(cfg.trainer.run_dir)
+    parent = next((q for q in [run_dir, *run_dir.parents] if q.exists()), Path("."))
+    if run_dir.exists() and not run_dir.is_dir():
+        errors.append(ConfigError("trainer.run_dir", f"{run_dir} is a file, not a directory"))
+    elif not parent.is_dir():
+        errors.append(ConfigError("trainer.run_dir", f"{parent} is a file: {run_dir} cannot be created"))
+    elif not os.access(parent, os.W_OK):
+        errors.append(ConfigError("trainer.run_dir", f"{parent} is not writable"))
+    resume = cfg.trainer.resume
+    if resume not in ("none", "auto"):
+        if not Path(resume).exists():
+            absent("trainer.resume", f"checkpoint directory not found: {resume}")
+        elif not Path(resume).is_dir():
+            errors.append(ConfigError("trainer.resume", f"{resume} is a file, not a checkpoint directory"))
+    raise_all(errors)
+    return notes
 
 
-def _validate_ds_files(cfg: RunConfig, world: int, mini: int) -> None:
-    """ZeRO-stage rules and batch keys of each active role's DeepSpeed JSON."""
+def _ds_file_errors(cfg: RunConfig, world: int, mini: int) -> list[ConfigError]:
+    """The DeepSpeed JSON file of each active role: readable, a ZeRO stage DeepSpeed has, the
+    stage rules of its role and batch keys consistent with the run (the first mistake per file)."""
+    out = []
     for role in active_roles(cfg):
-        rc: RoleConfig = getattr(cfg.roles, role)
-        ds = read_ds_json(rc.ds_config, f"roles.{role}.ds_config")
-        src = str(resolve_ds_path(rc.ds_config))
-        if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
-            raise ConfigError(src, f"fp16 and bf16 are both enabled for the {role}")
-        if rc.zero_stage not in (None, "auto", 0, 1, 2, 3):
-            raise ConfigError(f"roles.{role}.zero_stage", f"use 0, 1, 2, 3 or auto, got {rc.zero_stage!r}")
-        stage = (
-            rc.zero_stage if isinstance(rc.zero_stage, int) else int(ds.get("zero_optimization", {}).get("stage", 0))
+        try:
+            _check_ds_file(cfg, role, world, mini)
+        except ConfigError as e:
+            out.append(e)
+    return out
+
+
+def _check_ds_file(cfg: RunConfig, role: str, world: int, mini: int) -> None:
+    rc: RoleConfig = getattr(cfg.roles, role)
+    ds = read_ds_json(rc.ds_config, f"roles.{role}.ds_config")
+    src = str(resolve_ds_path(rc.ds_config))
+    if ds.get("fp16", {}).get("enabled") and ds.get("bf16", {}).get("enabled"):
+        raise ConfigError(src, f"fp16 and bf16 are both enabled for the {role}")
+    json_stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if json_stage not in (0, 1, 2, 3) or isinstance(json_stage, bool):
+        raise ConfigError(src, f"zero_optimization.stage must be 0, 1, 2 or 3, got {json_stage!r}")
+    stage = rc.zero_stage if isinstance(rc.zero_stage, int) else json_stage
+    trained = role in TRAINED_ROLES
+    if not trained and stage in (1, 2):
+        raise ConfigError(
+            src, f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO stage {stage}; use stage 0 or 3"
         )
-        trained = role in TRAINED_ROLES
-        if not trained and stage in (1, 2):
-            raise ConfigError(
-                src,
-                f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO stage {stage}; use stage 0 or 3",
-            )
-        if role == "reward" and cfg.precision.reward_dtype == "int8" and stage != 0:
-            raise ConfigError("roles.reward.ds_config", "an int8 reward model needs a ZeRO stage-0 config")
-        total = mini if trained else rc.micro_batch_size * world
-        micro = ds.get("train_micro_batch_size_per_gpu", "auto")
-        micro = rc.micro_batch_size if micro == "auto" else micro
-        where = f"{src} (roles.{role}.micro_batch_size)"
-        if ds.get("train_batch_size", "auto") not in ("auto", total):
-            raise ConfigError(
-                where,
-                f"train_batch_size {ds['train_batch_size']} != the run's mini-batch {total} "
-                '(trainer.mini_batch_size); use "auto"',
-            )
-        if micro <= 0 or total % (micro * world):
-            raise ConfigError(
-                where, f"train_batch_size {total} is not divisible by micro batch {micro} x {world} ranks"
-            )
-        gas = ds.get("gradient_accumulation_steps", "auto")
-        if gas != "auto" and gas != total // (micro * world):
-            raise ConfigError(
-                where,
-                f"gradient_accumulation_steps {gas} != train_batch_size {total} / (micro {micro} x {world} ranks)",
-            )
+    if role == "reward" and cfg.precision.reward_dtype == "int8" and stage != 0:
+        raise ConfigError("roles.reward.ds_config", "an int8 reward model needs a ZeRO stage-0 config")
+    total = mini if trained else rc.micro_batch_size * world
+    where = f"{src} (roles.{role}.micro_batch_size)"
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        v = ds.get(key, "auto")
+        if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ConfigError(src, f'{key} must be a positive integer or "auto", got {v!r}')
+    micro = ds.get("train_micro_batch_size_per_gpu", "auto")
+    micro = rc.micro_batch_size if micro == "auto" else micro
+    if ds.get("train_batch_size", "auto") not in ("auto", total):
+        raise ConfigError(
+            where,
+            f"train_batch_size {ds['train_batch_size']} != the run's mini-batch {total} "
+            '(trainer.mini_batch_size); use "auto"',
+        )
+    if total % (micro * world):
+        raise ConfigError(where, f"train_batch_size {total} is not divisible by micro batch {micro} x {world} ranks")
+    gas = ds.get("gradient_accumulation_steps", "auto")
+    if gas != "auto" and gas != total // (micro * world):
+        raise ConfigError(
+            where, f"gradient_accumulation_steps {gas} != train_batch_size {total} / (micro {micro} x {world} ranks)"
+        )
 
 
 def active_roles(cfg: RunConfig) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import os
 
-from verl_ds.config import active_roles, read_ds_json, validate
+from verl_ds.config import active_roles, read_ds_json
 from verl_ds.errors import ConfigError
 from verl_ds.precision import (
     TRAINED_ROLES,
@@ -150,8 +150,7 @@ def render_ds_configs(
     """Every active role's final DeepSpeed config, as DeepSpeed will receive it. A role's ZeRO stage
     is `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
     see trainer/builder.py), else its JSON file's."""
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    validate(cfg, world)
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))  # `cfg` was validated at load (config.validate)
     precision = precision or resolve(cfg)
     mini = cfg.trainer.mini_batch_size or cfg.trainer.prompts_per_step * cfg.rollout.n
     out = {}

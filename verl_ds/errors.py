@@ -1,4 +1,7 @@
-"""User-facing errors: the CLI prints `error: <where>: <message>` and exits 2, with no traceback."""
+"""User-facing errors: the CLI prints `error: <where>: <message>` (one line per mistake) and exits 2,
+with no traceback."""
+
+from __future__ import annotations
 
 
 class ConfigError(ValueError):
@@ -7,3 +10,32 @@ class ConfigError(ValueError):
     def __init__(self, where: str, message: str):
         self.where, self.message = where, message
         super().__init__(f"{where}: {message}")
+
+    @property
+    def errors(self) -> list[ConfigError]:
+        return [self]
+
+
+class ConfigErrors(ConfigError):
+    """Several mistakes of one config, reported together (each still one line)."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self._errors = list(errors)
+        first = self._errors[0]
+        super().__init__(first.where, first.message)
+        self.args = ("\n".join(str(e) for e in self._errors),)
+
+    @property
+    def errors(self) -> list[ConfigError]:
+        return self._errors
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def raise_all(errors: list[ConfigError]) -> None:
+    """Raise what was collected: nothing, the one error, or all of them."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)

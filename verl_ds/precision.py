@@ -9,13 +9,14 @@ See docs/ARCHITECTURE.md ("Precision").
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from verl_ds.errors import ConfigError
+from verl_ds.schema import opt, section
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     if dtype in (torch.int8, torch.qint8):
         return "int8"
     return next((k for k, v in TORCH_DTYPES.items() if v == dtype), str(dtype).removeprefix("torch."))
+
+
 TRAINED_ROLES = ("actor", "critic")
 ROLES = ("actor", "critic", "reference", "reward")
 
@@ -39,31 +42,43 @@ ROLES = ("actor", "critic", "reference", "reward")
 class LossScaling:
     """DeepSpeed's fp16 dynamic loss scaling for one role (used only when the role is fp16)."""
 
-    loss_scale: float = 0.0  # 0 = dynamic
-    initial_scale_power: int = 11  # 2**11 = 2048
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
+    loss_scale: float = opt(0.0, "a fixed loss scale; 0: dynamic", ge=0)
+    initial_scale_power: int = opt(11, "the dynamic scale starts at 2**initial_scale_power", ge=0)
+    loss_scale_window: int = opt(1000, "steps without overflow before the scale doubles", gt=0)
+    hysteresis: int = opt(2, "overflows tolerated before the scale halves", gt=0)
+    consecutive_hysteresis: bool = opt(False, "hysteresis counts consecutive overflows only")
+    min_loss_scale: float = opt(1.0, "the scale never drops below this", gt=0)
+
+
+_ROLE_DTYPE = "fp32 | bf16 | fp16 | auto (the hardware rule, or the role's JSON)"
 
 
 @dataclass
 class PrecisionConfig:
-    actor_dtype: str = "auto"
-    actor_master_weight_dtype: str = "fp32"
-    critic_dtype: str = "auto"
-    reference_dtype: str = "auto"
-    reward_dtype: str = "auto"  # may be int8 (weight-only quantization)
-    reward_activation_dtype: str = "auto"
-    rollout_dtype: str = "auto"
-    buffer_dtype: str = "bf16"  # what the rollout buffer stores logprobs/values in
-    grad_accum_dtype: Optional[str] = None  # None: DeepSpeed's default
-    actor_comm_dtype: Optional[str] = None  # gradient all-reduce dtype; None: fp32 for fp16 roles
-    critic_comm_dtype: Optional[str] = None
-    enable_grad_checkpointing: bool = False
-    lm_head_fp32: bool = False  # logits + log-softmax in fp32 (actor, reference, rollout)
-    actor_loss_scaling: LossScaling = field(default_factory=LossScaling)
-    critic_loss_scaling: LossScaling = field(default_factory=LossScaling)
+    """The one place a run states its precision: each role's compute dtype, the rollout's and the
+    buffer's, gradient accumulation and communication dtypes, fp16 loss scaling per trained role."""
+
+    actor_dtype: str = opt("auto", f"the actor's compute dtype: {_ROLE_DTYPE}; masters stay fp32", choices=DTYPES)
+    actor_master_weight_dtype: str = opt(
+        "fp32", "DeepSpeed keeps fp32 masters for 16-bit roles", choices=("fp32", "auto")
+    )
+    critic_dtype: str = opt("auto", f"the critic's compute dtype: {_ROLE_DTYPE}", choices=DTYPES)
+    reference_dtype: str = opt("auto", f"the reference's dtype: {_ROLE_DTYPE}", choices=DTYPES)
+    reward_dtype: str = opt("auto", f"the reward model's dtype: {_ROLE_DTYPE}, or int8 (weight-only)", choices=DTYPES)
+    reward_activation_dtype: str = opt("auto", "an int8 reward model's activations", choices=DTYPES)
+    rollout_dtype: str = opt("auto", "the rollout engine's weights; auto: the actor's", choices=DTYPES)
+    buffer_dtype: str = opt("bf16", "what the rollout buffer stores logprobs and values in", choices=DTYPES)
+    grad_accum_dtype: Optional[str] = opt(
+        None, "gradient accumulation dtype; null: DeepSpeed's", choices=(None, *DTYPES)
+    )
+    actor_comm_dtype: Optional[str] = opt(
+        None, "the actor's gradient all-reduce dtype; null: DeepSpeed's (fp32 for fp16 roles)", choices=(None, *DTYPES)
+    )
+    critic_comm_dtype: Optional[str] = opt(None, "the critic's gradient all-reduce dtype", choices=(None, *DTYPES))
+    enable_grad_checkpointing: bool = opt(False, "recompute activations in backward (less memory, more time)")
+    lm_head_fp32: bool = opt(False, "logits and log-softmax in fp32 (actor, reference, rollout)")
+    actor_loss_scaling: LossScaling = section(LossScaling)
+    critic_loss_scaling: LossScaling = section(LossScaling)
 
     def __post_init__(self):
         self.validate()

@@ -230,6 +230,41 @@ BAD_INPUTS = {
     ),
     "model_without_config": ("model: {path: EMPTYDIR}\n", [], "has no config.json"),
     "model_without_tokenizer": ("model: {path: NOTOKDIR}\n", [], "has no tokenizer"),
+    # out-of-range values: bounds at the field
+    "negative_lr": ("{}\n", ["roles.actor.lr=-1e-5"], "roles.actor.lr: must be > 0, got -1e-05"),
+    "gamma_above_one": ("algorithm: {gamma: 1.5}\n", [], "algorithm.gamma: must be <= 1, got 1.5"),
+    "top_p_zero": ("rollout: {top_p: 0}\n", [], "rollout.top_p: must be > 0, got 0"),
+    "keep_last_negative": ("checkpoint: {keep_last: -1}\n", [], "checkpoint.keep_last: must be >= 0, got -1"),
+    "zero_stage_in_yaml": ("roles:\n  actor: {zero_stage: 4}\n", [], "roles.actor.zero_stage: '4' is not one of"),
+    "zero_stage_in_json": (
+        "roles:\n  actor: {ds_config: STAGE5}\n",
+        [],
+        "zero_optimization.stage must be 0, 1, 2 or 3",
+    ),
+    "micro_batch_in_json": ("roles:\n  actor: {ds_config: MICRO0}\n", [], "train_micro_batch_size_per_gpu must be"),
+    "loss_scale_window": (
+        "precision: {actor_loss_scaling: {loss_scale_window: 0}}\n",
+        [],
+        "precision.actor_loss_scaling.loss_scale_window: must be > 0",
+    ),
+    # names a run resolves at start, resolved by validation (so `config render` catches them)
+    "unknown_reward_fn": ("data: {reward_fn: no_such_reward}\n", [], "data.reward_fn"),
+    "unknown_env": (
+        "rollout: {multi_turn: {env: no_such_pkg.envs:Env}}\n",
+        [],
+        "cannot import module 'no_such_pkg.envs'",
+    ),
+    "unknown_tool": ("rollout: {multi_turn: {env: tools}}\ndata: {tools: [no_such_tool]}\n", [], "data.tools"),
+    "env_kwargs": (
+        "rollout: {multi_turn: {env: retry, env_kwargs: {colour: red}}}\n",
+        [],
+        "got an unexpected keyword argument 'colour'",
+    ),
+    # files
+    "yaml_not_utf8": (b"trainer: {run_dir: caf\xe9}\n", [], "not UTF-8 text"),
+    "json_not_utf8": ("roles:\n  actor: {ds_config: LATIN1}\n", [], "not UTF-8 text"),
+    "run_dir_is_a_file": ("trainer: {run_dir: AFILE}\n", [], "trainer.run_dir: "),
+    "resume_is_a_file": ("trainer: {resume: AFILE}\n", [], "trainer.resume: "),
 }
 
 
@@ -241,19 +276,90 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
     stage0 = _write(tmp_path, "s0.json", json.dumps({"zero_optimization": {"stage": 0}}))
     stage2 = _write(tmp_path, "s2.json", json.dumps({"zero_optimization": {"stage": 2}}))
     tbs = _write(tmp_path, "tbs.json", json.dumps({"train_batch_size": 7}))
+    stage5 = _write(tmp_path, "s5.json", json.dumps({"zero_optimization": {"stage": 5}}))
+    micro0 = _write(tmp_path, "m0.json", json.dumps({"train_micro_batch_size_per_gpu": 0}))
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(b'{"wall_clock_breakdown": false, "caf\xe9": 1}')
+    afile = _write(tmp_path, "a_file", "not a directory")
+    if isinstance(text, bytes):  # a file that is not UTF-8
+        cfg = tmp_path / "run.yaml"
+        cfg.write_bytes(text)
+        text = ""
     text = text.replace("BADJSON", bad).replace("BOTHJSON", both).replace("STAGE0", stage0)
-    text = text.replace("STAGE2", stage2).replace("TBS", tbs)
+    text = text.replace("STAGE2", stage2).replace("TBS", tbs).replace("STAGE5", stage5).replace("MICRO0", micro0)
+    text = text.replace("LATIN1", str(latin1)).replace("AFILE", afile)
     (tmp_path / "empty").mkdir()
     (tmp_path / "notok").mkdir()
     (tmp_path / "notok" / "config.json").write_text("{}")
     text = text.replace("EMPTYDIR", str(tmp_path / "empty"))
     text = text.replace("NOTOKDIR", str(tmp_path / "notok"))
-    cfg = _write(tmp_path, "run.yaml", text)
+    cfg = (
+        str(tmp_path / "run.yaml")
+        if not text and (tmp_path / "run.yaml").exists()
+        else _write(tmp_path, "run.yaml", text)
+    )
     out = cli("config", "render", "--config", cfg, *overrides)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
     assert expected in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_every_mistake_of_a_config_is_reported_at_once(tmp_path):
+    """Three independent mistakes: three lines, exit 2, nothing else."""
+    cfg = _write(tmp_path, "run.yaml", "trainer: {stepz: 3, steps: -1}\nrollout: {engine: hff}\n")
+    out = cli("config", "render", "--config", cfg)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "error: trainer.stepz: unknown key (did you mean 'trainer.steps'?)",
+        "error: rollout.engine: 'hff' is not one of vllm, hf, auto",
+        "error: trainer.steps: must be > 0, got -1",
+    ], out.stderr
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--gpu-memory-gb", "-1"], "argument --gpu-memory-gb: must be > 0, got -1"),
+        (["--world-size", "0"], "argument --world-size: must be > 0, got 0"),
+    ],
+)
+def test_cli_numbers_out_of_range_are_one_line(args, expected):
+    cfg = ROOT / "examples" / "grpo_cpu_tiny.yaml"
+    out = cli("debug", "memory", "--config", str(cfg), "--model-config", str(ROOT / "tests" / "data" / "x"), *args)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and expected in lines[0], out.stderr
+
+
+def test_render_without_the_model_or_data_lists_what_it_could_not_resolve():
+    """The GPU example's DeepSpeed JSONs, on a machine without its model and data."""
+    out = cli(
+        "config", "render", "--config", str(ROOT / "examples" / "grpo_gpu_qwen05b.yaml"), "roles.actor.zero_stage=auto"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "#   model.path: directory not found: /models/Qwen2.5-0.5B-Instruct (a run stops here)" in out.stdout
+    assert "#   data.train_files[0]: file not found: data/gsm8k_train.jsonl" in out.stdout
+    assert "#   roles.actor.zero_stage: auto is chosen at start" in out.stdout
+    assert "# actor: DeepSpeed config" in out.stdout and "# reference: DeepSpeed config" in out.stdout
+
+
+def test_train_with_a_data_file_that_is_not_utf8_is_one_line(tmp_path):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9", "answer": "4"}\n')
+    out = cli(
+        "train",
+        "--config",
+        str(CPU_GRPO),
+        "data.task=files",
+        f"data.train_files=[{bad}]",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "logging.wandb.mode=disabled",
+        "rollout.engine=hf",
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {bad}:2: not UTF-8 text"), out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -347,3 +453,28 @@ def test_train_with_a_bad_environment_is_one_line_at_start(tmp_path, override, e
     assert out.returncode == 2, out.stderr[-2000:]
     assert [line for line in out.stderr.strip().splitlines() if line.startswith("error")] == [expected], out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_config_reference_is_generated_and_current():
+    """docs/CONFIG.md is what `verl-ds config docs` prints now: regenerate it when a field changes."""
+    from verl_ds.config import config_reference
+
+    assert (ROOT / "docs" / "CONFIG.md").read_text() == config_reference(), (
+        "docs/CONFIG.md is stale: run `verl-ds config docs > docs/CONFIG.md`"
+    )
+
+
+def test_every_config_key_has_help():
+    import dataclasses
+
+    from verl_ds.config import RunConfig
+
+    def undocumented(obj, prefix=""):
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if not f.metadata.get("help"):
+                yield prefix + f.name
+            if dataclasses.is_dataclass(value):
+                yield from undocumented(value, f"{prefix}{f.name}.")
+
+    assert list(undocumented(RunConfig())) == []

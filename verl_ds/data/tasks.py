@@ -47,8 +47,14 @@ def file_examples(files: list[str], prompt_key: str, answer_key: str) -> list[di
 def _jsonl_rows(path: str):
     import json
 
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"{path}:{n}", f"not UTF-8 text (byte {e.start} of the line); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
