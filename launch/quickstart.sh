@@ -3,7 +3,7 @@
 # char-level Llama, 2 CPU ranks under the deepspeed launcher, W&B offline. Rollouts follow
 # rollout.engine: auto (HF generate for this 330k model on CPU); pass rollout.engine=vllm for vLLM.
 # Expected on 2 cores: ~8 s start-up, then ~0.1-0.2 s a step for 120 steps; reward/mean rises from
-# ~0.02 to ~0.75-0.95 over the last 10 steps (see README).
+# ~0.02 to ~0.75-0.95 over the last 10 steps (docs/BENCHMARKS.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source launch/env.sh

@@ -27,7 +27,9 @@ def test_choose_engine(requested, params, cuda, engine):
 def test_auto_counts_the_checkpoints_parameters_and_builds_hf_generate_for_a_tiny_model(tiny_model_dir):
     cfg = RolloutConfig(engine="auto")
     assert resolve_engine(cfg, str(tiny_model_dir)) == "hf"
-    rollout = make_rollout(cfg, str(tiny_model_dir), "fp32", seed=0)
+    with pytest.raises(ValueError, match="resolve it first"):  # one place decides: the trainer, once
+        make_rollout(cfg, str(tiny_model_dir), "fp32", seed=0)
+    rollout = make_rollout(RolloutConfig(engine="hf"), str(tiny_model_dir), "fp32", seed=0)
     assert isinstance(rollout, HFRollout)
 
 

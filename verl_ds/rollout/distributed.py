@@ -67,11 +67,12 @@ def resolve_engine(rollout_cfg, model_path: str) -> str:
 def make_rollout(
     rollout_cfg, model_path: str, dtype: str, seed: int, trust_remote_code: bool = False, lm_head_fp32: bool = False
 ):
-    """This rank's rollout engine (`resolve_engine`: vLLM, or HF generate where asked for, chosen by
-    auto, or where vLLM is absent)."""
+    """This rank's rollout engine, `rollout_cfg.engine` (vllm | hf) as `resolve_engine` settled it."""
     from .hf_rollout import HFRollout
 
-    if resolve_engine(rollout_cfg, model_path) == "hf":
+    if rollout_cfg.engine not in ("vllm", "hf"):
+        raise ValueError(f"rollout.engine {rollout_cfg.engine!r}: resolve it first (resolve_engine)")
+    if rollout_cfg.engine == "hf":
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return HFRollout(
             model_path, dtype, device=device, trust_remote_code=trust_remote_code, lm_head_fp32=lm_head_fp32
