@@ -61,7 +61,7 @@ class RLTrainer:
         # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
         self.cfg = cfg = replace(cfg, rollout=replace(cfg.rollout, engine=resolve_engine(cfg.rollout, self.model_path)))
         self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
-        tools = load_tools(cfg.data.tools)  # imported and checked once
+        tools = load_tools(cfg.data.tools)  # the functions episodes call (validation resolved the names)
         self.codec = builder.build_codec(cfg, self.tokenizer, self.model_path, tools)
         self.episode_kw = builder.build_episodes(cfg, self.codec, tools)  # {}: single-turn
         self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer, self.codec)
