@@ -181,6 +181,25 @@ class ResolvedPrecision:
         return TORCH_DTYPES[self.role(name)]
 
 
+# Mantissa bits of each compute dtype: the rounding between a trainer and a rollout engine that
+# compute in different dtypes is what the rollout-vs-trainer logprob gap starts from.
+MANTISSA_BITS = {"fp32": 23, "fp16": 10, "bf16": 7}
+
+
+def mismatch_warning(actor: str, rollout: str) -> str | None:
+    """One line when the actor and the rollout compute in different dtypes (None when they match):
+    the trainer then scores samples under a policy that differs from the sampler's by rounding alone,
+    which shows as `rollout_corr/*` gaps and PPO clipping before the policy has moved."""
+    if actor == rollout:
+        return None
+    coarse = min((actor, rollout), key=MANTISSA_BITS.get)
+    return (
+        f"precision: the actor computes in {actor} and the rollout in {rollout}: their logprobs differ by "
+        f"{coarse} rounding ({MANTISSA_BITS[coarse]} mantissa bits) before any update (watch rollout_corr/*; "
+        f"precision.rollout_dtype: auto follows the actor)"
+    )
+
+
 def resolve_precision(
     p: PrecisionConfig, hw: Hardware, json_dtypes: dict[str, str] | None = None, log_choice: bool = True
 ) -> ResolvedPrecision:
@@ -209,6 +228,8 @@ def resolve_precision(
         p.reward_activation_dtype,
     ):
         log.info("precision 'auto' -> %s (%s)", auto, why)
+    if log_choice and (msg := mismatch_warning(roles["actor"], rollout)):
+        log.warning(msg)
     return ResolvedPrecision(
         **roles,
         reward_activation=pick(p.reward_activation_dtype),

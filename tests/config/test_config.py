@@ -478,3 +478,26 @@ def test_every_config_key_has_help():
                 yield from undocumented(value, f"{prefix}{f.name}.")
 
     assert list(undocumented(RunConfig())) == []
+
+
+@pytest.mark.parametrize(
+    "actor,rollout,warns",
+    [
+        ("fp32", "auto", False),
+        ("bf16", "bf16", False),
+        ("fp16", "auto", False),
+        ("fp32", "bf16", True),
+        ("bf16", "fp16", True),
+    ],
+)
+def test_actor_rollout_dtype_mismatch_warns_once_in_one_line(caplog, actor, rollout, warns):
+    import logging
+
+    from verl_ds.precision import PrecisionConfig, resolve_precision
+
+    with caplog.at_level(logging.WARNING, logger="verl_ds.precision"):
+        r = resolve_precision(PrecisionConfig(actor_dtype=actor, rollout_dtype=rollout), AVX512_BF16)
+    lines = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert len(lines) == int(warns), lines
+    if warns:
+        assert "\n" not in lines[0] and f"actor computes in {actor} and the rollout in {r.rollout}" in lines[0]
