@@ -11,7 +11,8 @@ PY="${PYTHON:-python3}"
 TORCH=2.13.0
 TRANSFORMERS=5.19.0
 TRL=1.16.0
-STAMP="torch==$TORCH transformers==$TRANSFORMERS trl==$TRL $(sha256sum "$HERE/setup_trl.sh" | cut -d' ' -f1)"
+REASONING_GYM=0.1.25   # the tool and SmolLM2 jobs read their data through verl-ds (the version .venv has)
+STAMP="torch==$TORCH transformers==$TRANSFORMERS trl==$TRL reasoning-gym==$REASONING_GYM $(sha256sum "$HERE/setup_trl.sh" | cut -d' ' -f1)"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup_trl] creating $VENV" >&2
@@ -23,7 +24,7 @@ if [ "$(cat "$VENV/.trl-stamp" 2>/dev/null)" != "$STAMP" ]; then
   $pip install -q --upgrade pip
   # torch first and alone, as launch/install.sh does (the CPU wheel from pip's configured find-links)
   $pip install -q "torch==$TORCH"
-  $pip install -q "torch==$TORCH" "transformers==$TRANSFORMERS" "trl==$TRL"
+  $pip install -q "torch==$TORCH" "transformers==$TRANSFORMERS" "trl==$TRL" "reasoning-gym==$REASONING_GYM"
   # torchvision & co. are not needed; drop any CUDA media packages a dependency pulled in
   $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$STAMP" > "$VENV/.trl-stamp"
