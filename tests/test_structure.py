@@ -95,3 +95,86 @@ def test_only_precision_knows_cpu_flags():
     flag or looks into `Hardware.cpu_flags` (others ask `Hardware.cpu_bf16` or `auto_compute_dtype`)."""
     users = sorted(p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if _flag_uses(p))
     assert users == ["precision.py"], {u: _flag_uses(PKG / u) for u in users}
+
+
+# DeepSpeed / vLLM / torch internals the project reads, each name with its one home (the adapters:
+# roles/ds_internals.py, rollout/vllm_internals.py; process.py holds the process-wide compile switch).
+_INTERNALS = {
+    "roles/ds_internals.py": {
+        "ds_id",
+        "ds_tensor",
+        "ds_numel",
+        "GatheredParameters",
+        "grad_partitions_flat_buffer",
+        "averaged_gradients",
+        "single_partition_of_fp32_groups",
+        "fp32_partitioned_groups_flat",
+        "fp32_groups_flat_partition",
+        "cur_scale",
+        "enable_backward_allreduce",
+        "is_fp16_supported",
+        "supported_dtypes",
+        "_packed_params",
+        "_weight_bias",
+    },
+    "rollout/vllm_internals.py": {"llm_engine", "engine_core", "_finalizer", "disable_envs_cache", "reload_weights"},
+    "process.py": {"_dynamo"},
+}
+# Private (`._x`) attributes read on something other than `self`/`cls` outside the adapters: none but
+# these (module path, expression). `os._exit` is public (documented) wherever it appears.
+_PRIVATE_ALLOWED = {
+    ("cli.py", "atexit._run_exitfuncs"),  # CPython's, not a library's: exit handlers, then os._exit
+    ("diagnostics/precision_advisor.py", "trainer._score"),  # the project's own RLTrainer
+}
+_ADAPTERS = ("roles/ds_internals.py", "rollout/vllm_internals.py")
+
+
+def _internal_reads(rel: str, source: str) -> list[str]:
+    """`line: expression` of every internal read in `source` (module `rel`) that is not at home: an
+    attribute (or a getattr/hasattr/setattr name) from `_INTERNALS` outside its module, or a private
+    attribute of anything but self/cls outside the adapters and `_PRIVATE_ALLOWED`."""
+    home = {name: mod for mod, names in _INTERNALS.items() for name in names}
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        name = None
+        if isinstance(node, ast.Attribute):
+            name, base = node.attr, node.value
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            name, base = node.args[1].value, node.args[0]
+        if name is None:
+            continue
+        expr = f"{node.lineno}: {ast.unparse(node)}"
+        if name in home:
+            if home[name] != rel:
+                out.append(expr)
+        elif name.startswith("_") and not name.startswith("__") and rel not in _ADAPTERS:
+            owner = ast.unparse(base)
+            if owner not in ("self", "cls", "os") and (rel, f"{owner}.{name}") not in _PRIVATE_ALLOWED:
+                out.append(expr)
+    return out
+
+
+def test_internals_are_read_only_in_their_adapters():
+    """Every DeepSpeed/vLLM/torch internal goes through its adapter, so a version bump that moves one
+    fails in tests/roles/test_ds_internals.py (or the rollout tests), by name, and is mended in one
+    file."""
+    found = {}
+    for p in sorted(PKG.rglob("*.py")):
+        rel = p.relative_to(PKG).as_posix()
+        if reads := _internal_reads(rel, p.read_text()):
+            found[rel] = reads
+    assert found == {}
+    # the check itself: each kind of read is caught outside its home, and allowed inside it
+    probe = (
+        "x = opt.averaged_gradients\ny = getattr(p, 'ds_id', None)\nz = llm.llm_engine\nw = torch._dynamo\nv = a._b\n"
+    )
+    assert len(_internal_reads("roles/base.py", probe)) == 5
+    assert _internal_reads("roles/ds_internals.py", probe) == ["3: llm.llm_engine", "4: torch._dynamo"]
+    assert _internal_reads("roles/base.py", "self._x\ncls._y\nos._exit(0)\n") == []

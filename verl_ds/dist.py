@@ -7,13 +7,13 @@ needs (gloo takes CPU tensors).
 
 from __future__ import annotations
 
-import atexit
-import glob
 import logging
 import os
 import socket
 
 import torch
+
+from verl_ds.process import remove_deepspeed_shm_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -39,20 +39,7 @@ def init_distributed() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
     if not torch.cuda.is_available():
-        atexit.register(_remove_shm_buffer)
-
-
-def _remove_shm_buffer() -> None:
-    """DeepSpeed's CPU shm all-reduce leaves a ~66 MB /dev/shm file per rank and run; remove ours."""
-    name = (
-        f"deepspeed_allreduce_buffer_*_{os.environ.get('MASTER_ADDR')}_{os.environ.get('MASTER_PORT')}_"
-        f"{os.environ.get('RANK', '0')}"
-    )
-    for f in glob.glob(os.path.join("/dev/shm", name)):
-        try:
-            os.remove(f)
-        except OSError:
-            pass
+        remove_deepspeed_shm_at_exit()  # DeepSpeed's CPU all-reduce buffer in /dev/shm
 
 
 def is_distributed() -> bool:

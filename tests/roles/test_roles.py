@@ -73,7 +73,7 @@ def test_frozen_roles_forward(tiny_model_dir, stage, dtype):
 
 def test_bf16_master_weights_are_fp32(tiny_model_dir):
     actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 2, "bf16"), Cfg())
-    assert all(p.dtype == torch.float32 for p in actor._master_params())
+    assert all(p.dtype == torch.float32 for p in actor.master_params())
     assert next(actor.module.parameters()).dtype == torch.bfloat16
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from tests.roles.helpers import Cfg, ds_config, make_batch, make_group_batch
 from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_min, all_reduce_sum, init_distributed, sum_
 from verl_ds.roles import Actor, iter_full_params, load_causal_lm
+from verl_ds.roles.ds_internals import backward_allreduce, set_backward_allreduce
 
 
 def digest(engine) -> str:
@@ -113,9 +114,10 @@ def same_update_as_deepspeed_reduction(model_dir: str, rank: int) -> None:
     ds = ds_config("actor", 0, "fp32", micro=1, total=4)
     ds["train_batch_size"], ds["gradient_accumulation_steps"] = 4, 2  # 2 ranks x 1 row x 2 micro-steps
     ours, theirs = Actor(load_causal_lm(model_dir), ds, Cfg()), Actor(load_causal_lm(model_dir), ds, Cfg())
-    assert ours._reducer is not None and not ours.engine.enable_backward_allreduce
+    assert ours._reducer is not None and not backward_allreduce(ours.engine)
     ours._reducer = BucketAllReduce(bucket_bytes=32 << 10)
-    theirs._reducer, theirs.engine.enable_backward_allreduce = None, True
+    theirs._reducer = None
+    set_backward_allreduce(theirs.engine, True)
     before = digest(ours.engine)
     batch = make_batch(ours.module.config.vocab_size, b=2, seed=10 + rank)
     lp = ours.logprobs(batch)

@@ -24,6 +24,7 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
     from verl_ds.dist import init_distributed, rank, world_size
     from verl_ds.ds_config import render_role
     from verl_ds.precision import Hardware, PrecisionConfig, resolve_precision
+    from verl_ds.roles.ds_internals import is_zero3
     from verl_ds.roles.params import iter_full_params
     from verl_ds.roles.policy import Reference, load_causal_lm
     from verl_ds.rollout import generate_distributed, make_rollout, sync_distributed
@@ -44,7 +45,7 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
         optimizer_params=None,
     )
     ref = Reference(load_causal_lm(trained_path), ds)
-    assert any(hasattr(p, "ds_id") for p in ref.engine.module.parameters()), "not ZeRO-3"
+    assert is_zero3(ref.engine.module), "not ZeRO-3"
 
     cfg = RolloutConfig(engine="vllm", tensor_parallel_size=tp, kv_cache_gb=0.05, max_model_len=128)
     rollout = make_rollout(cfg, start_path, "fp32", seed=0)

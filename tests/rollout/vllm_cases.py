@@ -19,7 +19,14 @@ def engine(model_pair):
     r = VLLMRollout(model_pair[0], "fp32", max_model_len=256, kv_cache_gb=0.05, bucket_mb=0.05)
     print(f"in-process vLLM engine start: {r.start_s:.2f} s")
     yield r
+    # vllm_internals' path to the engine core and its exit-time finalizer (what shutdown(release=False)
+    # detaches) still exist in this vLLM; then the real release
+    from verl_ds.rollout import vllm_internals
+
+    core = vllm_internals._engine_core(r.llm)
+    assert core._finalizer.alive, f"vLLM {vllm_internals.VLLM_VERSION}'s engine core finalizer moved"
     r.shutdown()
+    assert r.llm is None
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from tests.diagnostics.helpers import tiny_overrides
 from verl_ds.config import load_config
 from verl_ds.diagnostics import memory as M
 from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.roles.ds_internals import full_numel
 from verl_ds.trainer.rl_trainer import RLTrainer
 
 LORA = [
@@ -87,9 +88,7 @@ def test_memory_estimate_accounts_lora(trained):
     est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1, resolve(cfg).rollout)["update"]
     measured = M.stages_from_metrics(out["metrics"][-1])["update"]
     adapters = shape.lora_params(4, cfg.model.lora.target_modules)
-    assert adapters == sum(
-        getattr(p, "ds_numel", p.numel()) for n, p in t.actor.module.named_parameters() if "lora_" in n
-    )
+    assert adapters == sum(full_numel(p) for n, p in t.actor.module.named_parameters() if "lora_" in n)
     for c in ("weights_fp32", "master", "grads", "optimizer"):
         e, m = est["actor"][c], measured["actor"][c]
         assert abs(e - m) <= 0.05 * m, f"actor/{c}: estimate {e} vs measured {m}"

@@ -24,6 +24,7 @@ import torch
 from verl_ds import algos
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles.base import model_inputs
+from verl_ds.roles.ds_internals import full_numel
 from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 
 _DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -126,7 +127,7 @@ def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
         prompts = [e["prompt_ids"] for e in trainer.prompts[: cfg.trainer.prompts_per_step // trainer.world]]
         model_path, pad = trainer.model_path, trainer.tokenizer.pad_token_id
         eos = [trainer.tokenizer.eos_token_id]
-        params = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.actor.module.parameters())
+        params = sum(full_numel(p) for p in trainer.actor.module.parameters())
         plain = floor_steps(model_path, prompts, cfg, dtype, pad, eos)
         trainer.step()  # warm-up, both sides
         next(plain)

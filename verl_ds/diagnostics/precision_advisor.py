@@ -4,7 +4,7 @@ what fp32, bf16 and fp16 would do to its numbers; then recommend one dtype per r
 Measured in the same run (the trainer class is passed in: diagnostics sit below the trainer layer):
 - ranges: weights (per tensor, `iter_full_params`), decoder-layer outputs and the output head
   (forward hooks), gradients at every optimizer step (a histogram of binary exponents of the
-  nonzero elements, unscaled by the role's current loss scale, read through `Role._grad_partitions`
+  nonzero elements, unscaled by the role's current loss scale, read through `Role.grad_partitions`
   just before `Role.step`), the reward model's scores and its within-group score differences;
 - per dtype: the role's own output (logprobs, values, scores) recomputed on the last step's batch
   by a plain fp32 copy of the final weights cast to bf16/fp16 (the role's code, a plain module
@@ -117,7 +117,7 @@ class RoleProbe:
         scale, self.opt_steps = self.loss_scale(), self.opt_steps + 1
         forced, self._aligned = self.role.aligned_skips > self._aligned, self.role.aligned_skips
         bad_here = 0
-        for i, g in enumerate(self.role._grad_partitions()):
+        for i, g in enumerate(self.role.grad_partitions()):
             h, bad = exponent_hist(g, scale)
             self.hist += h
             bad_here += bad

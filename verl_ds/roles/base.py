@@ -1,14 +1,14 @@
 """The interface every role implements: one DeepSpeed engine built from the role's rendered config.
 
 Roles know nothing of rollout or the training loop. Backward and step always go through the
-engine; the reaches into DeepSpeed internals are `_grad_partitions` (overflow alignment and the
-fp16 underflow statistic) and, for fp32 ZeRO-0 on CPU, `enable_backward_allreduce` (the gradient
-all-reduce is `dist.BucketAllReduce`), each in one place.
+engine; what they read of DeepSpeed's internals (the reduced gradient partitions for overflow
+alignment and the fp16 underflow statistic, the fp32 masters, the loss scale, and for fp32 ZeRO-0
+on CPU the switch that leaves the gradient all-reduce to `dist.BucketAllReduce`) goes through
+`roles/ds_internals.py`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 
@@ -16,8 +16,7 @@ import torch
 
 from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_sum, init_distributed
 from verl_ds.ds_config import ds_dtype
-
-log = logging.getLogger(__name__)
+from verl_ds.roles import ds_internals as dsi
 
 
 def model_inputs(batch: dict) -> dict:
@@ -103,22 +102,6 @@ def summarize(sums: dict, n_micro: int, world: int, global_keys: tuple) -> dict:
     return {k: v * world if k in global_keys else v / n_micro for k, v in sums.items()}
 
 
-def enable_cpu_fp16() -> None:
-    """DeepSpeed's CPU accelerator refuses fp16 (is_fp16_supported() is None), although its fp16
-    optimizers and dynamic loss scaling work there. Applied only when a role asks for fp16 on CPU;
-    logged once. GPUs never need it."""
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if acc.device_name() != "cpu" or acc.is_fp16_supported():
-        return
-    acc.is_fp16_supported = lambda: True
-    acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
-    log.warning(
-        "fp16 on CPU: enabled DeepSpeed's fp16 path on the CPU accelerator (emulated, slow; for correctness checks)"
-    )
-
-
 class AutocastWarning(UserWarning):
     pass
 
@@ -153,7 +136,7 @@ class Role:
         self.name, self.ds_config, self.trainable = name, ds_config, trainable
         self.dtype = ds_dtype(ds_config)
         if self.dtype == "fp16":
-            enable_cpu_fp16()
+            dsi.enable_cpu_fp16()
         if not trainable:
             model.requires_grad_(False)
             model.eval()
@@ -173,7 +156,7 @@ class Role:
         self._plain_grad_norm = None
         self._reducer = None
         if trainable and self._plain and self.device.type == "cpu":
-            self.engine.enable_backward_allreduce = False
+            dsi.set_backward_allreduce(self.engine, False)
             self._reducer = BucketAllReduce()
 
     @property
@@ -267,7 +250,7 @@ class Role:
         if self.dtype == "fp16":
             self._last_underflow = self._underflow_fraction()
         # DeepSpeed clips a plain fp32 ZeRO-0 optimizer's gradients but keeps no norm: measure it here
-        grads = self._grad_partitions() if self._plain else []
+        grads = self.grad_partitions() if self._plain else []
         self._plain_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None  # foreach norms
         self.engine.step()
 
@@ -275,12 +258,12 @@ class Role:
         """Whether the reduced gradients of the pending (boundary) step hold inf/NaN."""
         if self.dtype != "fp16":
             return False
-        bad = float(any(not torch.isfinite(g).all() for g in self._grad_partitions()))
+        bad = float(any(not torch.isfinite(g).all() for g in self.grad_partitions()))
         return all_reduce_sum([bad])[0] > 0  # every rank must decide alike
 
     def force_skip(self) -> None:
         """Make DeepSpeed skip the pending step through its own overflow path (aligned overflow)."""
-        for g in self._grad_partitions():
+        for g in self.grad_partitions():
             g.view(-1)[:1].fill_(float("inf"))
             break
         self.aligned_skips += 1
@@ -293,27 +276,19 @@ class Role:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.module.parameters() if p.requires_grad]
 
-    def _grad_partitions(self) -> list[torch.Tensor]:
-        opt = self.engine.optimizer
-        if hasattr(opt, "grad_partitions_flat_buffer"):  # ZeRO-3
-            return [opt.grad_partitions_flat_buffer]
-        if hasattr(opt, "averaged_gradients"):  # ZeRO-1/2
-            return [g for gs in opt.averaged_gradients.values() if gs for g in gs if g is not None]
-        return [p.grad for p in self.module.parameters() if p.grad is not None]  # stage 0
+    def grad_partitions(self) -> list[torch.Tensor]:
+        """This rank's reduced gradients as the optimizer will step them, in a few large tensors
+        (`ds_internals.grad_partitions`); writes reach the step."""
+        return dsi.grad_partitions(self.engine)
 
-    def _master_params(self) -> list[torch.Tensor]:
+    def master_params(self) -> list[torch.Tensor]:
         """The tensors the optimizer updates (fp32 masters for 16-bit roles), at any stage."""
-        opt = self.engine.optimizer
-        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
-            if getattr(opt, attr, None):
-                return list(getattr(opt, attr))
-        inner = getattr(opt, "optimizer", opt)
-        return [p for g in inner.param_groups for p in g["params"]]
+        return dsi.master_params(self.engine)
 
     def _underflow_fraction(self, sample: int = 1 << 20) -> float:
         """fp16: fraction of (sampled) gradient elements that are exactly zero, i.e. underflowed."""
         zeros = total = 0
-        for g in self._grad_partitions():
+        for g in self.grad_partitions():
             flat = g.reshape(-1)[: sample - total]
             zeros += int((flat == 0).sum())
             total += flat.numel()
@@ -329,7 +304,7 @@ class Role:
         if not self.trainable:
             return stats
         opt = self.engine.optimizer
-        master = self._master_params()[0]
+        master = self.master_params()[0]
         norm = self.engine.get_global_grad_norm()
         norm = self._plain_grad_norm if norm is None else norm
         norm = float(norm) if norm is not None else float("nan")
@@ -337,10 +312,8 @@ class Role:
             {
                 "master_dtype": str(master.dtype).replace("torch.", ""),
                 "grad_dtype": str(self.engine.get_data_types()[1]).replace("torch.", ""),
-                "loss_scale": float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 1.0)) or 1.0)
-                if self.dtype == "fp16"
-                else 1.0,
-                "overflow": float(bool(getattr(opt, "overflow", False))),
+                "loss_scale": dsi.loss_scale(opt) if self.dtype == "fp16" else 1.0,
+                "overflow": float(dsi.overflowed(opt)),
                 "skipped_steps": float(self.engine.skipped_steps),
                 "aligned_skips": float(self.aligned_skips),
                 "grad_norm": norm if math.isfinite(norm) else float("nan"),

@@ -5,10 +5,11 @@ actor's own engine with its adapters disabled, so no second copy of the base mod
 from __future__ import annotations
 
 import re
-from contextlib import nullcontext
 from typing import Iterator
 
 import torch
+
+from verl_ds.roles.ds_internals import gathered, is_zero3, iter_gathered
 
 _PREFIX = "base_model.model."
 
@@ -65,42 +66,36 @@ def hf_name(peft_name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _gathered(params: list, stage3: bool):
-    import deepspeed
+def _is_lora_layer(mod: torch.nn.Module) -> bool:
+    return hasattr(mod, "lora_A") and hasattr(mod, "base_layer")
 
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None) if stage3 else nullcontext()
+
+def _saved_original(mod: torch.nn.Module) -> list:
+    """A modules_to_save wrapper's frozen original (never sent: its trained copy is)."""
+    if hasattr(mod, "original_module") and hasattr(mod, "modules_to_save"):
+        return list(mod.original_module.parameters())
+    return []
 
 
 def iter_merged_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
     """`(hf_name, tensor)` of the merged model (W + scaling * B @ A for every LoRA layer), one
-    module at a time: under ZeRO-3 only that module is gathered, and no merged model is ever built."""
+    module at a time (`ds_internals.iter_gathered`: under ZeRO-3 only that module is gathered), and
+    no merged model is ever built."""
     module = getattr(engine_or_module, "module", engine_or_module)
-    stage3 = any(hasattr(p, "ds_id") for p in module.parameters())
-    seen: set[int] = set()
-    for mod_name, mod in module.named_modules():
-        if hasattr(mod, "lora_A") and hasattr(mod, "base_layer"):  # a peft LoRA layer
-            params = list(mod.parameters())
-            seen.update(id(p) for p in params)
-            with _gathered(params, stage3), torch.no_grad():
-                base = mod.base_layer
-                w = base.weight.detach().clone()
-                for key in mod.active_adapters:
-                    a, b = mod.lora_A[key].weight, mod.lora_B[key].weight
-                    w += (b.to(w.dtype) @ a.to(w.dtype)) * mod.scaling[key]
-                yield hf_name(f"{mod_name}.base_layer.weight"), w
-                if base.bias is not None:
-                    yield hf_name(f"{mod_name}.base_layer.bias"), base.bias.detach().clone()
-            continue
-        if hasattr(mod, "original_module") and hasattr(mod, "modules_to_save"):  # modules_to_save wrapper
-            seen.update(id(p) for p in mod.original_module.parameters())  # the frozen original: not sent
-            continue
-        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
-        if not own:
-            continue
-        seen.update(id(p) for _, p in own)
-        with _gathered([p for _, p in own], stage3):
+    for mod_name, mod, own in iter_gathered(module, whole=_is_lora_layer, drop=_saved_original):
+        if not _is_lora_layer(mod):
             for name, p in own:
                 yield hf_name(f"{mod_name}.{name}" if mod_name else name), p.data.detach().clone()
+            continue
+        with torch.no_grad():
+            base = mod.base_layer
+            w = base.weight.detach().clone()
+            for key in mod.active_adapters:
+                a, b = mod.lora_A[key].weight, mod.lora_B[key].weight
+                w += (b.to(w.dtype) @ a.to(w.dtype)) * mod.scaling[key]
+            yield hf_name(f"{mod_name}.base_layer.weight"), w
+            if base.bias is not None:
+                yield hf_name(f"{mod_name}.base_layer.bias"), base.bias.detach().clone()
 
 
 def adapter_state_dict(engine_or_module) -> dict[str, torch.Tensor]:
@@ -108,9 +103,8 @@ def adapter_state_dict(engine_or_module) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     module = getattr(engine_or_module, "module", engine_or_module)
-    stage3 = any(hasattr(p, "ds_id") for p in module.parameters())
     lora = [p for n, p in module.named_parameters() if "lora_" in n]
-    with _gathered(lora, stage3):
+    with gathered(lora, is_zero3(module)):
         return {k: v.detach().clone().cpu() for k, v in get_peft_model_state_dict(module).items()}
 
 

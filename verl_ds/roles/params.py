@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -11,37 +10,27 @@ import torch
 
 from verl_ds.dist import barrier, rank
 from verl_ds.precision import TORCH_DTYPES
-from verl_ds.roles.lora import is_lora_model
+from verl_ds.roles.ds_internals import is_zero3, iter_gathered
+from verl_ds.roles.lora import is_lora_model, iter_merged_params
 
 
 def iter_full_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, full_tensor)` for every parameter, at any ZeRO stage.
 
-    Under ZeRO-3 each module's partitions are gathered with `GatheredParameters` only while that
-    module's tensors are yielded (copies are made, since the gather is released after), so the
+    Under ZeRO-3 each module's partitions are gathered (`ds_internals.iter_gathered`) only while
+    that module's tensors are yielded (copies are made, since the gather is released after), so the
     whole model is never held twice. A tied parameter (embeddings / lm_head) is yielded once, under
     its first name, as `model.named_parameters()` does. Names carry no `module.` prefix.
     """
-    import deepspeed
-
-    from verl_ds.roles.lora import is_lora_model, iter_merged_params
-
     module = getattr(engine_or_module, "module", engine_or_module)
     if is_lora_model(module):  # a LoRA actor streams its merged weights under the base's names
         yield from iter_merged_params(module)
         return
-    stage3 = any(hasattr(p, "ds_id") for p in module.parameters())
-    seen: set[int] = set()
-    for mod_name, mod in module.named_modules():
-        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
-        if not own:
-            continue
-        seen.update(id(p) for _, p in own)
-        ctx = deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None) if stage3 else nullcontext()
-        with ctx:
-            for name, p in own:
-                full = f"{mod_name}.{name}" if mod_name else name
-                yield full, (p.data.detach().clone() if stage3 else p.data.detach())
+    stage3 = is_zero3(module)
+    for mod_name, _, own in iter_gathered(module, zero3=stage3):
+        for name, p in own:
+            full = f"{mod_name}.{name}" if mod_name else name
+            yield full, (p.data.detach().clone() if stage3 else p.data.detach())
 
 
 def export_hf(engine, out_dir: str | Path, dtype: str, tokenizer=None) -> Path:
@@ -81,17 +70,27 @@ def export_adapter(engine, out_dir: str | Path, tokenizer=None) -> Path:
 
 
 def write_dir_atomically(out_dir: str | Path, write) -> Path:
-    """Rank 0 runs `write(tmp)` beside `out_dir` and swaps it in by renames, so a reader never sees
+    """Rank 0 runs `write(tmp)` beside `out_dir` and swaps it in (`swap_in`), so a reader never sees
     a partial directory; every rank waits for it."""
     out = Path(out_dir)
     if rank() == 0:
-        tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+        tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         write(tmp)
-        shutil.rmtree(old, ignore_errors=True)
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(tmp, out)
     barrier()
     return out
+
+
+def swap_in(tmp: str | Path, final: str | Path) -> Path:
+    """Replace directory `final` by the complete directory `tmp` by renames (`final` -> `<tmp
+    without .tmp>.old`, `tmp` -> `final`, the old one removed): at every moment `final` is the old
+    directory or the new one, never a partial one. One process calls it (rank 0)."""
+    tmp, final = Path(tmp), Path(final)
+    old = tmp.with_name(tmp.name.removesuffix(".tmp") + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final

@@ -9,6 +9,7 @@ import torch
 from verl_ds.errors import ConfigError
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles.base import Role, model_inputs
+from verl_ds.roles.ds_internals import packed_weight_bias
 
 log = logging.getLogger(__name__)
 
@@ -17,9 +18,9 @@ def tensor_bytes(module: torch.nn.Module) -> int:
     """Bytes of parameters and buffers, including packed quantized weights."""
     total = sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
     for m in module.modules():
-        packed = getattr(m, "_packed_params", None)
-        if packed is not None and hasattr(packed, "_weight_bias"):
-            w, b = packed._weight_bias()
+        packed = packed_weight_bias(m)
+        if packed is not None:
+            w, b = packed
             total += w.numel() * w.element_size() + (b.numel() * b.element_size() if b is not None else 0)
     return total
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
-from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -23,36 +21,13 @@ import torch
 from verl_ds.dist import init_distributed, rank
 from verl_ds.errors import ConfigError
 from verl_ds.precision import TORCH_DTYPES
+from verl_ds.process import setup_process
 
+from . import vllm_internals
 from .batch import RolloutBatch
 from .weights import TIED_HEAD, ParamChecker, eos_token_ids, layer_group, pad_token_id
 
 log = logging.getLogger(__name__)
-
-
-def _cpu_bind() -> str:
-    """This rank's share of the cores (by LOCAL_RANK): two in-process engines would otherwise both
-    pin core 0, and the engine's binding also applies to the trainer in the same process."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    local, size = (
-        int(os.environ.get("LOCAL_RANK", 0)),
-        int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1))),
-    )
-    per = max(1, len(cores) // max(size, 1))
-    mine = cores[local * per : (local + 1) * per] or cores[-1:]
-    return ",".join(map(str, mine))
-
-
-def _remove_stale_tp_shm(tp: int) -> None:
-    """vLLM's CPU tensor-parallel group creates /dev/shm/<...>-[<ranks>]-cpushm_<i> with O_EXCL and a
-    name that does not change between runs; a killed run's file would make the next start fail
-    (errno 17). Each rank removes its own stale one before the engine starts."""
-
-    r = rank()
-    ranks = "-".join(str(x) for x in range(r // tp * tp, r // tp * tp + tp))
-    for f in Path("/dev/shm").glob(f"*-[[]{ranks}[]]-cpushm_{r % tp}"):
-        log.info("removing a stale vLLM CPU shm segment %s", f)
-        f.unlink(missing_ok=True)
 
 
 class VLLMRollout:
@@ -116,27 +91,16 @@ class VLLMRollout:
                 enable_chunked_prefill=False,
                 max_num_batched_tokens=max(max_model_len, 4096),
             )
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind())
-            if enforce_eager:
-                # eager on CPU, yet vLLM's sampler still torch.compiles one logprob-rank helper at the
-                # first generation: 1.3 s per rank of tracing and codegen for a one-line op (3.5 s of
-                # the quickstart's first step). Nothing else in the process is compiled on CPU.
-                torch._dynamo.config.disable = True
-            if tensor_parallel_size > 1:
-                _remove_stale_tp_shm(tensor_parallel_size)
         self.start_s = 0.0
-        self.llm = self._start(kwargs, gpu_memory_utilization)
+        self.llm = self._start(kwargs, gpu_memory_utilization, enforce_eager)
 
-    def _start(self, kwargs: dict, gpu_util: float):
-        import vllm.envs
+    def _start(self, kwargs: dict, gpu_util: float, eager: bool):
         from vllm import LLM
 
-        # An earlier in-process engine froze vllm.envs (enable_envs_cache): re-read them for this one.
-        getattr(vllm.envs, "disable_envs_cache", lambda: None)()
+        vllm_internals.reset_envs_cache()  # an earlier in-process engine froze vllm.envs: re-read them
+        # thread binding, compile off (CPU), stale shm, GC heap frozen: one logged call (process.py)
+        setup_process(rank=rank(), cpu=not self.cuda, eager=eager, tensor_parallel=self.tp)
         t0 = time.perf_counter()
-        # vLLM collects then freezes the whole GC heap once it is up (freeze_gc_heap); freezing it
-        # first makes that collect scan only the engine's own objects (1.2 s less per rank on CPU)
-        gc.freeze()
         try:
             llm = LLM(**kwargs)
         except (RuntimeError, ValueError) as e:
@@ -271,12 +235,10 @@ class VLLMRollout:
         if llm is None:
             return
         if not release:
-            finalizer = getattr(llm.llm_engine.engine_core, "_finalizer", None)
-            if finalizer is not None:
-                finalizer.detach()
+            vllm_internals.drop_exit_finalizer(llm)
             return
         try:
-            llm.llm_engine.engine_core.shutdown()
+            vllm_internals.shutdown_engine(llm)
         except Exception as e:  # an already-dead engine may refuse; nothing to release then
             log.debug("vLLM shutdown: %s", e)
         del llm

@@ -17,6 +17,7 @@ import torch
 
 from verl_ds.dist import barrier, rank
 from verl_ds.errors import ConfigError
+from verl_ds.roles.params import swap_in
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -43,12 +44,7 @@ def save_checkpoint(root: Path, step: int, roles: dict, state: dict, keep_last: 
     )
     barrier()
     if rank() == 0:
-        old = root / f".step_{step}.old"  # swap by renames: a complete step_<k> always exists
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(tmp, final)  # by renames (.step_<k>.old between): a complete step_<k> always exists
         for old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     barrier()

@@ -27,6 +27,8 @@ def account_role(role) -> dict[str, float]:
     partitions, gradients, optimizer states. A tensor counted once (first category wins)."""
     import torch
 
+    from verl_ds.roles.ds_internals import local_tensor, torch_optimizer
+
     module = getattr(role, "module", None) or getattr(role, "model", None)
     if not isinstance(module, torch.nn.Module):
         return {}  # e.g. a vLLM engine in another process
@@ -41,8 +43,7 @@ def account_role(role) -> dict[str, float]:
 
     params = list(module.parameters())
     for p in params:
-        t = getattr(p, "ds_tensor", None)
-        t = t if t is not None else p.data
+        t = local_tensor(p)
         add(f"weights_{_dtype_name(t)}", t)
     from verl_ds.roles.reward import tensor_bytes  # int8 packed weights live outside parameters()
 
@@ -52,13 +53,14 @@ def account_role(role) -> dict[str, float]:
     engine = getattr(role, "engine", None)
     opt = getattr(engine, "optimizer", None) if getattr(role, "trainable", False) else None
     if opt is not None:
-        for t in role._master_params():
+        masters = role.master_params()
+        for t in masters:
             add("master", t)
-        for t in role._grad_partitions():
+        for t in role.grad_partitions():
             add("grads", t)
-        for t in list(params) + list(role._master_params()):
+        for t in list(params) + list(masters):
             add("grads", t.grad)
-        inner = getattr(opt, "optimizer", opt)
+        inner = torch_optimizer(opt)
         for state in getattr(inner, "state", {}).values():
             for t in state.values():
                 if torch.is_tensor(t) and t.dim() > 0:

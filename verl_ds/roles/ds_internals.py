@@ -1,0 +1,179 @@
+"""Every DeepSpeed (and torch.ao) internal the project reads, each behind one named function.
+
+Written against DeepSpeed 0.19.8 (`DEEPSPEED_VERSION`; compare `deepspeed.__version__`) and torch
+2.13. Nothing outside this module (and `rollout/vllm_internals.py` for vLLM) touches these
+attributes: `tests/test_structure.py` checks it, and `tests/roles/test_ds_internals.py` builds real
+engines at ZeRO stages 0-3 and checks that each function still returns what it claims, so a DeepSpeed
+upgrade that moves one fails there, by name.
+
+DeepSpeed's public API is used where it serves: `deepspeed.zero.GatheredParameters` (the ZeRO-3
+gather). Its per-parameter accessors (`deepspeed.utils.safe_get_local_grad`,
+`safe_get_local_fp32_param`, `safe_get_full_grad`, ...) do not: they are ZeRO-3 only (the local
+ones) or all-reduce one parameter at a time (the full ones), return copies where the step needs the
+real storage (`Role.force_skip` writes into it), and would put a Python loop over every parameter
+into every optimizer step. The flat partitions below are read in one piece instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEEPSPEED_VERSION = "0.19.8"  # the version every function here was written and tested for
+
+
+# ------------------------------------------------------------------ ZeRO-3 parameters
+def is_zero3(module: torch.nn.Module) -> bool:
+    """Whether `module`'s parameters are ZeRO-3 partitioned: DeepSpeed 0.19.8 tags each such
+    parameter with `ds_id` (its own `safe_get_*` accessors test the same attribute). Works on a
+    plain module (no engine at hand), where `engine.zero_optimization_stage()` would not."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def gathered(params: list, zero3: bool):
+    """Context in which ZeRO-3 `params` hold their full data (`deepspeed.zero.GatheredParameters`,
+    public API, read-only: `modifier_rank=None`); a no-op context otherwise. Collective under
+    ZeRO-3: every rank enters it with the same parameters."""
+    if not zero3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def iter_gathered(
+    module: torch.nn.Module,
+    whole: Callable[[torch.nn.Module], bool] | None = None,
+    drop: Callable[[torch.nn.Module], Iterable[torch.nn.Parameter]] | None = None,
+    zero3: bool | None = None,
+) -> Iterator[tuple[str, torch.nn.Module, list[tuple[str, torch.nn.Parameter]]]]:
+    """The one ZeRO-3 gather walk (full-weight export, weight sync, LoRA merge): `(mod_name, mod,
+    own)` for every module in `named_modules` order, `own` the `(name, param)` pairs it holds that no
+    earlier module yielded (a tied parameter once, under its first name). Under ZeRO-3 only `own` is
+    gathered, and only while the caller holds the yield (so the whole model is never held twice:
+    copy what must outlive it). `whole(mod)`: take all of `mod`'s parameters, its children's
+    included, in one gather (a peft LoRA layer, merged from its base and adapter weights);
+    `drop(mod)`: parameters never streamed (marked visited, not gathered), `mod` itself skipped;
+    `zero3`: `is_zero3(module)` where the caller knows it already."""
+    zero3 = is_zero3(module) if zero3 is None else zero3
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules():
+        dropped = list(drop(mod)) if drop is not None else []
+        if dropped:
+            seen.update(id(p) for p in dropped)
+            continue
+        if whole is not None and whole(mod):
+            own = list(mod.named_parameters())
+        else:
+            own = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+        if not own:
+            continue
+        seen.update(id(p) for _, p in own)
+        with gathered([p for _, p in own], zero3):
+            yield mod_name, mod, own
+
+
+def local_tensor(p: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor this rank stores for `p`: its ZeRO-3 partition (`p.ds_tensor`, DeepSpeed 0.19.8;
+    `p.data` is an empty placeholder outside a gather), else `p.data`."""
+    t = getattr(p, "ds_tensor", None)
+    return t if t is not None else p.data
+
+
+def full_numel(p: torch.nn.Parameter) -> int:
+    """`p`'s element count before partitioning: `p.ds_numel` under ZeRO-3 (DeepSpeed 0.19.8; `p.numel()`
+    is 0 there outside a gather), else `p.numel()`."""
+    return getattr(p, "ds_numel", p.numel())
+
+
+# ------------------------------------------------------------------ optimizer state
+def grad_partitions(engine) -> list[torch.Tensor]:
+    """This rank's reduced gradients as the optimizer will step them (after the boundary backward),
+    in a few large tensors, the storage itself (writes reach the step). DeepSpeed 0.19.8:
+    ZeRO-3 `optimizer.grad_partitions_flat_buffer` (one flat buffer, this rank's share);
+    ZeRO-1/2 `optimizer.averaged_gradients` ({group: [partition, ...]}); stage 0 (plain torch or
+    FP16_UnfusedOptimizer) every `p.grad`. Fast path: no per-parameter public accessor (see the
+    module docstring)."""
+    opt = engine.optimizer
+    if hasattr(opt, "grad_partitions_flat_buffer"):  # ZeRO-3
+        return [opt.grad_partitions_flat_buffer]
+    if hasattr(opt, "averaged_gradients"):  # ZeRO-1/2
+        return [g for gs in opt.averaged_gradients.values() if gs for g in gs if g is not None]
+    return [p.grad for p in engine.module.parameters() if p.grad is not None]  # stage 0
+
+
+def torch_optimizer(opt):
+    """The torch optimizer inside DeepSpeed's wrapper (ZeRO / fp16 optimizers keep it as
+    `.optimizer`, DeepSpeed 0.19.8); a plain torch optimizer is itself."""
+    return getattr(opt, "optimizer", opt)
+
+
+def master_params(engine) -> list[torch.Tensor]:
+    """The tensors the optimizer updates (fp32 masters for 16-bit roles), this rank's share, at any
+    stage. DeepSpeed 0.19.8: ZeRO-1/2 `single_partition_of_fp32_groups`, ZeRO-3
+    `fp32_partitioned_groups_flat`, bf16 optimizer `fp32_groups_flat_partition` (flat partitions);
+    else the wrapped torch optimizer's `param_groups` (public). Fast path: the public
+    `safe_get_local_fp32_param` is ZeRO-3 only and per parameter."""
+    opt = engine.optimizer
+    for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
+        if getattr(opt, attr, None):
+            return list(getattr(opt, attr))
+    return [p for g in torch_optimizer(opt).param_groups for p in g["params"]]
+
+
+def loss_scale(opt) -> float:
+    """The current (dynamic) loss scale: `cur_scale` (ZeRO optimizers) or `loss_scale` (stage-0
+    FP16_UnfusedOptimizer), DeepSpeed 0.19.8; 1.0 when neither is set. The public
+    `engine.loss_scale()` is the configured static scale (0: dynamic), not the current one."""
+    return float(getattr(opt, "cur_scale", getattr(opt, "loss_scale", 1.0)) or 1.0)
+
+
+def overflowed(opt) -> bool:
+    """Whether the optimizer's last step found inf/NaN gradients (`optimizer.overflow`, DeepSpeed
+    0.19.8; False for a plain torch optimizer)."""
+    return bool(getattr(opt, "overflow", False))
+
+
+# ------------------------------------------------------------------ engine switches
+def set_backward_allreduce(engine, enabled: bool) -> None:
+    """Switch DeepSpeed's gradient all-reduce in `engine.backward` (`engine.enable_backward_allreduce`,
+    DeepSpeed 0.19.8). Off for fp32 ZeRO-0 on CPU, where `dist.BucketAllReduce` reduces instead. The
+    public `engine.no_sync()` would need a context around every backward; this is one flag at build."""
+    engine.enable_backward_allreduce = enabled
+
+
+def backward_allreduce(engine) -> bool:
+    """Whether `engine.backward` all-reduces the gradients (see `set_backward_allreduce`)."""
+    return bool(engine.enable_backward_allreduce)
+
+
+def enable_cpu_fp16() -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 (0.19.8: `is_fp16_supported()` is None), although its
+    fp16 optimizers and dynamic loss scaling work there: its `is_fp16_supported`/`supported_dtypes`
+    are replaced on the accelerator object. Applied only when a role asks for fp16 on CPU; logged
+    once. GPUs never need it."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() != "cpu" or acc.is_fp16_supported():
+        return
+    acc.is_fp16_supported = lambda: True
+    acc.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+    log.warning(
+        "fp16 on CPU: enabled DeepSpeed's fp16 path on the CPU accelerator (emulated, slow; for correctness checks)"
+    )
+
+
+# ------------------------------------------------------------------ torch.ao quantized modules
+def packed_weight_bias(mod: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(int8 weight, bias) of a torch.ao dynamically quantized Linear (`mod._packed_params._weight_bias()`,
+    torch 2.13), whose weights live outside `parameters()`; None for any other module."""
+    packed = getattr(mod, "_packed_params", None)
+    if packed is None or not hasattr(packed, "_weight_bias"):
+        return None
+    return packed._weight_bias()
