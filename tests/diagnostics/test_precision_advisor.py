@@ -167,8 +167,12 @@ def test_planted_tiny_actor_gradients_flag_actor_fp16_underflow(tmp_path, capsys
 
 
 def test_bad_input_is_one_line_and_exit_2(capsys):
-    assert cli.main(["debug", "precision", "--config", EXAMPLE, "--steps", "0"]) == 2
-    assert capsys.readouterr().err.strip().splitlines() == ["error: --steps: must be > 0, got 0"]
+    with pytest.raises(SystemExit) as exc:  # the argument parser's own one-line error
+        cli.main(["debug", "precision", "--config", EXAMPLE, "--steps", "0"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: verl-ds debug precision: argument --steps: must be > 0, got 0"
+    ]
     assert cli.main(["debug", "precision", "--config", EXAMPLE, "no.such_key=1"]) == 2
     assert capsys.readouterr().err.startswith("error: no")
 
