@@ -65,3 +65,21 @@ def test_the_memory_estimate_follows_auto():
     # HF generate holds its KV cache only while generating; vLLM reserves its pool for the whole step
     assert "kv_cache" not in cpu["update"]["rollout"] and cpu["rollout"]["rollout"]["kv_cache"] > 0
     assert gpu["update"]["rollout"]["kv_cache"] > 0
+
+
+def test_both_engines_implement_the_whole_rollout_engine_protocol(tiny_model_dir):
+    """Every member of RolloutEngine, on both classes, with the Protocol's parameter names (the loop
+    calls them without probing)."""
+    import inspect
+
+    from verl_ds.rollout import RolloutEngine, VLLMRollout
+
+    methods = [n for n, v in vars(RolloutEngine).items() if callable(v) and not n.startswith("_")]
+    assert set(methods) == {"generate", "sync_weights", "sleep", "wake_up", "shutdown"}
+    for cls in (HFRollout, VLLMRollout):
+        for name in methods:
+            want = list(inspect.signature(getattr(RolloutEngine, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls.__name__, name)
+    hf = make_rollout(RolloutConfig(engine="hf"), str(tiny_model_dir), "fp32", seed=0)
+    assert isinstance(hf, RolloutEngine) and hf.tp == 1  # data members too (runtime check)
+    assert {"tp", "start_s", "last_metrics"} <= set(RolloutEngine.__annotations__)

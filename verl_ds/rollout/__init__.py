@@ -6,12 +6,14 @@ imported only when a `VLLMRollout` is built, so HFRollout works where vLLM is no
 
 from .batch import RolloutBatch
 from .distributed import choose_engine, generate_distributed, make_rollout, resolve_engine, sync_distributed
+from .engine import RolloutEngine
 from .hf_rollout import HFRollout
 from .seeding import prompt_seed, prompt_seeds
 from .vllm_rollout import VLLMRollout
 
 __all__ = [
     "RolloutBatch",
+    "RolloutEngine",
     "HFRollout",
     "VLLMRollout",
     "choose_engine",

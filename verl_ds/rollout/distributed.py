@@ -17,6 +17,7 @@ import torch
 from verl_ds import dist as vdist
 
 from .batch import RolloutBatch
+from .engine import RolloutEngine
 from .seeding import prompt_seeds
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def resolve_engine(rollout_cfg, model_path: str) -> str:
 
 def make_rollout(
     rollout_cfg, model_path: str, dtype: str, seed: int, trust_remote_code: bool = False, lm_head_fp32: bool = False
-):
+) -> RolloutEngine:
     """This rank's rollout engine, `rollout_cfg.engine` (vllm | hf) as `resolve_engine` settled it."""
     from .hf_rollout import HFRollout
 
@@ -104,7 +105,7 @@ def prompt_positions(n_local: int, round_: int = 0) -> range:
 
 
 def generate_distributed(
-    rollout,
+    rollout: RolloutEngine,
     local_prompt_ids: list[list[int]],
     n: int,
     temperature: float,
@@ -121,7 +122,7 @@ def generate_distributed(
     args = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     if seeds is None:
         seeds = prompt_seeds(run_seed, step, prompt_positions(len(local_prompt_ids), round_))
-    tp = getattr(rollout, "tp", 1)
+    tp = rollout.tp
     if tp == 1:
         return rollout.generate(local_prompt_ids, **args, seeds=seeds)
     prompts, all_seeds, offset = _gather_group(local_prompt_ids, seeds, tp)
@@ -159,7 +160,7 @@ def _gather_group(prompts: list[list[int]], seeds: list[int], tp: int) -> tuple[
     return out_p, out_s, sum(counts[:me])
 
 
-def sync_distributed(rollout, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+def sync_distributed(rollout: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
     """Push new weights into this rank's engine. The whole iterator is consumed even after the
     engine refused a tensor (under ZeRO-3 each module's gather is collective): the error is raised
     once it is drained, so the other ranks are not left waiting in a gather."""

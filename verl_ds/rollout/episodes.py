@@ -28,6 +28,7 @@ from verl_ds import dist as vdist
 
 from .batch import RolloutBatch
 from .distributed import generate_distributed, prompt_positions
+from .engine import RolloutEngine
 from .seeding import turn_seed
 
 
@@ -90,7 +91,7 @@ class Rollout:
 
 
 def collect(
-    rollout,
+    rollout: RolloutEngine,
     examples: list[dict],
     prompt_ids: list[list[int]],
     n: int,
@@ -129,7 +130,7 @@ def collect(
             batched = False
     positions = prompt_positions(len(prompt_ids), round_)
     sampling = dict(temperature=temperature, top_p=top_p, run_seed=run_seed, step=step)
-    turn, tp = 0, getattr(rollout, "tp", 1)
+    turn, tp = 0, rollout.tp
     if tp > 1:  # a tensor-parallel group's members must send the same kind of request
         batched = vdist.all_reduce_min(float(batched)) > 0
     while True:

@@ -164,5 +164,8 @@ class HFRollout:
     def sleep(self) -> None:  # nothing to free: HF generate holds no cache between calls
         pass
 
+    def wake_up(self) -> None:  # nothing was freed
+        pass
+
     def shutdown(self, release: bool = True) -> None:
         self.model = None

@@ -423,7 +423,7 @@ class RLTrainer:
 
     def _batch_metrics(self, batch, raw_scores, scores, old_lp, kl_mean, step_s) -> dict[str, float]:
         mask = batch.loss_mask
-        rollout_perf = {k: v for k, v in getattr(self.rollout, "last_metrics", {}).items() if k.startswith("perf/")}
+        rollout_perf = {k: v for k, v in self.rollout.last_metrics.items() if k.startswith("perf/")}
         return {
             "reward/mean": raw_scores.mean().item(),
             "reward/normalized_mean": scores.mean().item(),
