@@ -249,7 +249,7 @@ class RoleConfig:
     """One role's DeepSpeed engine: its JSON file, optimizer and batch."""
 
     ds_config: str = opt("", "a DeepSpeed JSON file (relative: to ds_configs/)")
-    lr: float = opt(1e-6, "learning rate (trained roles)", gt=0)
+    lr: float = opt(1e-6, "learning rate (trained roles; 0 freezes the weights)", ge=0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
     betas: list = opt(help="AdamW betas", factory=lambda: [0.9, 0.999])
     micro_batch_size: int = opt(8, "rows per micro-batch per rank", gt=0)

@@ -109,7 +109,7 @@ def test_reinforce_pp_baseline_hand():
     torch.testing.assert_close(adv[:, 0], torch.tensor(c) / std)
 
 
-_ZEROS = object()   # the default: critic values of zeros (None means "no critic")
+_ZEROS = object()  # the default: critic values of zeros (None means "no critic")
 
 
 def _call(name, values=_ZEROS):

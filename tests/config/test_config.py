@@ -231,7 +231,7 @@ BAD_INPUTS = {
     "model_without_config": ("model: {path: EMPTYDIR}\n", [], "has no config.json"),
     "model_without_tokenizer": ("model: {path: NOTOKDIR}\n", [], "has no tokenizer"),
     # out-of-range values: bounds at the field
-    "negative_lr": ("{}\n", ["roles.actor.lr=-1e-5"], "roles.actor.lr: must be > 0, got -1e-05"),
+    "negative_lr": ("{}\n", ["roles.actor.lr=-1e-5"], "roles.actor.lr: must be >= 0, got -1e-05"),
     "gamma_above_one": ("algorithm: {gamma: 1.5}\n", [], "algorithm.gamma: must be <= 1, got 1.5"),
     "top_p_zero": ("rollout: {top_p: 0}\n", [], "rollout.top_p: must be > 0, got 0"),
     "keep_last_negative": ("checkpoint: {keep_last: -1}\n", [], "checkpoint.keep_last: must be >= 0, got -1"),

@@ -329,3 +329,25 @@ def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():
         for idx in groups:
             assert len(idx) == 1 or int(plen[idx].max() + rlen[idx].max()) * len(idx) <= budget
         assert want is None or len(groups) == want
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("budget", [0, 24])
+def test_accumulate_keeps_each_rows_logprobs_in_row_order(tiny_model_dir, budget):
+    """`accumulate(..., keep=True)` hands back the training forward's logprobs of every row, in the
+    batch's row order even when a token budget packs the rows out of order: the trainer's old
+    logprobs of an on-policy batch. They equal the no-grad scoring pass's."""
+    actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 0, "fp32"), Cfg())
+    actor.max_tokens = budget
+    batch = ppo_batch(actor, make_group_batch(actor.module.config.vocab_size))
+    n = batch["input_ids"].shape[0]
+    if budget:  # the precondition: packing reorders the rows
+        groups = actor.packed(batch)
+        assert len(groups) > 1 and not torch.equal(torch.cat(groups), torch.arange(n))
+    scored = actor.logprobs(batch)
+    tokens = float(batch["response_mask"].sum())
+    acc = actor.accumulate(batch, tokens, float(n), keep=True)
+    assert acc.outputs is not None and acc.outputs.shape == scored.shape
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(acc.outputs[mask], scored[mask], rtol=0, atol=1e-5)
+    assert actor.accumulate(batch, tokens, float(n)).outputs is None

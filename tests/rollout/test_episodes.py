@@ -308,5 +308,6 @@ def test_environment_tokens_carry_no_loss_kl_or_entropy(tiny_model_dir, tokenize
     }
     counts = dict(global_tokens=float(b.loss_mask.sum()), global_seqs=float(len(b)))
     with torch.no_grad():
-        (l1, m1), (l2, m2) = (actor.micro_loss({**x, "rows": torch.arange(len(b))}, counts) for x in (base, noisy))
+        rows = torch.arange(len(b))
+        (l1, m1, _), (l2, m2, _) = (actor.micro_loss({**x, "rows": rows}, counts) for x in (base, noisy))
     assert env.any() and torch.equal(l1, l2) and all(float(m1[k]) == float(m2[k]) for k in m1)

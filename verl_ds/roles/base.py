@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -125,6 +126,15 @@ def warn_if_autocast(*_hook_args) -> None:
         )
 
 
+@dataclass
+class Accumulated:
+    """What `Role.accumulate` hands back: the mini-batch's metrics and, when kept, each row's
+    per-row output in row order (`micro_loss`'s third value)."""
+
+    metrics: dict[str, float]
+    outputs: torch.Tensor | None = None
+
+
 class Role:
     """A model role backed by a DeepSpeed engine. `trainable` roles get the config's optimizer
     (or the torch `optimizer` given)."""
@@ -205,13 +215,17 @@ class Role:
     force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow
     global_metric_keys: tuple = ()  # metrics normalised by global counts (see `summarize`)
 
-    def micro_loss(self, mb: dict, counts: dict) -> tuple[torch.Tensor, dict]:
-        """(loss, metrics) of one micro-batch; `counts` = global_tokens/global_seqs for agg_loss."""
+    def micro_loss(self, mb: dict, counts: dict) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+        """(loss, metrics, per-row output) of one micro-batch; `counts` = global_tokens/global_seqs
+        for agg_loss. The per-row output (`[b, R]`, detached; the actor: its logprobs) is what
+        `accumulate(..., keep=True)` hands back; None where a role has nothing to keep."""
         raise NotImplementedError
 
-    def accumulate(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
+    def accumulate(self, batch: dict, global_tokens: float, global_seqs: float, keep: bool = False) -> Accumulated:
         """Forward/backward over one mini-batch (this rank's share), leaving the optimizer step to
-        `step()`. Losses use global counts, so the accumulated gradient equals the full mini-batch's."""
+        `step()`. Losses use global counts, so the accumulated gradient equals the full mini-batch's.
+        `keep`: also return each row's per-row output (in row order), e.g. the actor's logprobs of an
+        on-policy batch, which are the old logprobs of its later epochs."""
         gas = self.engine.gradient_accumulation_steps()
         scale = gas * self.engine.world_size  # undo DeepSpeed's 1/gas and rank averaging
         batch = self.to_device(batch)
@@ -221,17 +235,22 @@ class Role:
         mbs = [select_rows(batch, idx) for idx in self.packed(batch)] if self.max_tokens else split_even(batch, gas)
         counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
         sums: dict[str, float] = {}
+        rows, kept = [], []
         for i, mb in enumerate(mbs):
-            loss, metrics = self.micro_loss(mb, counts)
+            loss, metrics, out = self.micro_loss(mb, counts)
             if self.force_overflow:
                 loss = loss * float("inf")
             self.backward(loss * scale, boundary=i == len(mbs) - 1)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
-        return summarize(sums, len(mbs), self.engine.world_size, self.global_metric_keys)
+            if keep and out is not None and not mb.get("pad_row"):
+                rows.append(mb["rows"])
+                kept.append(out)
+        metrics = summarize(sums, len(mbs), self.engine.world_size, self.global_metric_keys)
+        return Accumulated(metrics, in_row_order(rows, kept) if kept else None)  # packed: out of order
 
     def update(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
-        metrics = self.accumulate(batch, global_tokens, global_seqs)
+        metrics = self.accumulate(batch, global_tokens, global_seqs).metrics
         self.step()
         return metrics
 

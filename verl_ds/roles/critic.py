@@ -67,4 +67,4 @@ class Critic(Role):
             agg_mode=c.loss_agg_mode,
             **counts,
         )
-        return c.vf_coef * vf_loss, {"vf_loss": vf_loss, **m}
+        return c.vf_coef * vf_loss, {"vf_loss": vf_loss, **m}, None

@@ -123,8 +123,6 @@ class Actor(PolicyRole):
         self.cfg, self.temperature = loss_cfg, temperature
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
         self.policy_loss = algos.get_policy_loss(loss_cfg.policy_loss)
-        # on-policy: this pass's (row positions, logprobs) per micro-batch, kept
-        self.collected: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     global_metric_keys = ("pg_loss", "entropy", "kl_loss")
 
@@ -134,8 +132,6 @@ class Actor(PolicyRole):
         logprob, entropy = self.forward(mb, self.temperature, with_entropy=True)
         # a batch used once is on-policy: the old policy is this very forward (ratio 1, exact)
         old = mb["old_logprobs"] if "old_logprobs" in mb else logprob.detach()
-        if self.collected is not None and not mb.get("pad_row"):
-            self.collected.append((mb["rows"], logprob.detach()))
         is_w = None
         if c.tis_cap and "rollout_logprobs" in mb:
             is_w = algos.tis_weights(old, mb["rollout_logprobs"], mask, cap=c.tis_cap)
@@ -161,4 +157,4 @@ class Actor(PolicyRole):
             )
             loss = loss + c.kl_coef * kl
             m["kl_loss"] = kl
-        return loss, {"pg_loss": pg_loss, "entropy": ent, **m}
+        return loss, {"pg_loss": pg_loss, "entropy": ent, **m}, logprob.detach()

@@ -33,7 +33,6 @@ from verl_ds.ds_config import resolve
 from verl_ds.envs import load_tools
 from verl_ds.errors import ConfigError
 from verl_ds.roles import align_overflow, iter_full_params
-from verl_ds.roles.base import in_row_order
 from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import episodes, make_rollout, resolve_engine, sync_distributed
 from verl_ds.trainer import builder
@@ -388,19 +387,22 @@ class RLTrainer:
         sums: dict[str, float] = {}
         count, first_lp = 0, None
         for epoch in range(self.cfg.algorithm.ppo_epochs):
-            collect = first_is_old and epoch == 0
+            collect = first_is_old and epoch == 0  # one mini-batch: the whole batch, in order
             perm = torch.arange(n) if collect else torch.randperm(n)
-            self.actor.collected = [] if collect else None
             # mini-batches of `mini` rows; a rank with fewer rows than another splits them as evenly
             parts = perm.split(mini) if -(-n // mini) == n_minis else perm.tensor_split(n_minis)
             for rows in parts:
                 mb = {k: v[rows] for k, v in train.items()}
                 tokens, seqs = _global_counts(mb["response_mask"])
                 with timer("update_actor", stage="update", role="actor"):
-                    m = self.actor.accumulate(mb, tokens, seqs)
+                    acc = self.actor.accumulate(mb, tokens, seqs, keep=collect)
+                m = acc.metrics
+                if collect:
+                    first_lp = acc.outputs.float().cpu()
                 if self.critic:
                     with timer("update_critic", stage="update", role="critic"):
-                        m.update({f"critic/{k}": v for k, v in self.critic.accumulate(mb, tokens, seqs).items()})
+                        critic_m = self.critic.accumulate(mb, tokens, seqs).metrics
+                    m.update({f"critic/{k}": v for k, v in critic_m.items()})
                     align_overflow(self.actor, self.critic)  # an overflow in either skips both
                     with timer("update_critic", stage="update", role="critic"):
                         self.critic.step()
@@ -410,9 +412,6 @@ class RLTrainer:
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
             if collect:
-                rows, lps = zip(*self.actor.collected)  # micro-batches may be packed out of order
-                first_lp = in_row_order(list(rows), list(lps)).float().cpu()
-                self.actor.collected = None
                 train["old_logprobs"] = self._buffered(first_lp)
         out = {(k if k.startswith("critic/") else f"actor/{k}"): v / count for k, v in sums.items()}
         if self.critic:
