@@ -124,7 +124,6 @@ _INTERNALS = {
 # these (module path, expression). `os._exit` is public (documented) wherever it appears.
 _PRIVATE_ALLOWED = {
     ("cli.py", "atexit._run_exitfuncs"),  # CPython's, not a library's: exit handlers, then os._exit
-    ("diagnostics/precision_advisor.py", "trainer._score"),  # the project's own RLTrainer
 }
 _ADAPTERS = ("roles/ds_internals.py", "rollout/vllm_internals.py")
 

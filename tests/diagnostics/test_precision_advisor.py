@@ -132,9 +132,9 @@ def test_planted_tiny_actor_gradients_flag_actor_fp16_underflow(tmp_path, capsys
             super().__init__(cfg)
             loss_fn = self.actor.micro_loss
 
-            def micro_loss(mb, counts):
-                loss, metrics = loss_fn(mb, counts)
-                return loss * 1e-12, metrics
+            def micro_loss(mb, counts):  # planted: gradients 1e-12 of the real ones
+                loss, metrics, out = loss_fn(mb, counts)
+                return loss * 1e-12, metrics, out
 
             self.actor.micro_loss = micro_loss
 

@@ -68,18 +68,18 @@ def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
             "model.tiny.ffn=64",
         ],
     )
-    with RLTrainer(cfg) as trainer:
-        seen = {}
-        update = trainer._update
+    from verl_ds.diagnostics.observers import TrainerObserver
 
-        def spy(train, timer, n_minis, first_is_old=False):
+    class Spy(TrainerObserver):
+        def on_train_batch(self, trainer, train, first_is_old):
             seen["separate"] = trainer.actor.logprobs(train, cfg.rollout.temperature).float()
-            out = update(train, timer, n_minis, first_is_old)
-            seen["stored"], seen["first_is_old"] = train["old_logprobs"], first_is_old
-            return out
+            seen["train"], seen["first_is_old"] = train, first_is_old
 
-        trainer._update = spy
+    seen = {}
+    with RLTrainer(cfg) as trainer:
+        trainer.observers.append(Spy())
         m = trainer.step()
+    seen["stored"] = seen["train"]["old_logprobs"]  # what the first epoch stored for the second
     assert seen["first_is_old"] and "timing_s/old_logprob" not in m
     assert seen["stored"].shape == seen["separate"].shape and seen["stored"].shape[0] == 16
     torch.testing.assert_close(seen["stored"], seen["separate"], rtol=0, atol=1e-5)

@@ -27,12 +27,14 @@ from verl_ds.config import load_config
 from verl_ds.diagnostics import precision_report as R
 from verl_ds.diagnostics.bench_precision import _finite
 from verl_ds.diagnostics.memory import estimate_memory, load_shape
+from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.precision_report import EXP_BINS, EXP_OFFSET
 from verl_ds.dist import rank
 from verl_ds.ds_config import json_dtypes, render_ds_configs
 from verl_ds.errors import ConfigError
 from verl_ds.precision import COMPUTE_DTYPES, TORCH_DTYPES, detect_hardware, resolve_precision
 from verl_ds.roles import iter_full_params, load_reward_model
+from verl_ds.roles.base import RoleObserver
 
 
 def exponent_hist(t: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, int]:
@@ -53,8 +55,18 @@ def head_of(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_output_embeddings()
 
 
-class RoleProbe:
-    """Hooks and instance-level wrappers on one live role; `close()` removes them all."""
+class GroupIds(TrainerObserver):
+    """Keeps the last training rollout's group ids."""
+
+    def __init__(self, into: dict):
+        self.into = into
+
+    def on_rollout(self, trainer, rollout, scores):
+        self.into["ids"] = rollout.batch.group_ids.clone()
+
+
+class RoleProbe(RoleObserver):
+    """Forward hooks and a `RoleObserver` on one live role; `close()` removes them all."""
 
     def __init__(self, name: str, role):
         self.name, self.role = name, role
@@ -67,33 +79,18 @@ class RoleProbe:
         layers = [m for m in role.module.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))]
         self.handles = [m.register_forward_hook(self._on_layer) for m in layers]
         self.handles.append(head_of(role.module).register_forward_hook(self._on_head))
-        method = {"critic": "values", "reward": "score"}.get(name, "logprobs")
-        self.wrapped = [method] + (["step", "accumulate"] if role.trainable else [])
-        orig = getattr(role, method)
+        role.observers.append(self)
 
-        def scoring(batch, *args, **kw):
-            self.call = (batch, *args)
-            result = orig(batch, *args, **kw)
-            if name == "reward":
-                self.out = [min(self.out[0], float(result.min())), max(self.out[1], float(result.max()))]
-            return result
+    def on_score(self, role, batch, args, out):
+        self.call = (batch, *args)
+        if self.name == "reward":
+            self.out = [min(self.out[0], float(out.min())), max(self.out[1], float(out.max()))]
 
-        setattr(role, method, scoring)
-        if role.trainable:
-            orig_step = role.step
+    def on_accumulate(self, role, batch):
+        self.train_batch = batch
 
-            def step():
-                self._on_step()
-                return orig_step()
-
-            role.step = step
-            orig_acc = role.accumulate
-
-            def accumulate(batch, *args, **kw):
-                self.train_batch = batch
-                return orig_acc(batch, *args, **kw)
-
-            role.accumulate = accumulate
+    def on_step(self, role):
+        self._on_step()
 
     @staticmethod
     def _first(out):
@@ -135,8 +132,7 @@ class RoleProbe:
     def close(self):
         for h in self.handles:
             h.remove()
-        for attr in self.wrapped:
-            self.role.__dict__.pop(attr, None)
+        self.role.observers.remove(self)
 
 
 class _PlainEngine:
@@ -278,18 +274,13 @@ def debug_precision(
     with make_trainer(cfg) as trainer:
         # a role without its own engine (a LoRA actor's adapters-off reference) is the actor's numbers
         probes = {name: RoleProbe(name, role) for name, role in trainer.roles.items() if hasattr(role, "engine")}
-        orig_score = trainer._score  # the one call that sees the rollout's group ids
-
-        def score(ro, *args):
-            groups["ids"] = ro.batch.group_ids.clone()
-            return orig_score(ro, *args)
-
-        trainer._score = score
+        watch = GroupIds(groups)  # the rollout's group ids, for the reward model's score differences
+        trainer.observers.append(watch)
         try:
             for _ in range(steps):
                 rows.append(trainer.step())
         finally:
-            trainer.__dict__.pop("_score", None)
+            trainer.observers.remove(watch)
             for p in probes.values():
                 p.close()
         roles = {}

@@ -126,6 +126,20 @@ def warn_if_autocast(*_hook_args) -> None:
         )
 
 
+class RoleObserver:
+    """Hooks a diagnostic or a test attaches to a live role (`role.observers.append(o)`), instead of
+    replacing its methods. Every hook is optional; each runs on the calling rank, in the call."""
+
+    def on_score(self, role: Role, batch: dict, args: tuple, out) -> None:
+        """After a scoring pass (`logprobs`, `values`, `score`): its batch, other arguments, result."""
+
+    def on_accumulate(self, role: Role, batch: dict) -> None:
+        """Before a mini-batch's forward/backward (trained roles)."""
+
+    def on_step(self, role: Role) -> None:
+        """Before the optimizer step, with the reduced gradients in place (`role.grad_partitions()`)."""
+
+
 @dataclass
 class Accumulated:
     """What `Role.accumulate` hands back: the mini-batch's metrics and, when kept, each row's
@@ -158,6 +172,7 @@ class Role:
         self.engine.register_forward_pre_hook(warn_if_autocast)
         self.micro_batch_size = int(ds_config["train_micro_batch_size_per_gpu"])
         self.aligned_skips = 0  # steps skipped because the partner role overflowed
+        self.observers: list[RoleObserver] = []
         self._last_underflow = float("nan")
         # fp32 ZeRO-0 runs a plain torch optimizer: DeepSpeed keeps no gradient norm for it (`step`
         # measures one), and on CPU its gradients are averaged over the ranks by a reusable-buffer
@@ -226,6 +241,7 @@ class Role:
         `step()`. Losses use global counts, so the accumulated gradient equals the full mini-batch's.
         `keep`: also return each row's per-row output (in row order), e.g. the actor's logprobs of an
         on-policy batch, which are the old logprobs of its later epochs."""
+        self.notify("on_accumulate", batch)
         gas = self.engine.gradient_accumulation_steps()
         scale = gas * self.engine.world_size  # undo DeepSpeed's 1/gas and rank averaging
         batch = self.to_device(batch)
@@ -265,7 +281,12 @@ class Role:
         elif self._reducer:
             self._reducer(self._trainable_grads())
 
+    def notify(self, hook: str, *args) -> None:
+        for o in self.observers:
+            getattr(o, hook)(self, *args)
+
     def step(self) -> None:
+        self.notify("on_step")
         if self.dtype == "fp16":
             self._last_underflow = self._underflow_fraction()
         # DeepSpeed clips a plain fp32 ZeRO-0 optimizer's gradients but keeps no norm: measure it here

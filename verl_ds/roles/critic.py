@@ -52,7 +52,9 @@ class Critic(Role):
 
     @torch.no_grad()
     def values(self, batch: dict) -> torch.Tensor:
-        return self.map_micro(batch, self.forward)
+        out = self.map_micro(batch, self.forward)
+        self.notify("on_score", batch, (), out)
+        return out
 
     global_metric_keys = ("vf_loss",)
 

@@ -103,7 +103,9 @@ class PolicyRole(Role):
     def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
         """Micro-batched, no grad. Returns logprob `[B, R]` (and entropy `[B, R]` if asked)."""
         logprob, entropy = self.map_micro(batch, lambda mb: self.forward(mb, temperature, with_entropy))
-        return (logprob, entropy) if with_entropy else logprob
+        out = (logprob, entropy) if with_entropy else logprob
+        self.notify("on_score", batch, (temperature,), out)
+        return out
 
 
 class Reference(PolicyRole):

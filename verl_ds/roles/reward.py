@@ -86,4 +86,6 @@ class RewardModel(Role):
             ids = torch.where(mb["attention_mask"].bool(), mb["input_ids"], pad)
             return self.engine(**model_inputs({**mb, "input_ids": ids})).logits.squeeze(-1).float()
 
-        return self.map_micro(batch, scores)
+        out = self.map_micro(batch, scores)
+        self.notify("on_score", batch, (), out)
+        return out

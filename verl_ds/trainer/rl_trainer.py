@@ -19,6 +19,7 @@ from verl_ds.data.dataset import PromptSampler
 from verl_ds.data.reward import task_reward_fn
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
+from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.plots import plot_curves
 from verl_ds.dist import (
     all_gather_object,
@@ -90,8 +91,10 @@ class RLTrainer:
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
         self.global_step = 0
+        self.observers: list[TrainerObserver] = []  # diagnostics and tests watch the loop through these
         self.logger = MetricsLogger(self.run_dir, cfg.logging.wandb, asdict(cfg), enabled=self.rank == 0)
-        self.logger.rewind(self.global_step if self._maybe_resume() else -1)
+        resumed = self._maybe_resume()  # roles, RNG, sampler and step from the checkpoint, if any
+        self.logger.rewind(self.global_step if resumed else -1)  # metrics past it are dropped
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -161,6 +164,8 @@ class RLTrainer:
             if a.mask_truncated:  # samples cut at max_new_tokens teach nothing about endings
                 train["response_mask"] = mask * (1 - truncated)[:, None]
             # 7. ppo_epochs over mini-batches for the actor and the critic
+            for o in self.observers:
+                o.on_train_batch(self, train, first_is_old)
             update_metrics, first_lp = self._update(train, timer, n_minis, first_is_old)
             if first_is_old:
                 old_lp, buf["old_logprobs"] = first_lp, train["old_logprobs"]
@@ -221,6 +226,8 @@ class RLTrainer:
             with timer("reward", stage="score", role="reward"):
                 raw = self._score(ro, examples)
                 shaped = raw + self._overlong(batch)
+            for o in self.observers:
+                o.on_rollout(self, ro, raw)
             rounds += 1
             if not fg.enabled:
                 return batch, examples, raw, shaped, ro.metrics
