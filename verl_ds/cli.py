@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prec.add_argument("--config", required=True)
     prec.add_argument("--dtypes", default="fp32,bf16,fp16")
+    prec.add_argument(
+        "--matrix", action="store_true", help="every trainer dtype x rollout dtype pair of --dtypes (9 cells for 3)"
+    )
     prec.add_argument("--steps", type=POS_INT, default=5)
     prec.add_argument("--out", default=None, help="output folder (default: <trainer.run_dir>/bench_precision)")
     prec.add_argument("overrides", nargs="*")
@@ -179,7 +182,7 @@ def cmd_bench_precision(args) -> int:
 
     dtypes = parse_dtypes(args.dtypes)
     out = args.out or str(Path(load_config(args.config, args.overrides).trainer.run_dir) / "bench_precision")
-    res = bench_precision(args.config, args.overrides, dtypes, args.steps, out, RLTrainer)
+    res = bench_precision(args.config, args.overrides, dtypes, args.steps, out, RLTrainer, matrix=args.matrix)
     print(res["table"])
     print(f"\nwrote {out}/bench_precision.md, .json, .png")
     return 0

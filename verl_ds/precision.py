@@ -118,6 +118,13 @@ class Hardware:
     cuda_capability: tuple = (0, 0)
     cpu_flags: frozenset = frozenset()
 
+    def emulates(self, dtype: str) -> bool:
+        """Whether `dtype` runs emulated here (slow; its numbers still hold): fp16 on any CPU, bf16
+        on a CPU without avx512_bf16/AMX. Nothing on CUDA."""
+        if self.device == "cuda" or dtype == "fp32":
+            return False
+        return dtype == "fp16" or not self.cpu_bf16
+
     @property
     def cpu_bf16(self) -> bool:
         """The CPU computes bf16 natively (avx512_bf16 or AMX); without, ATen emulates it (~40x slower)."""

@@ -91,16 +91,31 @@ def test_mismatch_metrics_hand():
     roll = torch.log(torch.tensor([[0.25, 0.5, 0.1]]))
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     m = mismatch_metrics(train, roll, mask)
-    assert set(m) == {"logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl", "prob_pearson"}
+    assert set(m) == {"logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl", "prob_pearson", "phantom_clip_fraction"}
     assert m["logprob_abs_diff_mean"].item() == pytest.approx(math.log(2))
     assert m["logprob_abs_diff_max"].item() == pytest.approx(math.log(2))
     # k3 with r = p_train / p_roll: (2 - ln 2 - 1 + 0.5 + ln 2 - 1) / 2 = 0.25
     assert m["k3_kl"].item() == pytest.approx(0.25)
     assert m["prob_pearson"].item() == pytest.approx(-1.0)
+    assert m["phantom_clip_fraction"].item() == 1.0  # ratios 2 and 0.5: both outside [0.8, 1.2]
     same = mismatch_metrics(train, train, torch.ones(1, 3))
     assert same["logprob_abs_diff_max"].item() == 0.0 and same["k3_kl"].item() == 0.0
+    assert same["phantom_clip_fraction"].item() == 0.0
     assert same["prob_pearson"].item() == pytest.approx(1.0)
     assert all(v.dim() == 0 for v in m.values())
+
+
+def test_phantom_clip_fraction_counts_ratios_outside_the_clip_range():
+    """Ratios exp(train - rollout) of 1.1, 1.3, 0.85, 0.7 (and a masked 5.0): with clip 0.2/0.2 the
+    1.3 and the 0.7 are clipped (2 of 4); with clip_high 0.28 (DAPO) still both; with clip_low 0.35
+    only the 1.3."""
+    roll = torch.zeros(1, 5)
+    train = torch.log(torch.tensor([[1.1, 1.3, 0.85, 0.7, 5.0]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    frac = lambda **kw: mismatch_metrics(train, roll, mask, **kw)["phantom_clip_fraction"].item()
+    assert frac() == pytest.approx(0.5)
+    assert frac(clip_high=0.28) == pytest.approx(0.5)
+    assert frac(clip_low=0.35) == pytest.approx(0.25)
 
 
 def test_chunked_sliced_logits_take_few_blocks_not_one_per_sequence():

@@ -39,3 +39,32 @@ def test_bench_precision_two_steps_per_dtype(tmp_path, capsys):
 def test_bench_precision_rejects_unknown_dtype(capsys):
     assert cli.main(["bench", "precision", "--config", "examples/grpo_cpu_tiny.yaml", "--dtypes", "fp8"]) == 2
     assert "error: --dtypes" in capsys.readouterr().err
+
+
+def test_bench_precision_matrix_crosses_trainer_and_rollout_dtypes(tmp_path, capsys):
+    """--matrix: every (trainer, rollout) pair; matched cells keep the trainer and the rollout on the
+    same numbers (a tiny mismatch), a bf16 rollout under an fp32 trainer shows the rounding gap."""
+    out = tmp_path / "bench"
+    args = (
+        ["bench", "precision", "--config", "examples/grpo_cpu_tiny.yaml", "--dtypes", "fp32,bf16", "--matrix"]
+        + ["--steps", "1", "--out", str(out)]
+        + tiny_overrides(tmp_path / "run")
+        + ["trainer.prompts_per_step=2"]
+    )
+    assert cli.main(args) == 0
+    (table,) = parse_md_tables(capsys.readouterr().out)
+    assert [r[0] for r in table[1:]] == ["fp32", "fp32/bf16", "bf16/fp32", "bf16"]
+    assert table[0][:6] == [
+        "dtype (trainer/rollout)",
+        "mean |Δlogprob| step 1",
+        "over the run",
+        "max |Δlogprob| step 1",
+        "k3 step 1",
+        "phantom clip step 1",
+    ]
+    res = {r["dtype"]: r for r in json.loads((out / "bench_precision.json").read_text())["results"]}
+    assert (res["fp32/bf16"]["trainer_dtype"], res["fp32/bf16"]["rollout_dtype"]) == ("fp32", "bf16")
+    assert res["fp32"]["mismatch_step1"] < 1e-4  # same weights, same dtype: kernels' rounding only
+    assert res["fp32/bf16"]["mismatch_step1"] > 10 * res["fp32"]["mismatch_step1"]
+    for r in res.values():
+        assert 0.0 <= r["phantom_clip_step1"] <= 1.0

@@ -191,7 +191,11 @@ def tis_weights(
 
 
 def mismatch_metrics(
-    train_logprob: torch.Tensor, rollout_logprob: torch.Tensor, response_mask: torch.Tensor
+    train_logprob: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
 ) -> dict[str, torch.Tensor]:
     """Trainer-vs-rollout log-prob mismatch over masked tokens; values are 0-dim detached tensors.
 
@@ -201,6 +205,9 @@ def mismatch_metrics(
         from the rollout policy), i.e. ``kl_penalty(rollout, train, "k3")`` (clamped as there).
       * ``prob_pearson``: Pearson correlation of exp(train) and exp(rollout); 0 when either has zero
         variance (e.g. a single token).
+      * ``phantom_clip_fraction``: the fraction of tokens whose ratio exp(train - rollout) lies outside
+        [1 - clip_low, 1 + clip_high]: what PPO would clip if the rollout's logprobs were the old
+        policy's. On the same weights (every step's first pass) it is precision alone.
     An empty mask gives 0 for every key.
     """
     with torch.no_grad():
@@ -219,6 +226,11 @@ def mismatch_metrics(
             "logprob_abs_diff_max": max_diff,
             "k3_kl": masked_mean(kl_penalty(rollout_logprob, train_logprob, "k3"), mask),
             "prob_pearson": pearson,
+            "phantom_clip_fraction": masked_mean(
+                ((train_logprob - rollout_logprob).exp() - 1).gt(clip_high).float()
+                + (1 - (train_logprob - rollout_logprob).exp()).gt(clip_low).float(),
+                mask,
+            ),
         }
 
 

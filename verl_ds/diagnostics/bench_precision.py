@@ -1,9 +1,13 @@
 """`verl-ds bench precision`: the same training under each precision, side by side.
 
-For each dtype, every role's precision (actor, critic, reference and the rollout engine; the reward
-model keeps its own setting) is set to that dtype and `steps` trainer steps run. Output: a Markdown
-table (peak memory per role, step time, tokens/s, final reward, overflows and skips, loss-scale
-trajectory), the same as JSON, and a PNG of the loss and reward curves.
+A cell is (trainer dtype, rollout dtype): the actor, critic and reference compute in the first, the
+rollout engine in the second (the reward model keeps its own setting). By default the cells are
+each dtype on both sides; `--matrix` runs every pair (fp32/bf16/fp16: 9 cells). Each cell runs
+`steps` trainer steps of the same job and seed. Output: a Markdown table (the rollout-vs-trainer
+mismatch at step 1 and over the run, the phantom-clip fraction at step 1 — tokens PPO would clip
+on the same weights, precision alone —, peak memory per role, step time, tokens/s, final reward,
+overflows and skips, the loss-scale trajectory, and which dtypes ran emulated on this machine), the
+same as JSON, and a PNG of the mismatch, loss and reward curves per cell.
 
 On CPU the rollout defaults to HF generate (`rollout.engine=hf`; pass `rollout.engine=vllm` to
 override): three vLLM engine starts would dominate the benchmark. fp16 on CPU runs through the
@@ -22,14 +26,26 @@ from pathlib import Path
 from verl_ds.diagnostics.memory import md_table
 from verl_ds.diagnostics.plots import save_panels
 from verl_ds.errors import ConfigError
-from verl_ds.precision import COMPUTE_DTYPES
+from verl_ds.precision import COMPUTE_DTYPES, detect_hardware
 
 log = logging.getLogger(__name__)
 PRECISION_KEYS = ("actor_dtype", "critic_dtype", "reference_dtype", "rollout_dtype")
 
 
-def precision_overrides(dtype: str) -> list[str]:
-    return [f"precision.{k}={dtype}" for k in PRECISION_KEYS]
+def precision_overrides(dtype: str, rollout: str | None = None) -> list[str]:
+    """The trained and reference roles in `dtype`, the rollout engine in `rollout` (default: the same)."""
+    return [f"precision.{k}={dtype}" for k in PRECISION_KEYS if k != "rollout_dtype"] + [
+        f"precision.rollout_dtype={rollout or dtype}"
+    ]
+
+
+def cells(dtypes: list[str], matrix: bool) -> list[tuple[str, str]]:
+    """(trainer, rollout) pairs: each dtype on both sides, or with `matrix` every pair."""
+    return [(a, r) for a in dtypes for r in dtypes] if matrix else [(d, d) for d in dtypes]
+
+
+def cell_name(trainer: str, rollout: str) -> str:
+    return trainer if trainer == rollout else f"{trainer}/{rollout}"
 
 
 def parse_dtypes(text: str) -> list[str]:
@@ -42,8 +58,8 @@ def parse_dtypes(text: str) -> list[str]:
     return dtypes
 
 
-def summarize(dtype: str, rows: list[dict]) -> dict:
-    """One dtype's result from its per-step metrics (pure)."""
+def summarize(cell: tuple[str, str], rows: list[dict], emulated: list[str] = ()) -> dict:
+    """One cell's result from its per-step metrics (pure). `emulated`: its dtypes that ran emulated."""
 
     def series(key):
         return [r.get(key, float("nan")) for r in rows]
@@ -66,8 +82,18 @@ def summarize(dtype: str, rows: list[dict]) -> dict:
         if k.startswith("memory/") and "/process/" in k and (k.endswith("rss_mib") or k.endswith("cuda_peak_mib"))
     ]
     timed = rows[1:] if len(rows) > 2 else rows  # the first step pays one-off warm-up costs
+    first = rows[0]
     return {
-        "dtype": dtype,
+        "dtype": cell_name(*cell),
+        "trainer_dtype": cell[0],
+        "rollout_dtype": cell[1],
+        "emulated": list(emulated),
+        "mismatch_step1": first.get("rollout_corr/logprob_abs_diff_mean"),
+        "mismatch_max_step1": first.get("rollout_corr/logprob_abs_diff_max"),
+        "k3_step1": first.get("rollout_corr/k3_kl"),
+        "phantom_clip_step1": first.get("rollout_corr/phantom_clip_fraction"),
+        "mismatch_mean": statistics.mean(series("rollout_corr/logprob_abs_diff_mean")),
+        "mismatch": series("rollout_corr/logprob_abs_diff_mean"),
         "steps": len(rows),
         "peak_memory_mib": {role: peak(role) for role in roles},
         "process_peak_mib": max(proc) if proc else None,
@@ -94,7 +120,14 @@ def _fmt(x, spec=".2f"):
 def markdown(results: list[dict]) -> str:
     roles = sorted({r for res in results for r in res["peak_memory_mib"]})
     header = (
-        ["dtype"]
+        [
+            "dtype (trainer/rollout)",
+            "mean |Δlogprob| step 1",
+            "over the run",
+            "max |Δlogprob| step 1",
+            "k3 step 1",
+            "phantom clip step 1",
+        ]
         + [f"peak {r} (MiB)" for r in roles]
         + [
             "process peak (MiB)",
@@ -104,12 +137,20 @@ def markdown(results: list[dict]) -> str:
             "overflows",
             "skips",
             "loss scale (per step)",
+            "emulated here",
         ]
     )
     rows = []
     for res in results:
         rows.append(
-            [res["dtype"]]
+            [
+                res["dtype"],
+                _fmt(res["mismatch_step1"], ".2e"),
+                _fmt(res["mismatch_mean"], ".2e"),
+                _fmt(res["mismatch_max_step1"], ".2e"),
+                _fmt(res["k3_step1"], ".2e"),
+                _fmt(res["phantom_clip_step1"], ".2%"),
+            ]
             + [_fmt(res["peak_memory_mib"].get(r), ".3f") for r in roles]
             + [
                 _fmt(res["process_peak_mib"], ".0f"),
@@ -119,6 +160,7 @@ def markdown(results: list[dict]) -> str:
                 ", ".join(f"{k} {v}" for k, v in res["overflows"].items()) or "0",
                 ", ".join(f"{k} {v}" for k, v in res["skipped_steps"].items()) or "0",
                 " → ".join(f"{s:g}" for s in res["loss_scale"]),
+                ", ".join(res["emulated"]) or "-",
             ]
         )
     return md_table(header, rows)
@@ -128,7 +170,11 @@ def plot(results: list[dict], out_png: Path) -> Path:
     return save_panels(
         [
             (title, [(res["dtype"], range(1, len(res[key]) + 1), res[key], {"marker": "o"}) for res in results])
-            for key, title in (("loss", "actor/pg_loss"), ("reward", "reward/mean"))
+            for key, title in (
+                ("mismatch", "rollout_corr/logprob_abs_diff_mean"),
+                ("loss", "actor/pg_loss"),
+                ("reward", "reward/mean"),
+            )
         ],
         out_png,
     )
@@ -151,9 +197,15 @@ def run_steps(make_trainer, cfg, steps: int) -> list[dict]:
 
 
 def bench_precision(
-    config_path: str | None, overrides: list[str], dtypes: list[str], steps: int, out_dir: str | Path, make_trainer
+    config_path: str | None,
+    overrides: list[str],
+    dtypes: list[str],
+    steps: int,
+    out_dir: str | Path,
+    make_trainer,
+    matrix: bool = False,
 ) -> dict:
-    """Run `steps` steps per dtype; write bench_precision.{md,json,png} into `out_dir`."""
+    """Run `steps` steps per cell (`cells`); write bench_precision.{md,json,png} into `out_dir`."""
     import torch
 
     from verl_ds.config import load_config
@@ -161,19 +213,23 @@ def bench_precision(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base = [] if torch.cuda.is_available() else ["rollout.engine=hf"]
+    hw = detect_hardware()
     results = []
-    for dtype in dtypes:
+    for trainer, rollout in cells(dtypes, matrix):
+        name = cell_name(trainer, rollout)
         cfg = load_config(
             config_path,
             base
             + list(overrides)
-            + precision_overrides(dtype)
-            + [f"trainer.steps={steps}", f"trainer.run_dir={out / dtype}"],
+            + precision_overrides(trainer, rollout)
+            + [f"trainer.steps={steps}", f"trainer.run_dir={out / name.replace('/', '_')}"],
         )
-        log.info("bench precision: %s, %d steps", dtype, steps)
-        results.append(summarize(dtype, run_steps(make_trainer, cfg, steps)))
+        log.info("bench precision: trainer %s, rollout %s, %d steps", trainer, rollout, steps)
+        emulated = sorted({d for d in (trainer, rollout) if hw.emulates(d)})
+        results.append(summarize((trainer, rollout), run_steps(make_trainer, cfg, steps), emulated))
     table = markdown(results)
-    (out / "bench_precision.md").write_text(f"# bench precision ({steps} steps per dtype)\n\n{table}\n")
+    what = "cell (trainer dtype x rollout dtype)" if matrix else "dtype"
+    (out / "bench_precision.md").write_text(f"# bench precision ({steps} steps per {what}, {hw.device})\n\n{table}\n")
     (out / "bench_precision.json").write_text(json.dumps(_finite({"steps": steps, "results": results}), indent=2))
     plot(results, out / "bench_precision.png")
     return {"table": table, "results": results, "out_dir": str(out)}

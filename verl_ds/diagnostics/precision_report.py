@@ -252,7 +252,7 @@ def build_report(
     if gap is not None:
         lines.append(f"rollout vs trainer in this run: max |Δlogprob| {gap:.3g}")
     if hw.device == "cpu":
-        slow = "fp16 is emulated on CPU" + ("" if hw.cpu_bf16 else "; bf16 is emulated without avx512_bf16/AMX")
+        slow = "fp16 is emulated on CPU" + ("; bf16 is emulated without avx512_bf16/AMX" if hw.emulates("bf16") else "")
         lines.append(f"note: forward timings are not representative here ({slow}); the numerics are.")
     lines += list(notes) + ["", "### Recommendations"]
     for name, a in advice.items():

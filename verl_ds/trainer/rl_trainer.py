@@ -440,7 +440,9 @@ class RLTrainer:
             # rollout-vs-trainer gap on the same weights: precision and sync health
             **{
                 f"rollout_corr/{k}": float(v)
-                for k, v in algos.mismatch_metrics(old_lp, batch.rollout_logprobs, mask).items()
+                for k, v in algos.mismatch_metrics(
+                    old_lp, batch.rollout_logprobs, mask, self.cfg.algorithm.clip_low, self.cfg.algorithm.clip_high
+                ).items()
             },
             "perf/throughput": float(batch.attention_mask.sum()) / max(step_s, 1e-9),
             **rollout_perf,
