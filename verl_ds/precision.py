@@ -34,8 +34,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next((k for k, v in TORCH_DTYPES.items() if v == dtype), str(dtype).removeprefix("torch."))
 
 
-TRAINED_ROLES = ("actor", "critic")
+# The role kinds, named once: which roles exist, which train, which output token logprobs.
 ROLES = ("actor", "critic", "reference", "reward")
+TRAINED_ROLES = ("actor", "critic")
+POLICY_ROLES = ("actor", "reference")
 
 
 @dataclass

@@ -32,7 +32,7 @@ from verl_ds.diagnostics.precision_report import EXP_BINS, EXP_OFFSET
 from verl_ds.dist import rank
 from verl_ds.ds_config import json_dtypes, render_ds_configs
 from verl_ds.errors import ConfigError
-from verl_ds.precision import COMPUTE_DTYPES, TORCH_DTYPES, detect_hardware, resolve_precision
+from verl_ds.precision import COMPUTE_DTYPES, POLICY_ROLES, TORCH_DTYPES, detect_hardware, resolve_precision
 from verl_ds.roles import iter_full_params, load_reward_model
 from verl_ds.roles.base import RoleObserver
 
@@ -213,7 +213,7 @@ def scoring_call(probe: RoleProbe, probes: dict, temperature: float) -> tuple:
     others = [p.call[0] for p in probes.values() if p.call and p.name != "reward"]
     src = others[-1] if others else probe.train_batch
     data = {k: src[k] for k in ("input_ids", "attention_mask", "response_mask")}
-    return (data, temperature) if probe.name in ("actor", "reference") else (data,)
+    return (data, temperature) if probe.name in POLICY_ROLES else (data,)
 
 
 def measure_dtypes(probe: RoleProbe, call: tuple, groups, reward_path) -> dict:
@@ -236,7 +236,7 @@ def measure_dtypes(probe: RoleProbe, call: tuple, groups, reward_path) -> dict:
         "rel_err": {dt: _rel(o, outs["fp32"], mask) for dt, o in outs.items()},
         "fwd_s": secs,
     }
-    if role.name in ("actor", "reference"):
+    if role.name in POLICY_ROLES:
         res["logprob_gap"] = {dt: float(((o - outs["fp32"]).abs() * mask).max()) for dt, o in outs.items()}
     if role.name == "reward" and groups is not None:
         res["vanish"] = {dt: vanish_fraction(outs["fp32"], groups, dt)[0] for dt in ("bf16", "fp16")}
