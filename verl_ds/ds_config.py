@@ -96,7 +96,7 @@ def render_role(
                 params[k] = v
         if params.get("torch_adam") and "foreach" not in params and "fused" not in params:
             # torch's fused AdamW: one kernel over every tensor instead of a Python loop per tensor
-            # (SmolLM2-135M, 2 CPU threads: 0.09 vs 0.38 s a step; CUDA has it too). Same math.
+            # (CPU and CUDA have it; the same math; measured in docs/BENCHMARKS.md)
             params["fused"] = True
     else:
         ds.pop("optimizer", None)

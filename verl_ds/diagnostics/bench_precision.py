@@ -13,7 +13,7 @@ On CPU the rollout defaults to HF generate (`rollout.engine=hf`; pass `rollout.e
 override): three vLLM engine starts would dominate the benchmark. fp16 on CPU runs through the
 roles' DeepSpeed fp16 shim (emulated, slow). bf16 on a CPU without avx512_bf16/AMX is slow too.
 
-The trainer is passed in (`make_trainer`, e.g. `RLTrainer`): diagnostics sit above the trainer layer.
+The trainer is passed in (`make_trainer`, e.g. `RLTrainer`): diagnostics sit below the trainer layer.
 """
 
 from __future__ import annotations

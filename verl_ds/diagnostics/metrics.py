@@ -19,7 +19,7 @@ SUMMED = {"perf/throughput"}  # per-rank tokens/s add up to the job's
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Mean over the ranks that report a key (max for `*_max`, `*/max` and `memory/*`, sum for SUMMED).
-    Ranks may differ in keys: e.g. only the rank that owns the vLLM engine reports its sync and generation numbers."""
+    Ranks may differ in keys: e.g. a multi-turn metric only a rank whose episodes used a tool reports."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):

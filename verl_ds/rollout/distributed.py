@@ -25,9 +25,8 @@ log = logging.getLogger(__name__)
 
 # `rollout.engine: auto` on CPU: below this many parameters HF generate samples faster than vLLM,
 # whose per-sequence scheduling and output bookkeeping (Python, every engine step) outweighs so small
-# a model's compute. Measured with `verl-ds bench rollout` (1 thread, 8 prompts x 16 samples, 16-token
-# prompts; vLLM / HF tokens/s at 3 / 32 new tokens): 0.33M 0.69x / 0.66x, 4.2M 0.91x / 1.22x,
-# 25M 0.99x / 1.60x, 75M 0.89x / 1.20x.
+# a model's compute. Where the crossover lies was measured with `verl-ds bench rollout`
+# (docs/BENCHMARKS.md, "Against TRL": the tokens/s ratios by model size).
 AUTO_HF_MAX_PARAMS = 2_000_000
 
 

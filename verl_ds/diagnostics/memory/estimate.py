@@ -222,7 +222,8 @@ def estimate_memory(
     gpu_gib: float | None = None,
     reward_shape: ModelShape | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """{stage: {role: {component: bytes}}} per GPU (rank 0, which also hosts the rollout engine)."""
+    """{stage: {role: {component: bytes}}} per GPU: one rank's roles and its colocated rollout engine
+    (every rank owns one; a tensor-parallel group shares one, split over its ranks)."""
     if cfg.rollout.engine == "auto":  # the engine the trainer would pick for this model and device
         from verl_ds.rollout.distributed import choose_engine
 
