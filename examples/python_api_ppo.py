@@ -1,8 +1,9 @@
 """GRPO from Python: the same trainer `verl-ds train` runs, with a custom reward function.
 
-    .venv/bin/python examples/python_api_ppo.py              # one process, CPU
-    deepspeed --num_gpus 2 examples/python_api_ppo.py         # or under the launcher
+.venv/bin/python examples/python_api_ppo.py              # one process, CPU
+deepspeed --num_gpus 2 examples/python_api_ppo.py         # or under the launcher
 """
+
 from verl_ds import PPOTrainer, PrecisionConfig
 from verl_ds.config import DataConfig, ModelConfig
 from verl_ds.data.reward import normalize_reward  # noqa: F401  (for batch-level user rewards)

@@ -14,13 +14,14 @@ right number, less for each extra guess. Use it with
 
 The environment sees and returns text only; verl-ds turns its observations into token ids.
 """
+
 from __future__ import annotations
 
 import re
 
 
 class GuessNumber:
-    observation_role = "user"       # a plain string observation is sent as this role (default: user)
+    observation_role = "user"  # a plain string observation is sent as this role (default: user)
 
     def __init__(self, max_guesses: int = 4, penalty: float = 0.2):
         self.max_guesses, self.penalty = max_guesses, penalty

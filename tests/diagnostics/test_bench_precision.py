@@ -56,9 +56,9 @@ def test_bench_precision_matrix_crosses_trainer_and_rollout_dtypes(tmp_path, cap
     assert [r[0] for r in table[1:]] == ["fp32", "fp32/bf16", "bf16/fp32", "bf16"]
     assert table[0][:6] == [
         "dtype (trainer/rollout)",
-        "mean |Δlogprob| step 1",
+        "mean abs Δlogprob step 1",
         "over the run",
-        "max |Δlogprob| step 1",
+        "max abs Δlogprob step 1",
         "k3 step 1",
         "phantom clip step 1",
     ]

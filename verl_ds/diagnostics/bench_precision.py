@@ -122,9 +122,9 @@ def markdown(results: list[dict]) -> str:
     header = (
         [
             "dtype (trainer/rollout)",
-            "mean |Δlogprob| step 1",
+            "mean abs Δlogprob step 1",
             "over the run",
-            "max |Δlogprob| step 1",
+            "max abs Δlogprob step 1",
             "k3 step 1",
             "phantom clip step 1",
         ]
