@@ -90,7 +90,8 @@ def test_planted_reward_resolution_flags_reward_fp32_through_cli(tmp_path, capsy
         print(f"debug precision on the tiny PPO example (2 steps, 4 roles): {seconds:.1f} s")
     assert seconds < 120
     recs = _recommendations(text)
-    assert sorted(recs) == ROLES
+    assert sorted(recs) == sorted(ROLES + ["rollout"])  # the rollout: matched to the actor
+    assert recs["rollout"].startswith("- rollout: auto: the actor's ")
     flagged = {r for r, ln in recs.items() if "(flagged)" in ln}
     assert flagged == {"reward"}, text
     assert "reward (flagged): fp32: " in recs["reward"]
@@ -153,6 +154,8 @@ def test_planted_tiny_actor_gradients_flag_actor_fp16_underflow(tmp_path, capsys
         assert recs[role]["dtype"] == "fp32" and "no range problem" in recs[role]["reason"]
     block = yaml.safe_load((tmp_path / "advice" / "precision.yaml").read_text())["precision"]
     assert block["actor_dtype"] == actor["dtype"]
+    assert block["rollout_dtype"] == "auto"  # the rollout follows the actor: matched dtypes
+    assert f"- rollout: auto: the actor's {actor['dtype']} " in res["report"]
 
     m = res["roles"]["actor"]
     old_gpu = {**recs, "actor": advise("actor", m, auto_dtype="fp16")}

@@ -137,6 +137,24 @@ def advise(name: str, m: dict, auto_dtype: str) -> dict:
     return rec("fp32", f"fp32: {pb['bf16'][0][1]}; {pb['fp16'][0][1]}")
 
 
+def rollout_advice(advice: dict, roles: dict) -> dict | None:
+    """The rollout's recommendation: the actor's dtype (`rollout_dtype: auto` follows it), since a
+    trainer and a rollout in different dtypes differ by rounding before any update. When the actor's
+    own measured logprob error is smaller in fp16 than in bf16 and fp16 has no range problem for it,
+    say that fp16 on both sides keeps them closer. None without an actor's logprob measurements."""
+    m = roles.get("actor", {})
+    if "actor" not in advice or "logprob_gap" not in m:
+        return None
+    dt, gap = advice["actor"]["dtype"], m["logprob_gap"]
+    reason = (
+        f"auto: the actor's {dt} (a dtype that differs on either side adds its rounding before any update; "
+        f"the actor's max |Δlogprob| vs fp32: bf16 {gap['bf16']:.3g}, fp16 {gap['fp16']:.3g})"
+    )
+    if dt == "bf16" and gap["fp16"] < gap["bf16"] and not problems(m, "fp16"):
+        reason += "; fp16 on both sides keeps them closer: actor_dtype fp16"
+    return {"dtype": "auto", "scale_power": None, "flagged": False, "reason": reason}
+
+
 def precision_block(advice: dict) -> str:
     """The `precision:` YAML block of the recommendations (fp16 ones with their initial_scale_power)."""
     block = {f"{name}_dtype": a["dtype"] for name, a in advice.items()}
@@ -255,8 +273,10 @@ def build_report(
         slow = "fp16 is emulated on CPU" + ("; bf16 is emulated without avx512_bf16/AMX" if hw.emulates("bf16") else "")
         lines.append(f"note: forward timings are not representative here ({slow}); the numerics are.")
     lines += list(notes) + ["", "### Recommendations"]
-    for name, a in advice.items():
+    rollout = rollout_advice(advice, roles)
+    recs = {**advice, **({"rollout": rollout} if rollout else {})}
+    for name, a in recs.items():
         lines.append(f"- {name}{' (flagged)' if a['flagged'] else ''}: {a['reason']}")
-    text = precision_block(advice)
+    text = precision_block(recs)
     lines += ["", "```yaml", text.rstrip(), "```", "", f"debug precision took {seconds:.1f} s"]
     return {"report": "\n".join(lines), "yaml": text, "recommendations": advice, "memory": mem, "seconds": seconds}
