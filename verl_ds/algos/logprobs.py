@@ -212,7 +212,8 @@ def mismatch_metrics(
     """
     with torch.no_grad():
         mask = response_mask
-        diff = (train_logprob - rollout_logprob).abs()
+        log_ratio = train_logprob - rollout_logprob
+        diff, ratio = log_ratio.abs(), log_ratio.exp()
         valid = mask != 0
         max_diff = torch.where(valid, diff, 0.0).max() if diff.numel() else diff.new_zeros(())
         p_train, p_roll = train_logprob.exp(), rollout_logprob.exp()
@@ -226,11 +227,7 @@ def mismatch_metrics(
             "logprob_abs_diff_max": max_diff,
             "k3_kl": masked_mean(kl_penalty(rollout_logprob, train_logprob, "k3"), mask),
             "prob_pearson": pearson,
-            "phantom_clip_fraction": masked_mean(
-                ((train_logprob - rollout_logprob).exp() - 1).gt(clip_high).float()
-                + (1 - (train_logprob - rollout_logprob).exp()).gt(clip_low).float(),
-                mask,
-            ),
+            "phantom_clip_fraction": masked_mean(((ratio > 1 + clip_high) | (ratio < 1 - clip_low)).float(), mask),
         }
 
 
