@@ -281,24 +281,29 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
     latin1 = tmp_path / "latin1.json"
     latin1.write_bytes(b'{"wall_clock_breakdown": false, "caf\xe9": 1}')
     afile = _write(tmp_path, "a_file", "not a directory")
-    if isinstance(text, bytes):  # a file that is not UTF-8
-        cfg = tmp_path / "run.yaml"
-        cfg.write_bytes(text)
-        text = ""
-    text = text.replace("BADJSON", bad).replace("BOTHJSON", both).replace("STAGE0", stage0)
-    text = text.replace("STAGE2", stage2).replace("TBS", tbs).replace("STAGE5", stage5).replace("MICRO0", micro0)
-    text = text.replace("LATIN1", str(latin1)).replace("AFILE", afile)
     (tmp_path / "empty").mkdir()
     (tmp_path / "notok").mkdir()
     (tmp_path / "notok" / "config.json").write_text("{}")
-    text = text.replace("EMPTYDIR", str(tmp_path / "empty"))
-    text = text.replace("NOTOKDIR", str(tmp_path / "notok"))
-    cfg = (
-        str(tmp_path / "run.yaml")
-        if not text and (tmp_path / "run.yaml").exists()
-        else _write(tmp_path, "run.yaml", text)
-    )
-    out = cli("config", "render", "--config", cfg, *overrides)
+    places = {
+        "BADJSON": bad,
+        "BOTHJSON": both,
+        "STAGE0": stage0,
+        "STAGE2": stage2,
+        "TBS": tbs,
+        "STAGE5": stage5,
+        "MICRO0": micro0,
+        "LATIN1": str(latin1),
+        "AFILE": afile,
+        "EMPTYDIR": str(tmp_path / "empty"),
+        "NOTOKDIR": str(tmp_path / "notok"),
+    }
+    if not isinstance(text, bytes):  # bytes: a file that is not UTF-8, written as it is
+        for name, value in places.items():
+            text = text.replace(name, value)
+        text = text.encode()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_bytes(text)
+    out = cli("config", "render", "--config", str(cfg), *overrides)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
