@@ -82,4 +82,4 @@ def test_both_engines_implement_the_whole_rollout_engine_protocol(tiny_model_dir
             assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls.__name__, name)
     hf = make_rollout(RolloutConfig(engine="hf"), str(tiny_model_dir), "fp32", seed=0)
     assert isinstance(hf, RolloutEngine) and hf.tp == 1  # data members too (runtime check)
-    assert {"tp", "start_s", "last_metrics"} <= set(RolloutEngine.__annotations__)
+    assert {"tp", "start_s", "last_metrics", "pad_id"} <= set(RolloutEngine.__annotations__)

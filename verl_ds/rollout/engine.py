@@ -16,6 +16,7 @@ class RolloutEngine(Protocol):
     tp: int  # ranks that share this engine (a vLLM tensor-parallel group; HF generate: 1)
     start_s: float  # seconds the engine took to start
     last_metrics: dict[str, float]  # the last generate call's timing_s/gen and perf/* numbers
+    pad_id: int  # the id rows are padded with (episodes assemble multi-turn rows with it)
 
     def generate(
         self,
