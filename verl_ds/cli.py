@@ -35,7 +35,6 @@ def _positive(kind):
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
 
-    parse.__name__ = kind.__name__
     return parse
 
 

@@ -5,6 +5,7 @@ themselves live with their sections (config.py, precision.py)."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import field
 from typing import Any
 
@@ -77,8 +78,6 @@ def field_errors(obj, prefix: str = "") -> list[ConfigError]:
 
 def _type_text(tp) -> str:
     """`int`, `str or null` (Optional), `any`."""
-    import typing
-
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if args and len(args) < len(typing.get_args(tp)):
         return f"{_type_text(args[0])} or null"
@@ -107,8 +106,6 @@ def _allowed_text(meta) -> str:
 def markdown(cls, title: str, intro: str = "") -> str:
     """Every key of the (nested) dataclass `cls`: a table per section with type, default, allowed
     values and help, all read from the fields (what docs/CONFIG.md is generated from)."""
-    import typing
-
     lines = [f"# {title}", "", intro, ""] if intro else [f"# {title}", ""]
 
     def walk(obj, prefix: str, doc: str) -> None:  # defaults: the values of a default-built `obj`
