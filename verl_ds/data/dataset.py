@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from verl_ds.data.chat import ChatCodec
 from verl_ds.data.tasks import arithmetic_examples, file_examples
 
 
@@ -44,7 +45,6 @@ def tokenize_prompts(
     its system prompt and tools); over-long prompts keep their tail. Each distinct text is
     tokenized once, all in one batched call (the built-in task repeats 25 prompts 10,000 times:
     one call a row took 0.6 s of every rank's start-up)."""
-    from verl_ds.data.chat import ChatCodec
 
     codec = codec or ChatCodec(tokenizer, apply_chat_template)
     distinct = list(dict.fromkeys(ex["prompt"] for ex in examples))

@@ -10,6 +10,7 @@ import importlib
 import re
 from typing import Callable
 
+from verl_ds.algos import normalize_rewards
 from verl_ds.errors import ConfigError
 
 RewardFn = Callable[[str, str], float]
@@ -117,8 +118,6 @@ def normalize_reward(scores, mode: str = "batch", clip: float | None = None, sta
     """For user reward functions: (r - mean) / std over the batch or running statistics, optionally
     clipped. Wraps `verl_ds.algos.normalize_rewards`; `reward_normalization` does the same in the loop."""
     import torch
-
-    from verl_ds.algos import normalize_rewards
 
     t = scores if torch.is_tensor(scores) else torch.tensor(scores, dtype=torch.float32)
     return normalize_rewards(t.float(), mode=mode, clip=clip, stats=stats)

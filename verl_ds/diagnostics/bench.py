@@ -16,13 +16,15 @@ from pathlib import Path
 
 import torch
 
+from verl_ds.data.tiny import build_tiny_llama
+from verl_ds.ds_config import resolve
+from verl_ds.rollout import HFRollout, VLLMRollout
 from verl_ds.rollout.seeding import prompt_seeds
 
 
 def _model_dir(cfg, tmp: str) -> str:
     if cfg.model.path != "tiny":
         return cfg.model.path
-    from verl_ds.data.tiny import build_tiny_llama
 
     t = cfg.model.tiny
     return str(
@@ -71,8 +73,6 @@ def _time_train_step(model_path: str, batch_size: int, seq_len: int, reps: int) 
 
 def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
     """Print and return tokens/s (vLLM, HF, ratio) and sync vs train-step seconds."""
-    from verl_ds.ds_config import resolve
-    from verl_ds.rollout import HFRollout, VLLMRollout
 
     rc = cfg.rollout
     dtype = resolve(cfg).rollout

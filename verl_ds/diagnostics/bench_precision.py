@@ -23,6 +23,7 @@ import logging
 import statistics
 from pathlib import Path
 
+from verl_ds.config import load_config
 from verl_ds.diagnostics.memory import md_table
 from verl_ds.diagnostics.plots import save_panels
 from verl_ds.errors import ConfigError
@@ -207,8 +208,6 @@ def bench_precision(
 ) -> dict:
     """Run `steps` steps per cell (`cells`); write bench_precision.{md,json,png} into `out_dir`."""
     import torch
-
-    from verl_ds.config import load_config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import torch
 from verl_ds.dist import barrier, rank
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles.ds_internals import is_zero3, iter_gathered
-from verl_ds.roles.lora import is_lora_model, iter_merged_params
+from verl_ds.roles.lora import adapter_state_dict, is_lora_model, iter_merged_params
 
 
 def iter_full_params(engine_or_module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -53,8 +53,6 @@ def export_hf(engine, out_dir: str | Path, dtype: str, tokenizer=None) -> Path:
 def export_adapter(engine, out_dir: str | Path, tokenizer=None) -> Path:
     """A LoRA actor's adapter in peft's format (adapter_config.json + adapter_model.safetensors)."""
     from safetensors.torch import save_file
-
-    from verl_ds.roles.lora import adapter_state_dict
 
     sd = adapter_state_dict(engine)
     module = getattr(engine, "module", engine)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from verl_ds.ds_config import ds_dtype
+from verl_ds.rollout.distributed import choose_engine
 
 MIB = 2**20
 GIB = 2**30
@@ -225,8 +226,6 @@ def estimate_memory(
     """{stage: {role: {component: bytes}}} per GPU: one rank's roles and its colocated rollout engine
     (every rank owns one; a tensor-parallel group shares one, split over its ranks)."""
     if cfg.rollout.engine == "auto":  # the engine the trainer would pick for this model and device
-        from verl_ds.rollout.distributed import choose_engine
-
         engine = choose_engine("auto", shape.params("lm"), bool(gpu_gib))[0]
         cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine))
     w = workload(cfg, world)

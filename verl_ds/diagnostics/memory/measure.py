@@ -12,6 +12,8 @@ from contextlib import contextmanager, nullcontext
 from verl_ds.diagnostics.memory.estimate import MIB
 from verl_ds.diagnostics.metrics import Timer
 from verl_ds.precision import dtype_name
+from verl_ds.roles.ds_internals import local_tensor, torch_optimizer
+from verl_ds.roles.reward import tensor_bytes
 
 
 def _nbytes(t) -> int:
@@ -26,8 +28,6 @@ def account_role(role) -> dict[str, float]:
     """Bytes a role's tensors hold now: weights by dtype (ZeRO-3: this rank's partition), fp32 master
     partitions, gradients, optimizer states. A tensor counted once (first category wins)."""
     import torch
-
-    from verl_ds.roles.ds_internals import local_tensor, torch_optimizer
 
     module = getattr(role, "module", None) or getattr(role, "model", None)
     if not isinstance(module, torch.nn.Module):
@@ -45,7 +45,6 @@ def account_role(role) -> dict[str, float]:
     for p in params:
         t = local_tensor(p)
         add(f"weights_{_dtype_name(t)}", t)
-    from verl_ds.roles.reward import tensor_bytes  # int8 packed weights live outside parameters()
 
     packed = tensor_bytes(module) - sum(_nbytes(p) for p in params) - sum(_nbytes(b) for b in module.buffers())
     if packed > 0:

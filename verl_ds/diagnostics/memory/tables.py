@@ -16,6 +16,8 @@ from verl_ds.diagnostics.memory.estimate import (
     stage_totals,
     verdict,
 )
+from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.errors import ConfigError
 
 
 def fmt_bytes(x: float | None) -> str:
@@ -95,8 +97,6 @@ def load_shape(config_json: str) -> ModelShape:
     import json
     from pathlib import Path
 
-    from verl_ds.errors import ConfigError
-
     p = Path(config_json)
     if p.is_dir():
         p = p / "config.json"
@@ -112,7 +112,6 @@ def report(
     cfg, shape: ModelShape, world: int, stage: str = "all", measured: dict | None = None, gpu_gib: float | None = None
 ) -> str:
     """The Markdown `debug memory` prints: a header, one table per stage, and the verdict."""
-    from verl_ds.ds_config import render_ds_configs, resolve
 
     precision = resolve(cfg)
     est = estimate_memory(cfg, shape, render_ds_configs(cfg, world, precision), world, precision.rollout, gpu_gib)
