@@ -214,6 +214,7 @@ def cmd_debug(args) -> int:
                 world,
                 precision.rollout,
                 args.gpu_memory_gb,
+                memory.role_shapes(cfg),
             )
             tables.append(memory.peak_by_role(est) if args.metric == "peak_memory" else est[args.metric])
         print(f"## {args.metric}: {args.compare[0]} vs {args.compare[1]} (analytic estimate, world size {world})\n")

@@ -28,7 +28,7 @@ from verl_ds.algos import (
 from verl_ds.data.reward import get_reward_fn
 from verl_ds.envs import load_env_factory, load_tools
 from verl_ds.errors import ConfigError, raise_all
-from verl_ds.precision import TRAINED_ROLES, PrecisionConfig
+from verl_ds.precision import INT8_ROLES, TRAINED_ROLES, PrecisionConfig
 from verl_ds.schema import field_errors, markdown, opt, section
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -98,6 +98,11 @@ class ModelConfig:
     trust_remote_code: bool = opt(False, "run the model directory's own Python code (only when you trust it)")
     critic_path: Optional[str] = opt(None, "the critic's initial weights; null: the actor's backbone + a value head")
     reward_path: Optional[str] = opt(None, "an HF sequence classifier scoring responses; null: data.reward_fn alone")
+    teacher_path: Optional[str] = opt(
+        None,
+        "on-policy distillation: a frozen HF causal LM (its tokenizer must equal the student's) that scores the "
+        "student's samples (algorithm.distill); null: no teacher",
+    )
     tiny: TinyModelConfig = section(TinyModelConfig)
     lora: LoraConfig = section(LoraConfig)
     share_prompt: bool = opt(
@@ -177,6 +182,30 @@ class OverlongConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation from `model.teacher_path`: the student samples, the frozen teacher scores
+    the same tokens, and the per-token reverse KL log pi_student - log pi_teacher drives the student."""
+
+    coef: float = opt(0.0, "weight of the distillation signal; 0: off (needs model.teacher_path when > 0)", ge=0)
+    mode: str = opt(
+        "reward",
+        "reward: -coef * reverse KL per token as a dense reward (advantage = its discounted sum) | "
+        "loss: coef * the reverse-KL estimator (kl_estimator) as a term of the actor's loss",
+        choices=("reward", "loss"),
+    )
+    discount: float = opt(0.0, "reward mode: discount of the per-token rewards; 0: each token its own", ge=0, le=1)
+    kl_estimator: str = opt(
+        "k2",
+        "loss mode: the estimator whose gradient on the student's own samples is taken; k2: the reverse KL's "
+        "(k1: zero in expectation; k3: the forward KL's)",
+        choices=KL_KINDS,
+    )
+    with_task_reward: bool = opt(
+        False, "also train on the task reward (the estimator's advantages); false: distillation alone"
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     """The advantage estimator, the policy loss and the KL term."""
 
@@ -204,6 +233,7 @@ class AlgorithmConfig:
     policy_loss: str = opt("vanilla", "vanilla (PPO clip) | gspo (sequence ratio) | cispo", choices=POLICY_LOSSES)
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig)
     overlong: OverlongConfig = section(OverlongConfig)
+    distill: DistillConfig = section(DistillConfig)
     mask_truncated: bool = opt(False, "samples cut at max_new_tokens contribute no loss")
 
 
@@ -267,7 +297,7 @@ def _role(ds: str, lr: float = 1e-6) -> RoleConfig:
 
 @dataclass
 class RolesConfig:
-    """The four roles; a run builds only those it needs (`active_roles`)."""
+    """The five roles; a run builds only those it needs (`active_roles`)."""
 
     actor: RoleConfig = opt(help="the policy", factory=lambda: _role("actor_zero3_fp32.json", 5e-4))
     critic: RoleConfig = opt(
@@ -275,6 +305,9 @@ class RolesConfig:
     )
     reference: RoleConfig = opt(help="the frozen KL reference (kl_coef > 0)", factory=lambda: _role("ref_zero0.json"))
     reward: RoleConfig = opt(help="the reward model (model.reward_path)", factory=lambda: _role("reward_zero0.json"))
+    teacher: RoleConfig = opt(
+        help="the frozen distillation teacher (model.teacher_path)", factory=lambda: _role("teacher_zero0.json")
+    )
 
 
 @dataclass
@@ -595,6 +628,22 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
     for i, m in enumerate(d.few_shot):
         ok = isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
         rule(not ok, f"data.few_shot[{i}]", f"expected {{role: ..., content: ...}} (strings), got {m!r}")
+    dist = a.distill
+    rule(
+        dist.coef > 0 and not cfg.model.teacher_path,
+        "algorithm.distill.coef",
+        "distillation needs a teacher: set model.teacher_path",
+    )
+    rule(
+        bool(cfg.model.teacher_path) and dist.coef == 0,
+        "model.teacher_path",
+        "a teacher is used by distillation only: set algorithm.distill.coef > 0 (or drop the teacher)",
+    )
+    rule(
+        dist.coef > 0 and a.estimator in ESTIMATORS_NEEDING_CRITIC,
+        "algorithm.distill.coef",
+        f"distillation pairs with critic-free estimators (grpo, rloo, ...), not '{a.estimator}'",
+    )
     rule(len(cfg.roles.actor.betas) != 2, "roles.actor.betas", f"expected two numbers, got {cfg.roles.actor.betas!r}")
     errors += _name_errors(cfg)
     # batch geometry over `world` ranks
@@ -659,7 +708,7 @@ def validate_paths(cfg: RunConfig, missing_ok: bool = False) -> list[str]:
             elif not p.is_file() or not os.access(p, os.R_OK):
                 errors.append(ConfigError(f"data.{key}[{i}]", f"not a readable file: {f}"))
     m = cfg.model
-    for key in ("path", "tokenizer_path", "critic_path", "reward_path"):
+    for key in ("path", "tokenizer_path", "critic_path", "reward_path", "teacher_path"):
         value = getattr(m, key)
         if not value or (key == "path" and value == "tiny"):
             continue
@@ -721,8 +770,8 @@ def _check_ds_file(cfg: RunConfig, role: str, world: int, mini: int) -> None:
         raise ConfigError(
             src, f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO stage {stage}; use stage 0 or 3"
         )
-    if role == "reward" and cfg.precision.reward_dtype == "int8" and stage != 0:
-        raise ConfigError("roles.reward.ds_config", "an int8 reward model needs a ZeRO stage-0 config")
+    if role in INT8_ROLES and cfg.precision.role_dtype(role) == "int8" and stage != 0:
+        raise ConfigError(f"roles.{role}.ds_config", f"an int8 {role} needs a ZeRO stage-0 config")
     total = mini if trained else rc.micro_batch_size * world
     where = f"{src} (roles.{role}.micro_batch_size)"
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -748,7 +797,7 @@ def _check_ds_file(cfg: RunConfig, role: str, world: int, mini: int) -> None:
 
 def active_roles(cfg: RunConfig) -> list[str]:
     """The roles this run builds: no critic unless the estimator needs one, no reference without KL,
-    no reward engine when a rule function scores."""
+    no reward engine when a rule function scores, no teacher without distillation."""
     roles = ["actor"]
     if cfg.algorithm.estimator in ESTIMATORS_NEEDING_CRITIC:
         roles.append("critic")
@@ -756,4 +805,6 @@ def active_roles(cfg: RunConfig) -> list[str]:
         roles.append("reference")
     if cfg.model.reward_path:
         roles.append("reward")
+    if cfg.model.teacher_path:
+        roles.append("teacher")
     return roles

@@ -35,9 +35,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # The role kinds, named once: which roles exist, which train, which output token logprobs.
-ROLES = ("actor", "critic", "reference", "reward")
+ROLES = ("actor", "critic", "reference", "reward", "teacher")
 TRAINED_ROLES = ("actor", "critic")
-POLICY_ROLES = ("actor", "reference")
+POLICY_ROLES = ("actor", "reference", "teacher")
+INT8_ROLES = ("reward", "teacher")  # frozen roles that may hold int8 (weight-only) Linear weights
 
 
 @dataclass
@@ -68,6 +69,10 @@ class PrecisionConfig:
     reference_dtype: str = opt("auto", f"the reference's dtype: {_ROLE_DTYPE}", choices=DTYPES)
     reward_dtype: str = opt("auto", f"the reward model's dtype: {_ROLE_DTYPE}, or int8 (weight-only)", choices=DTYPES)
     reward_activation_dtype: str = opt("auto", "an int8 reward model's activations", choices=DTYPES)
+    teacher_dtype: str = opt(
+        "auto", f"the distillation teacher's dtype: {_ROLE_DTYPE}, or int8 (weight-only)", choices=DTYPES
+    )
+    teacher_activation_dtype: str = opt("auto", "an int8 teacher's activations (GPU; CPU: fp32)", choices=DTYPES)
     rollout_dtype: str = opt("auto", "the rollout engine's weights; auto: the actor's", choices=DTYPES)
     buffer_dtype: str = opt("bf16", "what the rollout buffer stores logprobs and values in", choices=DTYPES)
     grad_accum_dtype: Optional[str] = opt(
@@ -92,9 +97,11 @@ class PrecisionConfig:
                 continue
             if value not in DTYPES:
                 raise ConfigError(f"{prefix}{f.name}", f"unknown dtype '{value}' (use one of {', '.join(DTYPES)})")
-            if value == "int8" and f.name != "reward_dtype":
+            if value == "int8" and f.name.removesuffix("_dtype") not in INT8_ROLES:
                 why = "a trained role" if f.name.split("_")[0] in TRAINED_ROLES else "this field"
-                raise ConfigError(f"{prefix}{f.name}", f"int8 is only supported for the reward model, not {why}")
+                raise ConfigError(
+                    f"{prefix}{f.name}", f"int8 is only supported for the reward model and the teacher, not {why}"
+                )
         if self.actor_master_weight_dtype not in ("fp32", "auto"):
             raise ConfigError(
                 f"{prefix}actor_master_weight_dtype",
@@ -165,13 +172,15 @@ def _cpu_flags() -> set:
 
 @dataclass(frozen=True)
 class ResolvedPrecision:
-    """Concrete dtypes for one run (no `auto` left). `reward` may be int8 (weight-only)."""
+    """Concrete dtypes for one run (no `auto` left). `reward` and `teacher` may be int8 (weight-only)."""
 
     actor: str
     critic: str
     reference: str
     reward: str
+    teacher: str
     reward_activation: str
+    teacher_activation: str
     rollout: str
     buffer: str
     grad_accum: Optional[str]
@@ -235,6 +244,7 @@ def resolve_precision(
         p.rollout_dtype,
         p.buffer_dtype,
         p.reward_activation_dtype,
+        p.teacher_dtype,
     ):
         log.info("precision 'auto' -> %s (%s)", auto, why)
     if log_choice and (msg := mismatch_warning(roles["actor"], rollout)):
@@ -242,6 +252,7 @@ def resolve_precision(
     return ResolvedPrecision(
         **roles,
         reward_activation=pick(p.reward_activation_dtype),
+        teacher_activation=pick(p.teacher_activation_dtype),
         rollout=rollout,
         buffer=pick(p.buffer_dtype),
         grad_accum=p.grad_accum_dtype,

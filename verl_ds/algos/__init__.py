@@ -9,12 +9,14 @@ from .advantages import (
     ESTIMATORS_NEEDING_CRITIC,
     GROUP_ESTIMATORS,
     compute_gae,
+    discounted_returns,
     get_advantage_estimator,
     grpo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from .distill import distill_advantages, reverse_kl
 from .logprobs import (
     FP32LMHead,
     entropy_from_logits,
@@ -53,6 +55,8 @@ __all__ = [
     "agg_loss",
     "cispo_policy_loss",
     "compute_gae",
+    "discounted_returns",
+    "distill_advantages",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_policy_loss",
@@ -71,6 +75,7 @@ __all__ = [
     "pass_at_k",
     "policy_loss",
     "reinforce_pp_advantages",
+    "reverse_kl",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "tis_weights",

@@ -116,13 +116,21 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: torch.Te
     as in :func:`compute_gae`; their rewards are ignored). The returns are whitened over all masked
     tokens of the batch (mean and unbiased std); masked positions are 0.
     """
+    return masked_whiten(discounted_returns(token_rewards, response_mask, gamma), response_mask)
+
+
+def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_next over the positions of mask 1 (masked positions are skipped and
+    their rewards ignored; they get 0). ``[batch, T]`` -> ``[batch, T]``. gamma 0: G_t = r_t."""
     mask = response_mask.bool()
+    if gamma == 0:
+        return torch.where(mask, token_rewards, 0.0)
     running = torch.zeros_like(token_rewards[:, 0])
     returns = torch.zeros_like(token_rewards)
     for t in reversed(range(token_rewards.shape[-1])):
         running = torch.where(mask[:, t], token_rewards[:, t] + gamma * running, running)
-        returns[:, t] = running
-    return masked_whiten(returns, response_mask)
+        returns[:, t] = torch.where(mask[:, t], running, 0.0)
+    return returns
 
 
 def reinforce_pp_baseline_advantages(

@@ -23,17 +23,18 @@ from pathlib import Path
 
 import torch
 
+from verl_ds.algos import FP32LMHead
 from verl_ds.config import load_config
 from verl_ds.diagnostics import precision_report as R
 from verl_ds.diagnostics.bench_precision import _finite
-from verl_ds.diagnostics.memory import estimate_memory, load_shape
+from verl_ds.diagnostics.memory import estimate_memory, load_shape, role_shapes
 from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.precision_report import EXP_BINS, EXP_OFFSET
 from verl_ds.dist import rank
 from verl_ds.ds_config import json_dtypes, render_ds_configs
 from verl_ds.errors import ConfigError
 from verl_ds.precision import COMPUTE_DTYPES, POLICY_ROLES, TORCH_DTYPES, detect_hardware, resolve_precision
-from verl_ds.roles import iter_full_params, load_reward_model
+from verl_ds.roles import iter_full_params, load_causal_lm, load_reward_model
 from verl_ds.roles.base import RoleObserver
 
 
@@ -159,11 +160,13 @@ def _skeleton(m: torch.nn.Module) -> torch.nn.Module:
     return skel
 
 
-def plain_fp32_copy(role, reward_path: str | None = None) -> torch.nn.Module:
+def plain_fp32_copy(role, path: str | None = None) -> torch.nn.Module:
     """The role's current weights in a plain fp32 module (ZeRO-3 gathered one module at a time; a
-    LoRA actor: its merged weights in the base architecture)."""
-    if getattr(role, "int8", False):  # quantized weights: the fp32 checkpoint instead
-        return load_reward_model(reward_path, "fp32", "fp32").eval()
+    LoRA actor: its merged weights in the base architecture). `path`: an int8 role's checkpoint."""
+    if getattr(role, "int8", False):  # quantized weights (reward model, teacher): the fp32 checkpoint instead
+        if role.name == "reward":
+            return load_reward_model(path, "fp32", "fp32").eval()
+        return load_causal_lm(path, lm_head_fp32=isinstance(role.module.get_output_embeddings(), FP32LMHead)).eval()
     module = role.module.get_base_model() if hasattr(role.module, "peft_config") else role.module
     sd = {n: t.detach().float().cpu() for n, t in iter_full_params(role.engine)}
     sd.update({n: b.detach().cpu() for n, b in module.named_buffers()})
@@ -216,10 +219,11 @@ def scoring_call(probe: RoleProbe, probes: dict, temperature: float) -> tuple:
     return (data, temperature) if probe.name in POLICY_ROLES else (data,)
 
 
-def measure_dtypes(probe: RoleProbe, call: tuple, groups, reward_path) -> dict:
-    """Weights, and the role's output under fp32/bf16/fp16 on the batch of `call`."""
+def measure_dtypes(probe: RoleProbe, call: tuple, groups, path: str | None = None) -> dict:
+    """Weights, and the role's output under fp32/bf16/fp16 on the batch of `call` (`path`: an int8
+    role's checkpoint)."""
     role = probe.role
-    base = plain_fp32_copy(role, reward_path)
+    base = plain_fp32_copy(role, path)
     w_max = {n: float(p.detach().abs().max()) for n, p in base.named_parameters()}
     batch, *args = call
     mask = batch["response_mask"].float() if role.name != "reward" else None
@@ -251,7 +255,7 @@ def weight_memory(cfg, role: str, shape, world: int, hw) -> dict[str, float]:
         c = copy.deepcopy(cfg)
         setattr(c.precision, f"{role}_dtype", dt)
         p = resolve_precision(c.precision, hw, json_dtypes(c), log_choice=False)
-        est = estimate_memory(c, shape, render_ds_configs(c, world, p), world, p.rollout)
+        est = estimate_memory(c, shape, render_ds_configs(c, world, p), world, p.rollout, role_shapes=role_shapes(c))
         out[dt] = sum(v for k, v in est["update"][role].items() if k.startswith("weights_"))
     return out
 
@@ -292,7 +296,10 @@ def debug_precision(
                 "head_max": p.head_max,
                 "out_range": p.out,
                 **measure_dtypes(
-                    p, scoring_call(p, probes, cfg.rollout.temperature), groups.get("ids"), cfg.model.reward_path
+                    p,
+                    scoring_call(p, probes, cfg.rollout.temperature),
+                    groups.get("ids"),
+                    {"reward": cfg.model.reward_path, "teacher": cfg.model.teacher_path}.get(name),
                 ),
             }
             if p.role.trainable:

@@ -1,4 +1,4 @@
-"""Actor (trained) and reference (frozen): causal LMs that score response tokens."""
+"""Actor (trained), reference and teacher (frozen): causal LMs that score response tokens."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
 from verl_ds.roles.base import Role, pad_response, trim_padding
+from verl_ds.roles.quant import quantize_int8
 
 
 def load_causal_lm(
@@ -22,6 +23,15 @@ def load_causal_lm(
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def load_teacher(
+    path: str, dtype: str, activation_dtype: str, trust_remote_code: bool = False, lm_head_fp32: bool = False
+):
+    """The distillation teacher: a causal LM as the reference loads it, its Linear weights int8 when
+    `dtype` is int8 (16-bit dtypes are DeepSpeed's cast, from the rendered JSON)."""
+    model = load_causal_lm(path, trust_remote_code, lm_head_fp32=lm_head_fp32)
+    return quantize_int8(model.eval(), activation_dtype, "teacher") if dtype == "int8" else model
 
 
 def _contiguous_head_input(model) -> None:
@@ -113,11 +123,26 @@ class Reference(PolicyRole):
         super().__init__("reference", model, ds_config, trainable=False)
 
 
+class Teacher(PolicyRole):
+    """Scores the student's samples for on-policy distillation (`logprobs`, as the reference)."""
+
+    def __init__(self, model, ds_config: dict, int8: bool = False):
+        super().__init__("teacher", model, ds_config, trainable=False)
+        self.int8 = int8
+
+    def precision_stats(self) -> dict:
+        stats = super().precision_stats()
+        if self.int8:
+            stats["param_dtype"] = "int8"
+        return stats
+
+
 class Actor(PolicyRole):
     """Trains with the clipped PPO surrogate from `verl_ds.algos`, plus optional KL and entropy terms.
 
     Reads from `loss_cfg`: clip_low, clip_high, dual_clip_c, loss_agg_mode, entropy_coef,
-    use_kl_loss, kl_coef, kl_estimator, tis_cap, policy_loss (vanilla | gspo | cispo).
+    use_kl_loss, kl_coef, kl_estimator, tis_cap, policy_loss (vanilla | gspo | cispo), distill
+    (its loss mode: a reverse-KL term to the teacher).
     """
 
     def __init__(self, model, ds_config: dict, loss_cfg: AlgorithmConfig, temperature: float = 1.0):
@@ -126,7 +151,7 @@ class Actor(PolicyRole):
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
         self.policy_loss = algos.get_policy_loss(loss_cfg.policy_loss)
 
-    global_metric_keys = ("pg_loss", "entropy", "kl_loss")
+    global_metric_keys = ("pg_loss", "entropy", "kl_loss", "distill_loss")
 
     def micro_loss(self, mb: dict, counts: dict):
         """Clipped surrogate (+ entropy bonus, + KL to the reference when it is a loss term)."""
@@ -159,4 +184,11 @@ class Actor(PolicyRole):
             )
             loss = loss + c.kl_coef * kl
             m["kl_loss"] = kl
+        d = c.distill
+        if d.coef and d.mode == "loss" and "teacher_logprobs" in mb:  # reverse KL to the teacher
+            dl = algos.agg_loss(
+                algos.kl_penalty(logprob, mb["teacher_logprobs"], d.kl_estimator), mask, c.loss_agg_mode, **counts
+            )
+            loss = loss + d.coef * dl
+            m["distill_loss"] = dl
         return loss, {"pg_loss": pg_loss, "entropy": ent, **m}, logprob.detach()

@@ -10,7 +10,7 @@ from verl_ds.config import RunConfig, active_roles, validate_paths
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import load_examples, tokenize_prompts
 from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
-from verl_ds.diagnostics.memory import ModelShape, choose_zero_stages
+from verl_ds.diagnostics.memory import ModelShape, choose_zero_stages, role_shapes
 from verl_ds.dist import barrier, rank, world_size
 from verl_ds.ds_config import render_ds_configs
 from verl_ds.envs import load_env_factory, tool_schemas
@@ -23,8 +23,10 @@ from verl_ds.roles import (
     Reference,
     RewardModel,
     Role,
+    Teacher,
     load_causal_lm,
     load_reward_model,
+    load_teacher,
     load_value_model,
 )
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
@@ -117,7 +119,8 @@ def zero_stages(cfg: RunConfig, model_path: str, precision: ResolvedPrecision, w
 
         budget = psutil.virtual_memory().total / int(os.environ.get("LOCAL_SIZE", world))
     shape = ModelShape.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
-    chosen = choose_zero_stages(cfg, shape, render_ds_configs(cfg, world, precision), world, budget, auto)
+    ds = render_ds_configs(cfg, world, precision)
+    chosen = choose_zero_stages(cfg, shape, ds, world, budget, auto, role_shapes=role_shapes(cfg))
     log.info("zero_stage auto -> %s (budget %.1f GiB per rank)", chosen, budget / 2**30)
     return chosen
 
@@ -155,6 +158,10 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
             ds["reward"],
             int8=dtype == "int8",
         )
+    if "teacher" in ds:
+        dtype = precision.teacher
+        teacher = load_teacher(m.teacher_path, dtype, precision.teacher_activation, m.trust_remote_code, fp32_head)
+        roles["teacher"] = Teacher(teacher, ds["teacher"], int8=dtype == "int8")
     for name, role in roles.items():
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = getattr(cfg.roles, name).max_tokens_per_micro_batch
@@ -164,4 +171,22 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
 
 
 def build_tokenizer(cfg: RunConfig, model_path: str):
-    return load_tokenizer(cfg.model.tokenizer_path or model_path, cfg.model.trust_remote_code)
+    """The student's tokenizer; with a teacher, checked to give the teacher's ids (`check_teacher_tokenizer`)."""
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path, cfg.model.trust_remote_code)
+    if cfg.model.teacher_path:
+        check_teacher_tokenizer(tokenizer, load_tokenizer(cfg.model.teacher_path, cfg.model.trust_remote_code))
+    return tokenizer
+
+
+def check_teacher_tokenizer(student, teacher) -> None:
+    """Distillation compares the two models' logprobs of the same token ids, so every id must name
+    the same token in both vocabularies (a smaller or larger model of one family shares them)."""
+    s_vocab, t_vocab = ({i: tok for tok, i in x.get_vocab().items()} for x in (student, teacher))
+    for i in sorted(set(s_vocab) | set(t_vocab)):
+        a, b = s_vocab.get(i), t_vocab.get(i)
+        if a != b:
+            raise ConfigError(
+                "model.teacher_path",
+                f"the teacher's tokenizer differs from the student's at id {i} (student {a!r}, teacher {b!r}): "
+                "distillation needs the same token ids",
+            )

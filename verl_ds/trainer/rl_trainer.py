@@ -70,6 +70,7 @@ class RLTrainer:
         self.roles = builder.build_roles(cfg, self.model_path, self.precision)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
         self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")
+        self.teacher = self.roles.get("teacher")  # on-policy distillation (algorithm.distill)
         self.estimator = algos.get_advantage_estimator(cfg.algorithm.estimator)
         a = cfg.algorithm
         self.kl_ctl = (
@@ -99,6 +100,7 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
+        distill = a.distill if self.teacher else None
         # a Timer that, every logging.memory_every steps, also accounts each role's memory per stage
         every = cfg.logging.memory_every
         timer = (
@@ -117,24 +119,32 @@ class RLTrainer:
             mask = batch.loss_mask
             truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=mask.dtype)
             data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": mask}
-            # 4. old logprobs, reference logprobs, values — stored in the buffer dtype
+            # 4. old logprobs, reference and teacher logprobs, values — stored in the buffer dtype
             # one mini-batch per epoch (and KL as a loss): the first epoch's forward runs on the very
             # weights that generated the batch, so it is the old policy (ratio 1, exact) and no
-            # separate pass runs; later epochs and the metrics below reuse its logprobs
+            # separate pass runs; later epochs and the metrics below reuse its logprobs. A KL in the
+            # reward, or a distillation reward, needs them before the advantages: a pass of their own
             n_minis = self._mini_batches(len(batch))
-            first_is_old = n_minis == 1 and (a.use_kl_loss or not self.reference)
+            distill_reward = distill is not None and distill.mode == "reward"
+            first_is_old = n_minis == 1 and (a.use_kl_loss or not self.reference) and not distill_reward
             old_lp = None
             if not first_is_old:
                 with timer("old_logprob", stage="score", role="actor"):
                     old_lp = self.actor.logprobs(data, r.temperature).cpu()
             with timer("ref", stage="score", role="reference"):
                 ref_lp = self.reference.logprobs(data, r.temperature).cpu() if self.reference else None
+            with timer("teacher", stage="score", role="teacher"):
+                teacher_lp = self.teacher.logprobs(data, r.temperature).cpu() if self.teacher else None
             with timer("values", stage="score", role="critic"):
                 values = self.critic.values(data).cpu() if self.critic else None
             buf = {
                 k: self._buffered(v)
                 for k, v in dict(
-                    old_logprobs=old_lp, ref_logprobs=ref_lp, old_values=values, rollout_logprobs=batch.rollout_logprobs
+                    old_logprobs=old_lp,
+                    ref_logprobs=ref_lp,
+                    teacher_logprobs=teacher_lp,
+                    old_values=values,
+                    rollout_logprobs=batch.rollout_logprobs,
                 ).items()
             }
             # 5. KL: in the reward (classic PPO), or later as a loss term (GRPO style)
@@ -155,6 +165,14 @@ class RLTrainer:
                     gamma=a.gamma,
                     lam=a.lam,
                 )
+                if distill is not None:  # distillation alone, or added to the task's advantages
+                    if not distill.with_task_reward:
+                        adv = returns = torch.zeros_like(adv)
+                    if distill_reward:  # each token's reward -coef * (log pi_s - log pi_t)
+                        d_adv = algos.distill_advantages(
+                            buf["old_logprobs"], buf["teacher_logprobs"], mask, distill.coef, distill.discount
+                        )
+                        adv, returns = adv + d_adv, returns + d_adv
             train = {
                 **data,
                 **{k: v for k, v in buf.items() if v is not None},
@@ -186,6 +204,7 @@ class RLTrainer:
                 **timer.memory_metrics(),
                 **self._batch_metrics(batch, raw_scores, scores, old_lp, kl_mean, timer.times["timing_s/step"]),
                 **sample_metrics,
+                **self._distill_metrics(buf, mask),
                 "response/truncated_fraction": float(truncated.mean()),
                 **self._precision_metrics(),
             }
@@ -447,6 +466,17 @@ class RLTrainer:
             "perf/throughput": float(batch.attention_mask.sum()) / max(step_s, 1e-9),
             **rollout_perf,
         }
+
+    def _distill_metrics(self, buf: dict, mask: torch.Tensor) -> dict[str, float]:
+        """distill/*: the student's per-token reverse KL to the teacher on its own samples (old
+        policy, model tokens, mean over every rank's tokens) and the teacher's mean logprob."""
+        if self.teacher is None:
+            return {}
+        kl = algos.reverse_kl(buf["old_logprobs"], buf["teacher_logprobs"], mask)
+        kl_sum, t_sum, n = all_reduce_sum(
+            [float(kl.sum()), float((buf["teacher_logprobs"] * mask).sum()), float(mask.sum())]
+        )
+        return {"distill/reverse_kl/mean": kl_sum / max(n, 1.0), "distill/teacher_logprob/mean": t_sum / max(n, 1.0)}
 
     def _precision_metrics(self) -> dict[str, float]:
         out = {}

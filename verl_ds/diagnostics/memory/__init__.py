@@ -19,7 +19,7 @@ from .estimate import (
     workload,
 )
 from .measure import MemoryTimer, account_role, process_memory, stages_from_metrics
-from .tables import compare_table, fmt_bytes, load_shape, md_table, memory_table, report
+from .tables import compare_table, fmt_bytes, load_shape, md_table, memory_table, report, role_shapes
 
 __all__ = [
     "BYTES",
@@ -47,4 +47,5 @@ __all__ = [
     "md_table",
     "memory_table",
     "report",
+    "role_shapes",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from verl_ds.ds_config import ds_dtype
+from verl_ds.precision import INT8_ROLES
 from verl_ds.rollout.distributed import choose_engine
 
 MIB = 2**20
@@ -196,11 +197,11 @@ def rollout_memory(
     return stages
 
 
-HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score"}
+HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score", "teacher": "lm"}
 
 
 def run_role_memory(cfg, shape: ModelShape, role: str, ds: dict, w: Workload) -> dict[str, dict[str, float]]:
-    """`role_memory` with what the run config says about this role (head, int8 reward, LoRA)."""
+    """`role_memory` with what the run config says about this role (head, int8 reward or teacher, LoRA)."""
     lora = cfg.model.lora
     return role_memory(
         shape,
@@ -209,7 +210,7 @@ def run_role_memory(cfg, shape: ModelShape, role: str, ds: dict, w: Workload) ->
         trainable=role in ("actor", "critic"),
         w=w,
         grad_checkpointing=cfg.precision.enable_grad_checkpointing,
-        weight_dtype="int8" if role == "reward" and cfg.precision.reward_dtype == "int8" else None,
+        weight_dtype="int8" if role in INT8_ROLES and cfg.precision.role_dtype(role) == "int8" else None,
         adapter_params=shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0,
     )
 
@@ -221,17 +222,17 @@ def estimate_memory(
     world: int,
     rollout_dtype: str,
     gpu_gib: float | None = None,
-    reward_shape: ModelShape | None = None,
+    role_shapes: dict[str, ModelShape] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{stage: {role: {component: bytes}}} per GPU: one rank's roles and its colocated rollout engine
-    (every rank owns one; a tensor-parallel group shares one, split over its ranks)."""
+    (every rank owns one; a tensor-parallel group shares one, split over its ranks). `role_shapes`:
+    the roles whose model is not the policy's (a reward model, a larger teacher)."""
     if cfg.rollout.engine == "auto":  # the engine the trainer would pick for this model and device
         engine = choose_engine("auto", shape.params("lm"), bool(gpu_gib))[0]
         cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine))
     w = workload(cfg, world)
     per_role = {
-        role: run_role_memory(cfg, (reward_shape or shape) if role == "reward" else shape, role, ds, w)
-        for role, ds in ds_configs.items()
+        role: run_role_memory(cfg, (role_shapes or {}).get(role, shape), role, ds, w) for role, ds in ds_configs.items()
     }
     rdt = rollout_dtype
     per_role["rollout"] = rollout_memory(
@@ -271,6 +272,7 @@ def choose_zero_stages(
     budget_bytes: float,
     auto_roles: list[str],
     headroom: float = 0.8,
+    role_shapes: dict[str, ModelShape] | None = None,
 ) -> dict[str, int]:
     """`zero_stage: auto`: for each role in `auto_roles`, the lowest ZeRO stage (0-3; frozen roles
     0 or 3) at which every role's peak estimate, summed, fits `headroom` x `budget_bytes`. Roles
@@ -286,7 +288,7 @@ def choose_zero_stages(
             ds = copy.deepcopy(ds)
             if role in stages:
                 ds.setdefault("zero_optimization", {})["stage"] = stages[role]
-            mem = run_role_memory(cfg, shape, role, ds, w)
+            mem = run_role_memory(cfg, (role_shapes or {}).get(role, shape), role, ds, w)
             for s in STAGES:
                 totals[s] += sum(mem[s].values())
         return max(totals.values())

@@ -13,7 +13,7 @@ from verl_ds.diagnostics.memory.estimate import MIB
 from verl_ds.diagnostics.metrics import Timer
 from verl_ds.precision import dtype_name
 from verl_ds.roles.ds_internals import local_tensor, torch_optimizer
-from verl_ds.roles.reward import tensor_bytes
+from verl_ds.roles.quant import tensor_bytes
 
 
 def _nbytes(t) -> int:

@@ -108,13 +108,23 @@ def load_shape(config_json: str) -> ModelShape:
         raise ConfigError(str(p), f"not a decoder config.json this estimate understands ({e})") from None
 
 
+def role_shapes(cfg) -> dict[str, ModelShape]:
+    """The shapes of the roles with a model of their own (reward model, teacher) whose config.json
+    is here; the others are estimated with the policy's shape."""
+    from pathlib import Path
+
+    paths = {"reward": cfg.model.reward_path, "teacher": cfg.model.teacher_path}
+    return {r: load_shape(p) for r, p in paths.items() if p and (Path(p) / "config.json").is_file()}
+
+
 def report(
     cfg, shape: ModelShape, world: int, stage: str = "all", measured: dict | None = None, gpu_gib: float | None = None
 ) -> str:
     """The Markdown `debug memory` prints: a header, one table per stage, and the verdict."""
 
     precision = resolve(cfg)
-    est = estimate_memory(cfg, shape, render_ds_configs(cfg, world, precision), world, precision.rollout, gpu_gib)
+    ds = render_ds_configs(cfg, world, precision)
+    est = estimate_memory(cfg, shape, ds, world, precision.rollout, gpu_gib, role_shapes(cfg))
     stages = STAGE_GROUPS.get(stage, (stage,))
     dt = {r: precision.role(r) for r in est["update"] if r not in ("rollout", "process")}
     head = (
