@@ -35,17 +35,22 @@ def test_examples_load_and_render_with_every_role():
         load_config(path)  # every shipped example is valid
 
 
-def test_render_cli_prints_four_roles_accepted_by_deepspeed(tmp_path):
+def test_render_cli_prints_every_role_accepted_by_deepspeed(tmp_path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     rm = tmp_path / "rm"
     rm.mkdir()
     (rm / "config.json").write_text("{}")
-    out = cli("config", "render", "--config", str(CPU_PPO), f"model.reward_path={rm}", "--world-size", "1")
+    out = cli(
+        "config",
+        *("render", "--config", str(CPU_PPO), f"model.reward_path={rm}", "model.teacher_path=t"),
+        *("algorithm.distill.coef=1", "algorithm.estimator=grpo", "precision.teacher_dtype=bf16", "--world-size", "1"),
+    )
     assert out.returncode == 0, out.stderr
     blocks = [b for b in out.stdout.split("\n# ") if ": DeepSpeed config" in b.split("\n")[0]]
     roles = [b.split(":")[0] for b in blocks]
-    assert roles == ["actor", "critic", "reference", "reward"]
+    assert roles == ["actor", "reference", "reward", "teacher"]  # grpo: no critic
+    assert json.loads(blocks[-1].split("\n", 1)[1])["bf16"] == {"enabled": True}  # the teacher's own precision
     for b in blocks:
         ds = json.loads(b.split("\n", 1)[1])
         DeepSpeedConfig(ds)  # DeepSpeed's own parser accepts it (raises otherwise)
@@ -260,6 +265,25 @@ BAD_INPUTS = {
         [],
         "got an unexpected keyword argument 'colour'",
     ),
+    # on-policy distillation: the teacher and the distillation signal go together
+    "distill_without_teacher": (
+        "algorithm: {distill: {coef: 1.0}}\n",
+        [],
+        "algorithm.distill.coef: distillation needs a teacher",
+    ),
+    "teacher_without_distill": ("model: {teacher_path: t}\n", [], "model.teacher_path: a teacher is used by"),
+    "distill_with_a_critic": (
+        "model: {teacher_path: t}\nalgorithm: {estimator: gae, distill: {coef: 1.0}}\n",
+        [],
+        "distillation pairs with critic-free estimators",
+    ),
+    "int8_teacher_zero3": (
+        "model: {teacher_path: t}\nalgorithm: {distill: {coef: 1.0}}\nprecision: {teacher_dtype: int8}\n"
+        "roles:\n  teacher: {ds_config: teacher_zero3.json}\n",
+        [],
+        "roles.teacher.ds_config: an int8 teacher needs a ZeRO stage-0 config",
+    ),
+    "distill_mode": ("algorithm: {distill: {mode: forward}}\n", [], "algorithm.distill.mode: 'forward' is not one"),
     # files
     "yaml_not_utf8": (b"trainer: {run_dir: caf\xe9}\n", [], "not UTF-8 text"),
     "json_not_utf8": ("roles:\n  actor: {ds_config: LATIN1}\n", [], "not UTF-8 text"),

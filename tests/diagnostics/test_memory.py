@@ -195,3 +195,28 @@ def test_bench_step_prints_phases_and_floor(tmp_path, capsys):
     floor = {row[0]: row[3] for row in tables[0][1:]}  # the floor's own phases, same names
     assert all(float(floor[k]) > 0 for k in ("gen", "update_actor", "ref", "**step**")), floor
     assert "verl-ds / floor =" in out and "training MFU" in out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_teacher_larger_than_the_student_is_estimated_with_its_own_shape(tmp_path, dtype):
+    """The teacher's weights, estimated from its own config.json (`role_shapes`: a teacher is often
+    larger than the student), match what its engine holds in a real step, fp32 and int8."""
+    from verl_ds.data.tiny import build_tiny_llama
+    from verl_ds.trainer.rl_trainer import RLTrainer
+
+    teacher = build_tiny_llama(tmp_path / "teacher", hidden=96, layers=3, heads=2, ffn=192)
+    overrides = tiny_overrides(tmp_path / "run") + [
+        f"model.teacher_path={teacher}",
+        "algorithm.distill.coef=1",
+        f"precision.teacher_dtype={dtype}",
+        "model.tiny.heads=2",
+    ]
+    cfg = load_config(None, overrides)
+    with RLTrainer(cfg) as trainer:
+        measured = M.stages_from_metrics(trainer.step())["score"]["teacher"]
+        student = M.ModelShape.from_hf_config(json.loads(Path(trainer.model_path, "config.json").read_text()))
+    shapes = M.role_shapes(cfg)
+    assert shapes["teacher"].params("lm") > 4 * student.params("lm")
+    est = M.estimate_memory(cfg, student, render_ds_configs(cfg, 1), 1, "fp32", role_shapes=shapes)["score"]["teacher"]
+    key = "weights_int8" if dtype == "int8" else "weights_fp32"
+    assert abs(est[key] - measured[key]) <= 0.1 * measured[key], (est, measured)

@@ -300,3 +300,39 @@ def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_roll
     assert gap["fp16"] < gap["fp32/bf16"] / 3, gap
     assert gap["fp16"] < gap["bf16"], gap  # fp16's 10 mantissa bits against bf16's 7 (arXiv 2510.26788)
     assert all(0 <= r["rollout_corr/phantom_clip_fraction"] <= 1 for rows in runs.values() for r in rows)
+
+
+def test_distillation_with_an_int8_and_a_bf16_teacher_under_the_launcher(tmp_path, capsys):
+    """On-policy distillation on 2 ranks with a ZeRO-3 student and vLLM: the teacher in int8
+    (weight-only, ZeRO-0) and in bf16 (ZeRO-3). The first step's samples are the same in both runs
+    (same seed, same student), so their reverse KLs differ only by the teacher's precision: close,
+    and not equal."""
+    from tests.trainer.test_distill import sharp_teacher
+
+    teacher = sharp_teacher(tmp_path / "teacher", hidden=128, layers=2, heads=4, ffn=256)  # the example's shape
+    first = {}
+    for dtype, ds in (("int8", "teacher_zero0.json"), ("bf16", "teacher_zero3.json")):
+        run_dir = tmp_path / dtype
+        out = run_train(
+            "grpo_cpu_tiny.yaml",
+            run_dir,
+            "trainer.steps=2",
+            *[o for o in FAST if "reference" not in o],
+            "algorithm.kl_coef=0",
+            f"model.teacher_path={teacher}",
+            "algorithm.distill.coef=1.0",
+            f"precision.teacher_dtype={dtype}",
+            f"roles.teacher.ds_config={ds}",
+            "roles.teacher.micro_batch_size=16",
+        )
+        rows = read_metrics(run_dir)
+        assert [r["step"] for r in rows] == [1, 2]
+        for r in rows:
+            for k in ("distill/reverse_kl/mean", "distill/teacher_logprob/mean", "timing_s/teacher"):
+                assert math.isfinite(r[k]), (dtype, k, r.get(k))
+        assert ("int8 teacher:" in out.stdout + out.stderr) == (dtype == "int8")
+        first[dtype] = rows[0]["distill/reverse_kl/mean"]
+    with capsys.disabled():
+        print(f"\nstep-1 reverse KL to the teacher by its dtype: {first}")
+    assert first["int8"] > 0.5, first  # the sharp teacher is far from the random student
+    assert first["int8"] != first["bf16"] and abs(first["int8"] - first["bf16"]) < 0.05 * first["bf16"], first

@@ -18,10 +18,10 @@ FP32 = [f"precision.{k}_dtype=fp32" for k in ("actor", "teacher", "rollout", "bu
 SHAPE = dict(hidden=32, layers=2, heads=2, ffn=64)
 
 
-def sharp_teacher(path, seed: int = 1, scale: float = 10.0) -> str:
+def sharp_teacher(path, seed: int = 1, scale: float = 10.0, **shape) -> str:
     """A random tiny Llama whose final norm is scaled: peaked next-token distributions, far from the
     near-uniform random student (a reverse KL of ~2 nats to start from)."""
-    out = build_tiny_llama(path, **SHAPE, seed=seed)
+    out = build_tiny_llama(path, **(shape or SHAPE), seed=seed)
     f = out / "model.safetensors"
     sd = load_file(str(f))
     sd["model.norm.weight"] = sd["model.norm.weight"] * scale
