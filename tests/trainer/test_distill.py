@@ -145,3 +145,30 @@ def test_a_teacher_with_another_tokenizer_is_one_line_and_exit_2(tmp_path, stude
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "model.teacher_path" in lines[0] and "at id 1 (student '<bos>', teacher '<unk>')" in lines[0], lines[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_debug_precision_measures_and_advises_the_teacher(tmp_path, student, capsys, dtype):
+    """`verl-ds debug precision` probes the teacher as a role of its own: a row per dtype (an int8
+    teacher measured from its fp32 checkpoint) and a recommendation in the precision: block."""
+    from verl_ds import cli
+
+    args = ["debug", "precision", "--config", "examples/opd_cpu_tiny.yaml", "--steps", "1", "--out", str(tmp_path)]
+    overrides = [
+        f"model.path={student}",
+        f"model.teacher_path={sharp_teacher(tmp_path / 'teacher')}",
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "trainer.prompts_per_step=4",
+        "rollout.n=4",
+        "rollout.engine=hf",
+        "roles.actor.micro_batch_size=16",
+        *FP32,
+        f"precision.teacher_dtype={dtype}",
+    ]
+    assert cli.main(args + overrides) == 0
+    text = capsys.readouterr().out
+    for dt in ("fp32", "bf16", "fp16"):
+        assert f"| teacher | {dt} |" in text, text
+    advice = text.split("### Recommendations", 1)[1]
+    assert f"- teacher: {dtype}" in advice, advice
+    assert f"teacher_dtype: {dtype}" in (tmp_path / "precision.yaml").read_text()
