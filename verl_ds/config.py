@@ -274,6 +274,9 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = section(MultiTurnConfig)
 
 
+OFFLOADS = ("none", "optimizer", "params", "optimizer+params")
+
+
 @dataclass
 class RoleConfig:
     """One role's DeepSpeed engine: its JSON file, optimizer and batch."""
@@ -289,6 +292,27 @@ class RoleConfig:
         "null: the JSON's | 0-3 | auto: the lowest stage that fits (GPU memory)",
         choices=(None, "auto", 0, 1, 2, 3),
     )
+    offload: str = opt(
+        "none",
+        "ZeRO-Offload to host memory: optimizer (fp32 masters + Adam states, DeepSpeedCPUAdam; ZeRO >= 1) | "
+        "params (the weights; ZeRO-3) | optimizer+params | none",
+        choices=OFFLOADS,
+    )
+    sleep: bool = opt(
+        False,
+        "GPU: move this trained role's optimizer states, gradients (and ZeRO-3 weights) to host memory while the "
+        "rollout generates, back before its update; CPU: a no-op",
+    )
+
+
+def offload_stages(offload: str, trained: bool) -> tuple[int, ...]:
+    """The ZeRO stages an offload setting works at: DeepSpeed offloads optimizer states from stage 1
+    on and parameters at stage 3 only; a frozen role has no optimizer to offload."""
+    if offload == "none":
+        return (0, 1, 2, 3) if trained else (0, 3)
+    if "params" in offload:
+        return (3,)
+    return (1, 2, 3) if trained else ()
 
 
 def _role(ds: str, lr: float = 1e-6) -> RoleConfig:
@@ -770,6 +794,16 @@ def _check_ds_file(cfg: RunConfig, role: str, world: int, mini: int) -> None:
         raise ConfigError(
             src, f"the {role} is inference-only: DeepSpeed needs an optimizer for ZeRO stage {stage}; use stage 0 or 3"
         )
+    allowed = offload_stages(rc.offload, trained)
+    if not allowed:
+        raise ConfigError(f"roles.{role}.offload", f"the {role} is frozen: it has no optimizer states to offload")
+    if rc.zero_stage != "auto" and stage not in allowed:
+        raise ConfigError(
+            f"roles.{role}.offload",
+            f"offload {rc.offload} needs ZeRO stage {' or '.join(map(str, allowed))}, the {role} runs stage {stage}",
+        )
+    if rc.sleep and not trained:
+        raise ConfigError(f"roles.{role}.sleep", f"the {role} is frozen: sleep applies to trained roles")
     if role in INT8_ROLES and cfg.precision.role_dtype(role) == "int8" and stage != 0:
         raise ConfigError(f"roles.{role}.ds_config", f"an int8 {role} needs a ZeRO stage-0 config")
     total = mini if trained else rc.micro_batch_size * world

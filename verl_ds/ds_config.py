@@ -57,12 +57,14 @@ def render_role(
     max_grad_norm: float,
     optimizer_params: dict | None,
     json_loss_scaling: bool = True,
+    offload: str = "none",
 ) -> dict:
     """Merge one role's DeepSpeed JSON with its resolved precision and batch settings.
 
     Trained roles get an optimizer; frozen ones lose any optimizer block. `json_loss_scaling`: an
     fp16 block in the JSON keeps its loss-scaling keys (the role's dtype was `auto`, deferring to
-    the file); an explicit dtype takes the PrecisionConfig's loss scaling.
+    the file); an explicit dtype takes the PrecisionConfig's loss scaling. `offload`
+    (`roles.<role>.offload`): DeepSpeed's offload_optimizer / offload_param blocks, to the CPU, pinned.
     """
     ds = copy.deepcopy(base)
     dtype = precision.role(role)
@@ -73,6 +75,9 @@ def render_role(
     if dtype == "fp16" and json_fp16.get("enabled") and json_loss_scaling:
         ds["fp16"].update(json_fp16)  # the JSON's own loss-scaling keys
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    for part, key in (("optimizer", "offload_optimizer"), ("params", "offload_param")):
+        if part in offload.split("+"):
+            ds.setdefault("zero_optimization", {})[key] = {"device": "cpu", "pin_memory": True}
 
     trained = role in TRAINED_ROLES
     if trained:
@@ -94,7 +99,12 @@ def render_role(
         for k, v in (optimizer_params or {}).items():
             if params.get(k, "auto") == "auto":
                 params[k] = v
-        if params.get("torch_adam") and "foreach" not in params and "fused" not in params:
+        if "optimizer" in offload.split("+"):
+            # ZeRO-Offload steps the fp32 masters on the host with DeepSpeedCPUAdam (its C++ op is
+            # built once into the per-user extension cache); a torch optimizer is refused there
+            params.pop("torch_adam", None)
+            params.pop("fused", None)
+        elif params.get("torch_adam") and "foreach" not in params and "fused" not in params:
             # torch's fused AdamW: one kernel over every tensor instead of a Python loop per tensor
             # (CPU and CUDA have it; the same math; measured in docs/BENCHMARKS.md)
             params["fused"] = True
@@ -171,5 +181,6 @@ def render_ds_configs(
             max_grad_norm=cfg.trainer.max_grad_norm,
             optimizer_params={"lr": rc.lr, "weight_decay": rc.weight_decay, "betas": list(rc.betas)},
             json_loss_scaling=cfg.precision.role_dtype(role) == "auto",
+            offload=rc.offload,
         )
     return out

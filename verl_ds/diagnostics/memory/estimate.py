@@ -121,22 +121,17 @@ def role_memory(
     transient parts only in the stages that run this role). `adapter_params` > 0: a LoRA role whose
     frozen base adds only weights; masters, gradients and Adam states cover the adapters alone."""
     dtype = ds_dtype(ds)
-    wdtype = weight_dtype or dtype
     b = BYTES[dtype]
     zero = ds.get("zero_optimization", {})
     stage, n = int(zero.get("stage", 0)), w.world
-    psi = shape.params(head) + adapter_params
-    resident = {f"weights_{wdtype}": psi * BYTES[wdtype] / (n if stage >= 3 else 1)}
-    base_psi, psi = psi, (adapter_params or psi)  # from here on: the trained parameters
-    if trainable:
-        opt_shard = n if stage >= 1 else 1
-        grad_dtype = ds.get("data_types", {}).get("grad_accum_dtype") or dtype
-        # DeepSpeed's ZeRO optimizers clone an fp32 master partition even for fp32 models.
-        resident["master"] = 4 * psi / opt_shard if (stage >= 1 or dtype != "fp32") else 0.0
-        resident["optimizer"] = 8 * psi / opt_shard  # Adam exp_avg + exp_avg_sq, fp32
-        grads = BYTES[grad_dtype] * psi / (n if stage >= 2 else 1)
-        if stage >= 3:
-            resident["grads"] = grads  # ZeRO-3 keeps a persistent flat gradient partition buffer
+    base_psi, psi = shape.params(head) + adapter_params, (adapter_params or shape.params(head) + adapter_params)
+    states = model_states(
+        shape, ds, head=head, trainable=trainable, world=n, weight_dtype=weight_dtype, adapter_params=adapter_params
+    )
+    resident = dict(states["device"])
+    grads = resident.pop("grads_update", 0.0)
+    step_tmp = resident.pop("grads_fp32_update", 0.0)
+    grad_dtype = ds.get("data_types", {}).get("grad_accum_dtype") or dtype
     mb = int(ds.get("train_micro_batch_size_per_gpu", 1))
     t, r, h, v = w.seq_len, w.resp_len, shape.hidden, shape.vocab
     kvdim = shape.kv_heads * shape.head_dim
@@ -158,14 +153,88 @@ def role_memory(
         per_layer = mb * t * (10 * h + 4 * kvdim + 5 * shape.ffn) * b  # saved for backward (SwiGLU decoder)
         acts = (shape.layers * mb * t * h * b + per_layer) if grad_checkpointing else shape.layers * per_layer
         saved_logits = mb * r * v * 4 * 3 if head == "lm" else 0  # fp32 logits, log-softmax, softmax (entropy)
-        step_tmp = (
-            4 * psi / (n if stage >= 1 else 1) if stage >= 1 or dtype != "fp32" else 0.0
-        )  # fp32 grad copy at step
         bucket = min(psi, float(zero.get("reduce_bucket_size", 5e8))) * BYTES[grad_dtype] if stage in (1, 2) else 0.0
         stages["update"].update(
-            grads=grads, activations=acts + saved_logits, logits_buffer=out_logits, other=gathered + step_tmp + bucket
+            grads=resident.get("grads", 0.0) + grads,
+            activations=acts + saved_logits,
+            logits_buffer=out_logits,
+            other=gathered + step_tmp + bucket,
         )
     return stages
+
+
+def offloaded(ds: dict) -> tuple[bool, bool]:
+    """(optimizer, parameters) offloaded to host memory by this rendered DeepSpeed config."""
+    zero = ds.get("zero_optimization", {})
+
+    def on_host(key: str) -> bool:
+        return zero.get(key, {}).get("device", "none") in ("cpu", "nvme")
+
+    stage = int(zero.get("stage", 0))
+    return on_host("offload_optimizer") and stage >= 1, on_host("offload_param") and stage >= 3
+
+
+def model_states(
+    shape: ModelShape,
+    ds: dict,
+    *,
+    head: str,
+    trainable: bool,
+    world: int,
+    weight_dtype: str | None = None,
+    adapter_params: int = 0,
+) -> dict[str, dict[str, float]]:
+    """One rank's model states, {"device": {...}, "host": {...}}: weights, fp32 masters, Adam states
+    and gradients, placed as the DeepSpeed config says (ZeRO sharding, offload_optimizer: masters,
+    Adam states and the fp32 gradient partition on the host; offload_param: the weight partition on
+    the host). Device entries ending in `_update` exist only while the role updates (its gradients;
+    the fp32 gradient copy the step makes)."""
+    dtype = ds_dtype(ds)
+    wdtype = weight_dtype or dtype
+    stage, n = int(ds.get("zero_optimization", {}).get("stage", 0)), world
+    off_opt, off_param = offloaded(ds)
+    psi = shape.params(head) + adapter_params
+    device, host = {}, {}
+    (host if off_param else device)[f"weights_{wdtype}"] = psi * BYTES[wdtype] / (n if stage >= 3 else 1)
+    psi = adapter_params or psi  # from here on: the trained parameters
+    if trainable:
+        opt_shard = n if stage >= 1 else 1
+        grad_dtype = ds.get("data_types", {}).get("grad_accum_dtype") or dtype
+        opt = host if off_opt else device
+        # DeepSpeed's ZeRO optimizers clone an fp32 master partition even for fp32 models.
+        opt["master"] = 4 * psi / opt_shard if (stage >= 1 or dtype != "fp32") else 0.0
+        opt["optimizer"] = 8 * psi / opt_shard  # Adam exp_avg + exp_avg_sq, fp32
+        grads = BYTES[grad_dtype] * psi / (n if stage >= 2 else 1)
+        fp32_grads = 4 * psi / opt_shard if stage >= 1 or dtype != "fp32" else 0.0
+        if off_opt:  # reduced gradients go to the host partition the CPU optimizer steps
+            host["grads"] = 4 * psi / opt_shard
+            if stage < 3:
+                device["grads_update"] = grads  # backward still produces them on the device
+        else:
+            if stage >= 3:
+                device["grads"] = grads  # ZeRO-3 keeps a persistent flat gradient partition buffer
+            else:
+                device["grads_update"] = grads
+            device["grads_fp32_update"] = fp32_grads  # fp32 grad copy at step
+    return {"device": device, "host": host}
+
+
+def host_memory(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: int, role_shapes=None) -> dict:
+    """{role: {component: bytes}} one rank holds in host memory for its roles' model states
+    (offloaded optimizers and parameters; nothing without offload)."""
+    out = {}
+    for role, ds in ds_configs.items():
+        lora = cfg.model.lora
+        out[role] = model_states(
+            (role_shapes or {}).get(role, shape),
+            ds,
+            head=HEADS[role],
+            trainable=role in ("actor", "critic"),
+            world=world,
+            weight_dtype="int8" if role in INT8_ROLES and cfg.precision.role_dtype(role) == "int8" else None,
+            adapter_params=shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0,
+        )["host"]
+    return out
 
 
 def rollout_memory(
