@@ -268,32 +268,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         rc = 2
     except Exception as e:
-        if args.command != "train" or not _peer_lost(e):
+        from verl_ds.dist import lost_peer_line
+
+        line = lost_peer_line(e) if args.command == "train" else None
+        if line is None:  # not a peer gone: this rank's own error, with its traceback
             raise
-        print(f"error: {_lost_ranks_line(e)}", file=sys.stderr)
+        print(f"error: {line}", file=sys.stderr)
         rc = 1
     if args.exiting and args.command == "train":
         _exit_now(rc)
     return rc
-
-
-def _peer_lost(e: BaseException) -> bool:
-    from verl_ds.dist import peer_lost
-
-    return peer_lost(e)
-
-
-def _lost_ranks_line(e: BaseException) -> str:
-    """One line for a training rank whose collective failed because peers went away: which ranks
-    (a roll call of the survivors), and the failure's first sentence, without gloo's source path."""
-    from verl_ds.dist import lost_ranks, rank
-
-    gone = lost_ranks()
-    what = str(e).split("] ", 1)[-1].split(". ")[0].splitlines()[0]
-    who = f"rank {gone[0]} is" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))} are"
-    if not gone:
-        who = "no rank is"  # every rank answered the roll call: a timeout between live ranks
-    return f"{who} gone: a collective failed on rank {rank()} ({type(e).__name__}: {what})"
 
 
 def _exit_now(rc: int) -> None:

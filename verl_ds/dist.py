@@ -50,7 +50,7 @@ def init_distributed(timeout_s: float | None = None) -> None:
 
 
 def peer_lost(exc: BaseException) -> bool:
-    """True when `exc` (or what it was raised from) is a collective or store failure: a peer's
+    """True when `exc` (or what it was raised from or during) is a collective or store failure: a peer's
     connection closed or reset (gloo), a collective timed out, the store unreachable. A bug raised
     on this rank is not: its traceback is the message."""
     seen = set()
@@ -58,7 +58,7 @@ def peer_lost(exc: BaseException) -> bool:
         seen.add(id(exc))
         if isinstance(exc, torch.distributed.DistError) or (isinstance(exc, RuntimeError) and "/gloo/" in str(exc)):
             return True
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)  # as a traceback shows
     return False
 
 
@@ -85,6 +85,21 @@ def lost_ranks(wait_s: float = 5.0) -> list[int]:
         return [r for r, key in enumerate(keys) if not store.check([key])]
     except (torch.distributed.DistError, RuntimeError):  # the store's host is gone
         return [0]
+
+
+def lost_peer_line(exc: BaseException) -> str | None:
+    """One line for a rank whose collective failed because peers went away (`peer_lost`): the ranks
+    gone (`lost_ranks`) and the failure's first sentence without gloo's source path; None for any
+    other error."""
+    if not peer_lost(exc):
+        return None
+    gone = lost_ranks()
+    what = str(exc).split("] ", 1)[-1].split(". ")[0].splitlines()[0]
+    if not gone:  # every rank answered the roll call: a timeout between live ranks
+        who = "no rank is"
+    else:
+        who = f"rank {gone[0]} is" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))} are"
+    return f"{who} gone: a collective failed on rank {rank()} ({type(exc).__name__}: {what})"
 
 
 def is_distributed() -> bool:
