@@ -96,7 +96,7 @@ def remove_orphaned_deepspeed_shm() -> list[str]:
     (DeepSpeed's shm.cpp never closes the descriptor), so "nobody has it open or mapped" is exactly
     "its job is gone"; a job running beside this one keeps its files. Returns the removed paths."""
     paths = set(glob.glob(DS_SHM_BUFFERS))  # listed before the scan: a file created later is not judged
-    orphans = sorted(paths - _held(paths)) if paths else []
+    orphans = sorted(paths - held_by_live_processes(paths)) if paths else []
     for f in orphans:
         try:
             os.remove(f)
@@ -107,7 +107,7 @@ def remove_orphaned_deepspeed_shm() -> list[str]:
     return orphans
 
 
-def _held(paths: set[str]) -> set[str]:
+def held_by_live_processes(paths: set[str]) -> set[str]:
     """The `paths` some live process has open (/proc/<pid>/fd) or mapped (/proc/<pid>/maps). A
     process this user cannot inspect is another user's, and cannot open our files (mode 0600)."""
     held: set[str] = set()
