@@ -23,3 +23,6 @@ export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"   # vLLM logs every p
 if [ "$VERL_DS_DEVICE" = cpu ]; then
   export DS_ACCELERATOR=cpu
 fi
+# What this file sets, for launch/train.sh to hand to the other nodes of a HOSTFILE run.
+VERL_DS_EXPORTS=(PATH VLLM_CACHE_ROOT TMPDIR HF_HUB_OFFLINE TRANSFORMERS_OFFLINE HF_DATASETS_OFFLINE WANDB_SILENT
+  VLLM_LOGGING_LEVEL DS_ACCELERATOR)

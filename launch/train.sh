@@ -1,14 +1,31 @@
 #!/usr/bin/env bash
 # Train under the deepspeed launcher: bash launch/train.sh CONFIG.yaml [key=value ...]
-# Env: NUM_RANKS (default: GPUs, or 2 on CPU), HOSTFILE (multi-node GPU clusters), MASTER_PORT,
+# Env: NUM_RANKS (default: GPUs, or 2 on CPU), MASTER_PORT,
+#      HOSTFILE (several nodes, through the `deepspeed` runner: pdsh + ssh to each host; the repo at
+#      the same path on every node), MASTER_ADDR (with HOSTFILE; default: the runner asks the first
+#      host's `hostname -I`),
 #      CUDA_VISIBLE_DEVICES (a scheduler's GPUs are kept: --num_gpus would make the launcher drop them).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 config="${1:?usage: launch/train.sh CONFIG.yaml [key=value ...]}"; shift
 port="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}"
 args=(--master_port "$port")
+envfile=""
 if [ -n "${HOSTFILE:-}" ]; then
   args+=(--hostfile "$HOSTFILE")
+  if [ -n "${MASTER_ADDR:-}" ]; then args+=(--master_addr "$MASTER_ADDR"); fi
+  if [ "$VERL_DS_DEVICE" = cpu ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+  # The runner starts each node's launcher over ssh in a bare login environment, forwarding only
+  # PYTHON* variables and the lines of DeepSpeed's env file: hand every node env.sh's settings and the
+  # thread count, then the lines of the user's own env file (~/ and ./.deepspeed_env), which win.
+  envfile="$(mktemp)"
+  for v in "${VERL_DS_EXPORTS[@]}" OMP_NUM_THREADS; do
+    if [ -n "${!v:-}" ]; then echo "$v=${!v}"; fi
+  done > "$envfile"
+  name="${DS_ENV_FILE:-.deepspeed_env}"
+  case "$name" in /*) user_files=("$name") ;; *) user_files=("$HOME/$name" "$name") ;; esac
+  for f in "${user_files[@]}"; do if [ -f "$f" ]; then grep '=' "$f" >> "$envfile" || true; fi; done
+  export DS_ENV_FILE="$envfile"
 elif [ "$VERL_DS_DEVICE" = gpu ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
   IFS=, read -ra gpus <<< "$CUDA_VISIBLE_DEVICES"
   gpus=("${gpus[@]:0:${NUM_RANKS:-${#gpus[@]}}}")
@@ -20,7 +37,7 @@ else
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 # DeepSpeed's CPU shm all-reduce leaves a ~66 MB /dev/shm file per rank; remove this run's on exit.
-trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_* 2>/dev/null || true' EXIT
+trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_* ${envfile:+"$envfile"} 2>/dev/null || true' EXIT
 if [ "$VERL_DS_DEVICE" = cpu ] && [ -z "${HOSTFILE:-}" ]; then
   # One CPU node: DeepSpeed's per-node launcher without the `deepspeed` runner in front (3-4 s less).
   python -m verl_ds.launcher --num_ranks "${NUM_RANKS:-2}" --master_port "$port" -- \

@@ -1,6 +1,5 @@
 """Shared fixtures: one tiny char-level Llama (and tokenizer) per test session, built offline."""
 
-import glob
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -16,15 +15,12 @@ SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
 @pytest.fixture(scope="session", autouse=True)
 def _remove_leftover_shm_buffers():
     """Runs the resume tests kill with SIGKILL cannot remove DeepSpeed's ~66 MB /dev/shm all-reduce
-    buffer per rank (it lives in RAM until removed): remove the ones this session created. A run
-    still going keeps its mapping; only the name goes."""
-    before = set(glob.glob(SHM_BUFFERS))
+    buffer per rank (it lives in RAM until removed): at the end, remove every buffer no live process
+    holds (a job running beside this session, another test session's included, keeps its own)."""
     yield
-    for f in set(glob.glob(SHM_BUFFERS)) - before:
-        try:
-            os.remove(f)
-        except OSError:
-            pass
+    from verl_ds.process import remove_orphaned_deepspeed_shm
+
+    remove_orphaned_deepspeed_shm()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """`verl-ds train | config render | bench … | debug memory | --version`.
 
-User mistakes (ConfigError) print one line `error: <where>: <message>` and exit 2.
+User mistakes (ConfigError) print one line `error: <where>: <message>` and exit 2. A training rank
+whose peers went away (kill -9, a node down) prints one line naming the ranks that are gone and
+exits 1, so the launcher ends the job instead of it waiting in a collective.
 """
 
 from __future__ import annotations
@@ -266,6 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         for err in e.errors:
             print(f"error: {err}", file=sys.stderr)
         rc = 2
+    except Exception as e:
+        from verl_ds.dist import lost_peer_line
+
+        line = lost_peer_line(e) if args.command == "train" else None
+        if line is None:  # not a peer gone: this rank's own error, with its traceback
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        rc = 1
     if args.exiting and args.command == "train":
         _exit_now(rc)
     return rc

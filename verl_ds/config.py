@@ -379,6 +379,13 @@ class TrainerConfig:
     val_every: int = opt(0, "validate every K steps; 0: never during training", ge=0)
     val_before_train: Optional[bool] = opt(None, "validate before step 1; null: yes when a validation set exists")
     val_n: int = opt(4, "samples per validation prompt (mean@k, pass@k)", gt=0)
+    collective_timeout_s: float = opt(
+        600.0,
+        "seconds a collective or store wait may block before the rank fails; a dead peer fails the "
+        "survivors at once (connection closed), this bounds the rest (an unreachable node, a hung "
+        "rank): keep it above rank 0's longest save",
+        gt=0,
+    )
 
 
 @dataclass

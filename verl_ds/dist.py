@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from datetime import timedelta
 
 import torch
 
-from verl_ds.process import remove_deepspeed_shm_at_exit
+from verl_ds.process import remove_deepspeed_shm_at_exit, remove_orphaned_deepspeed_shm
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
-    """Idempotent. Outside a launcher, fills the env a 1-rank world needs (else DeepSpeed tries MPI)."""
+def init_distributed(timeout_s: float | None = None) -> None:
+    """Idempotent. Outside a launcher, fills the env a 1-rank world needs (else DeepSpeed tries MPI).
+    `timeout_s` bounds every collective and store wait (`trainer.collective_timeout_s`; None:
+    DeepSpeed's default). On CPU, local rank 0 first removes the /dev/shm buffers of jobs that are
+    gone (its own job's ranks create theirs only once the group forms)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -37,9 +41,65 @@ def init_distributed() -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if torch.cuda.is_available():  # one GPU per local rank, before NCCL picks cuda:0 for everyone
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo")
+    elif os.environ.get("LOCAL_RANK", "0") == "0":
+        remove_orphaned_deepspeed_shm()
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo", **timeout)
     if not torch.cuda.is_available():
         remove_deepspeed_shm_at_exit()  # DeepSpeed's CPU all-reduce buffer in /dev/shm
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """True when `exc` (or what it was raised from or during) is a collective or store failure: a peer's
+    connection closed or reset (gloo), a collective timed out, the store unreachable. A bug raised
+    on this rank is not: its traceback is the message."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, torch.distributed.DistError) or (isinstance(exc, RuntimeError) and "/gloo/" in str(exc)):
+            return True
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)  # as a traceback shows
+    return False
+
+
+def lost_ranks(wait_s: float = 5.0) -> list[int]:
+    """After a collective failed (`peer_lost`): the ranks that are gone, by a roll call on the
+    launcher's store (MASTER_ADDR:MASTER_PORT, hosted by rank 0). Every surviving rank that caught
+    such a failure checks in and waits `wait_s` for the others; a rank still missing then is gone
+    (or hung: no answer either way). An unreachable store means rank 0, its host, is gone."""
+    me, world = rank(), world_size()
+    try:
+        store = torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=False,
+            timeout=timedelta(seconds=wait_s),
+        )
+        store.set(f"verl_ds/roll_call/{me}", "1")
+        keys = [f"verl_ds/roll_call/{r}" for r in range(world)]
+        try:
+            store.wait(keys, timedelta(seconds=wait_s))
+        except torch.distributed.DistStoreError:  # wait's timeout: someone did not check in
+            pass
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+    except (torch.distributed.DistError, RuntimeError):  # the store's host is gone
+        return [0]
+
+
+def lost_peer_line(exc: BaseException) -> str | None:
+    """One line for a rank whose collective failed because peers went away (`peer_lost`): the ranks
+    gone (`lost_ranks`) and the failure's first sentence without gloo's source path; None for any
+    other error."""
+    if not peer_lost(exc):
+        return None
+    gone = lost_ranks()
+    what = str(exc).split("] ", 1)[-1].split(". ")[0].splitlines()[0]
+    if not gone:  # every rank answered the roll call: a timeout between live ranks
+        who = "no rank is"
+    else:
+        who = f"rank {gone[0]} is" if len(gone) == 1 else f"ranks {', '.join(map(str, gone))} are"
+    return f"{who} gone: a collective failed on rank {rank()} ({type(exc).__name__}: {what})"
 
 
 def is_distributed() -> bool:

@@ -3,7 +3,8 @@
 `setup_process` is the one call that changes the process for the in-process vLLM engine (thread
 binding, torch.compile off, stale /dev/shm segments, the GC heap frozen); `VLLMRollout` makes it
 right before the engine starts. `remove_deepspeed_shm_at_exit` is registered once by
-`dist.init_distributed` (DeepSpeed's CPU all-reduce buffer). The bottom layer: imports nothing of
+`dist.init_distributed` (DeepSpeed's CPU all-reduce buffer), which also calls
+`remove_orphaned_deepspeed_shm` once per node before the process group forms. The bottom layer: imports nothing of
 verl_ds; the caller hands in the rank.
 """
 
@@ -82,6 +83,54 @@ def setup_process(*, rank: int, cpu: bool, eager: bool, tensor_parallel: int, fr
         done["gc"] = "frozen"
     log.info("process settings for the vLLM engine: %s", ", ".join(f"{k}={v}" for k, v in done.items()))
     return done
+
+
+DS_SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+def remove_orphaned_deepspeed_shm() -> list[str]:
+    """Remove DeepSpeed's CPU all-reduce buffers (`DS_SHM_BUFFERS`) that no live process holds. A
+    rank killed with SIGKILL cannot remove its own (`remove_deepspeed_shm_buffer` runs at exit), and
+    the name carries the run's port, so no later run reuses (or removes) it: each such file keeps its
+    RAM until removed. A buffer's rank keeps the file open and mapped from creation to exit
+    (DeepSpeed's shm.cpp never closes the descriptor), so "nobody has it open or mapped" is exactly
+    "its job is gone"; a job running beside this one keeps its files. Returns the removed paths."""
+    paths = set(glob.glob(DS_SHM_BUFFERS))  # listed before the scan: a file created later is not judged
+    orphans = sorted(paths - held_by_live_processes(paths)) if paths else []
+    for f in orphans:
+        try:
+            os.remove(f)
+        except OSError:  # another user's file (sticky /dev/shm), or another start removed it first
+            pass
+    if orphans:
+        log.info("removed %d DeepSpeed shm buffer(s) of jobs that are gone: %s", len(orphans), " ".join(orphans))
+    return orphans
+
+
+def held_by_live_processes(paths: set[str]) -> set[str]:
+    """The `paths` some live process has open (/proc/<pid>/fd) or mapped (/proc/<pid>/maps). A
+    process this user cannot inspect is another user's, and cannot open our files (mode 0600)."""
+    held: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target in paths:
+                    held.add(target)
+            with open(proc / "maps") as maps:
+                for line in maps:
+                    if "/dev/shm/" in line:
+                        path = line.split(maxsplit=5)[-1].rstrip("\n")
+                        if path in paths:
+                            held.add(path)
+        except OSError:  # the process ended meanwhile, or it is not ours to read
+            continue
+    return held
 
 
 def remove_deepspeed_shm_buffer() -> None:

@@ -12,38 +12,44 @@ from tests.subprocess_env import child_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def train_cmd(config: str, run_dir, *overrides, ranks: int = 2):
-    # the launcher picks a free port; don't inherit this test process's own process-group env
+def train_cmd(config: str, run_dir, *overrides, ranks: int = 2, **env: str):
+    # the launcher picks a free port; don't inherit this test process's own process-group env.
+    # `env`: launch/train.sh's variables (HOSTFILE, MASTER_ADDR, MASTER_PORT)
     return [
         "bash",
         str(ROOT / "launch" / "train.sh"),
         str(ROOT / "examples" / config),
         f"trainer.run_dir={run_dir}",
         *overrides,
-    ], child_env(NUM_RANKS=str(ranks))
+    ], child_env(NUM_RANKS=str(ranks), **env)
 
 
-def run_train(config: str, run_dir, *overrides, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd, env = train_cmd(config, run_dir, *overrides)
+def run_train(config: str, run_dir, *overrides, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    cmd, env = train_cmd(config, run_dir, *overrides, **env)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     return out
 
 
-def run_until_step(config: str, run_dir, step: int, *overrides, timeout: int = 600):
+def wait_for_step(proc: subprocess.Popen, run_dir, step: int, timeout: float) -> None:
+    """Return once `step` is logged in run_dir's metrics.jsonl (or `proc` ended, or the timeout)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        path = Path(run_dir) / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        if any(line.endswith("}") and json.loads(line)["step"] >= step for line in lines[-2:]):
+            return
+        time.sleep(0.1)
+
+
+def run_until_step(config: str, run_dir, step: int, *overrides, timeout: int = 600, **env: str):
     """Start training and kill the whole launcher process group once `step` is logged."""
-    cmd, env = train_cmd(config, run_dir, *overrides)
+    cmd, env = train_cmd(config, run_dir, *overrides, **env)
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, start_new_session=True
     )
-    deadline = time.time() + timeout
     try:
-        while time.time() < deadline and proc.poll() is None:
-            path = Path(run_dir) / "metrics.jsonl"
-            lines = path.read_text().splitlines() if path.exists() else []
-            if any(line.endswith("}") and json.loads(line)["step"] >= step for line in lines[-2:]):
-                break
-            time.sleep(0.1)
+        wait_for_step(proc, run_dir, step, timeout)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

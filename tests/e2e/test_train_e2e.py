@@ -1,8 +1,12 @@
 """End to end through the deepspeed launcher with 2 CPU ranks, gloo and a real vLLM engine."""
 
+import glob
 import math
+import os
 import shutil
+import socket
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -45,6 +49,12 @@ KEYS = [
     "rollout_corr/logprob_abs_diff_max",
     "rollout_corr/k3_kl",
 ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _check_run(run_dir, steps, extra_keys=()):
@@ -93,14 +103,33 @@ def test_ppo_gae_critic_three_steps(tmp_path):
 
 
 def test_kill_after_step_2_then_resume_auto(tmp_path):
+    """kill -9 mid-run, resume: auto continues from the checkpoint; and the killed run's /dev/shm
+    all-reduce buffers (which no exit handler could remove) go at the next start, while a live
+    job's buffer beside them stays."""
     killed = tmp_path / "killed"
-    run_until_step("grpo_cpu_tiny.yaml", killed, 3, "trainer.steps=50", "checkpoint.every=2", *FAST)
+    port = str(_free_port())
+    run_until_step("grpo_cpu_tiny.yaml", killed, 3, "trainer.steps=50", "checkpoint.every=2", *FAST, MASTER_PORT=port)
     assert (killed / "checkpoints" / "step_2" / "trainer_state.json").exists()
     assert not list((killed / "checkpoints").glob(".*.tmp"))
+    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*")
+    assert len(left) == 2, left  # one per rank: what the kill leaves
     # a step takes well under the killer's poll on a fast host, so the kill may land after step 4's checkpoint
     last = max(int(p.name.split("_")[1]) for p in (killed / "checkpoints").glob("step_*"))
     ref = tmp_path / "ref"
-    run_train("grpo_cpu_tiny.yaml", ref, f"trainer.steps={last + 1}", *FAST)
+    live = f"/dev/shm/deepspeed_allreduce_buffer_0_127.0.0.1_{port}live_0"
+    with (
+        open(live, "wb") as f,
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=f) as job,
+    ):
+        try:  # a live process holding its buffer open: a job running beside the next start
+            out = run_train("grpo_cpu_tiny.yaml", ref, f"trainer.steps={last + 1}", *FAST)
+            assert not any(os.path.exists(b) for b in left), left
+            assert os.path.exists(live)
+            assert "DeepSpeed shm buffer(s) of jobs that are gone" in out.stdout + out.stderr
+        finally:
+            job.kill()
+            if os.path.exists(live):
+                os.remove(live)
     want = read_metrics(ref)[last]["data/position"]
 
     run_train(

@@ -50,7 +50,7 @@ class RLTrainer:
 
     def __init__(self, cfg: RunConfig, reward_fn=None):
         _import_heavy_libraries()
-        init_distributed()
+        init_distributed(cfg.trainer.collective_timeout_s)
         self.cfg, self.rank, self.world = cfg, rank(), world_size()
         self.rollout = self.logger = None
         # rank 0 logs at logging.level; other ranks only warnings
