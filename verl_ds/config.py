@@ -811,6 +811,11 @@ def _check_ds_file(cfg: RunConfig, role: str, world: int, mini: int) -> None:
         )
     if rc.sleep and not trained:
         raise ConfigError(f"roles.{role}.sleep", f"the {role} is frozen: sleep applies to trained roles")
+    if rc.sleep and ("params" in rc.offload or (rc.zero_stage != "auto" and stage == 0)):
+        raise ConfigError(
+            f"roles.{role}.sleep",
+            "DeepSpeed moves the states of a ZeRO optimizer (stage >= 1) whose parameters are not offloaded",
+        )
     if role in INT8_ROLES and cfg.precision.role_dtype(role) == "int8" and stage != 0:
         raise ConfigError(f"roles.{role}.ds_config", f"an int8 {role} needs a ZeRO stage-0 config")
     total = mini if trained else rc.micro_batch_size * world

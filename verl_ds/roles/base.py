@@ -294,6 +294,25 @@ class Role:
         self._plain_grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None  # foreach norms
         self.engine.step()
 
+    # ------------------------------------------------------------ asleep while another uses the device
+    asleep = False
+
+    def sleep(self) -> bool:
+        """Move this trained role's optimizer states, masters and gradients (and ZeRO-3 weights) to
+        host memory (DeepSpeed's `offload_states`), so generation gets the device; `wake` brings them
+        back. Only on a GPU with a ZeRO optimizer (a CPU has no device memory to free; a ZeRO-0 torch
+        optimizer has no offload_states). Returns whether anything moved."""
+        if self.asleep or not torch.cuda.is_available() or not hasattr(self.engine.optimizer, "offload_states"):
+            return False
+        self.engine.offload_states()
+        self.asleep = True
+        return True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.engine.reload_states()
+            self.asleep = False
+
     def has_overflow(self) -> bool:
         """Whether the reduced gradients of the pending (boundary) step hold inf/NaN."""
         if self.dtype != "fp16":

@@ -69,6 +69,9 @@ class RLTrainer:
         self.reward_fn = reward_fn or task_reward_fn(cfg.data)
         self.roles = builder.build_roles(cfg, self.model_path, self.precision)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
+        sleepers = [n for n in self._trained_roles() if getattr(cfg.roles, n).sleep]
+        if sleepers and not torch.cuda.is_available():
+            log.info("roles.{%s}.sleep: a no-op on CPU (no device memory to hand to the rollout)", ",".join(sleepers))
         self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")
         self.teacher = self.roles.get("teacher")  # on-policy distillation (algorithm.distill)
         self.estimator = algos.get_advantage_estimator(cfg.algorithm.estimator)
@@ -113,6 +116,7 @@ class RLTrainer:
             # sampling drops groups whose samples all scored alike
             batch, examples, raw_scores, shaped, sample_metrics = self._collect(timer)
             self.rollout.sleep()  # GPU: hand vLLM's memory to the roles until the sync
+            self._wake_roles()  # roles.<role>.sleep: their states come back from the host
             scores = self._normalize(shaped)
             # the model's own tokens: multi-turn rows also hold environment tokens, which the model
             # attends to (attention_mask) but no loss, KL, entropy or metric counts
@@ -190,6 +194,7 @@ class RLTrainer:
             # 8. sync the new actor weights into the rollout engine
             with timer("update_weights", stage="sync", role="actor"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
+            self._sleep_roles()  # the next generation gets their device memory
         self.global_step += 1
         kl = self._kl(buf["old_logprobs"], buf["ref_logprobs"], mask)
         kl_sum, n_tok, n_seq = all_reduce_sum([float((kl * mask).sum()), float(mask.sum()), float(len(batch))])
@@ -512,18 +517,31 @@ class RLTrainer:
         self.logger.log_samples(rows, self.global_step)
 
     # ------------------------------------------------------------------ checkpoints
+    def _sleep_roles(self) -> None:
+        """`roles.<role>.sleep`: trained roles' states to host memory until `_wake_roles` (GPU)."""
+        for name, role in self._trained_roles().items():
+            if getattr(self.cfg.roles, name).sleep:
+                role.sleep()
+
+    def _wake_roles(self) -> None:
+        for role in self._trained_roles().values():
+            role.wake()
+
     def _trained_roles(self) -> dict:
         return {k: v for k, v in self.roles.items() if v.trainable}
 
     def save(self) -> Path:
+        self._wake_roles()  # a checkpoint reads every state where the engine keeps it
         state = {
             "sampler": self.sampler.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(),
             "reward_stats": self.reward_stats.state_dict(),
         }
-        return save_checkpoint(
+        path = save_checkpoint(
             self.run_dir / "checkpoints", self.global_step, self._trained_roles(), state, self.cfg.checkpoint.keep_last
         )
+        self._sleep_roles()
+        return path
 
     def _maybe_resume(self) -> bool:
         resume = self.cfg.trainer.resume
@@ -548,6 +566,7 @@ class RLTrainer:
 
     def export(self, out_dir: Path, dtype: str) -> None:
         """The actor as an HF model (safetensors) in `dtype`, written atomically."""
+        self._wake_roles()
         if self.cfg.model.lora.rank and self.cfg.checkpoint.export == "adapter":
             export_adapter(self.actor.engine, out_dir, self.tokenizer)
         else:

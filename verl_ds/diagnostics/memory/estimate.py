@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from verl_ds.config import offload_stages
 from verl_ds.ds_config import ds_dtype
 from verl_ds.precision import INT8_ROLES
 from verl_ds.rollout.distributed import choose_engine
@@ -363,7 +364,7 @@ def choose_zero_stages(
         return max(totals.values())
 
     for role in auto_roles:
-        for stage in (0, 1, 2, 3) if role in ("actor", "critic") else (0, 3):
+        for stage in offload_stages(getattr(cfg.roles, role).offload, role in ("actor", "critic")):
             if peak({**chosen, role: stage}) <= headroom * budget_bytes:
                 chosen[role] = stage
                 break

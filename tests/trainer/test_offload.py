@@ -1,0 +1,49 @@
+"""ZeRO-Offload per role (`roles.<role>.offload`) on real DeepSpeed engines, one process."""
+
+import pytest
+
+from tests.diagnostics.helpers import tiny_overrides
+from verl_ds.config import load_config
+from verl_ds.diagnostics import memory as M
+from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.roles import ds_internals as dsi
+from verl_ds.trainer.rl_trainer import RLTrainer
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_offloaded_optimizer_is_deepspeeds_cpu_adam_and_its_host_bytes_are_the_estimate(tmp_path, stage):
+    """roles.actor.offload=optimizer: DeepSpeed runs ZeRO-Offload (DeepSpeedCPUAdam over the fp32
+    master partition), and the estimator's host bytes for masters and Adam states are what the
+    engine allocated (this rank's fp32 partitions and their exp_avg / exp_avg_sq)."""
+    overrides = tiny_overrides(tmp_path) + [f"roles.actor.zero_stage={stage}", "roles.actor.offload=optimizer"]
+    cfg = load_config(None, overrides)
+    with RLTrainer(cfg) as trainer:
+        trainer.step()
+        opt = trainer.actor.engine.optimizer
+        assert type(opt.optimizer).__name__ == "DeepSpeedCPUAdam"
+        assert trainer.actor.engine.zero_offload_optimizer().device == "cpu"
+        masters = dsi.master_params(trainer.actor.engine)
+        master_bytes = sum(t.numel() * t.element_size() for t in masters)
+        adam_bytes = sum(
+            v.numel() * v.element_size()
+            for s in opt.optimizer.state.values()
+            for k, v in s.items()
+            if k in ("exp_avg", "exp_avg_sq")
+        )
+        shape = M.load_shape(trainer.model_path)
+    host = M.host_memory(cfg, shape, render_ds_configs(cfg, 1, resolve(cfg)), 1)["actor"]
+    assert host["master"] == master_bytes
+    assert host["optimizer"] == adam_bytes
+
+
+def test_offload_params_needs_zero3_and_a_frozen_role_has_no_optimizer_to_offload():
+    from verl_ds.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="roles.actor.offload: offload params needs ZeRO stage 3"):
+        load_config(None, ["roles.actor.zero_stage=2", "roles.actor.offload=params"])
+    with pytest.raises(ConfigError, match="roles.reference.offload: the reference is frozen"):
+        load_config(None, ["roles.reference.offload=optimizer"])
+    with pytest.raises(ConfigError, match="roles.actor.sleep"):
+        load_config(None, ["roles.actor.zero_stage=0", "roles.actor.sleep=true"])
+    cfg = load_config(None, ["roles.reference.ds_config=ref_zero3.json", "roles.reference.offload=params"])
+    assert render_ds_configs(cfg, 1)["reference"]["zero_optimization"]["offload_param"]["device"] == "cpu"
