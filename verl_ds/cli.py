@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--gpu-memory-gb", type=POS_FLOAT, default=None, help="print a fits / doesn't-fit verdict")
     mem.add_argument("--compare", nargs=2, metavar=("A_YAML", "B_YAML"), help="Markdown delta of two configs")
     mem.add_argument("--metric", default="peak_memory", choices=("peak_memory", "rollout", "score", "update", "sync"))
+    mem.add_argument(
+        "--plan", action="store_true", help="search the placements that fit --world-size x --gpu-memory-gb"
+    )
+    mem.add_argument("--critic-config", help="--plan: the critic's HF config.json (default: --model-config)")
+    mem.add_argument("--reward-config", help="--plan: a reward model's HF config.json (adds the reward role)")
+    mem.add_argument("--host-memory-gb", type=POS_FLOAT, default=None, help="--plan: host memory per node")
+    mem.add_argument("--top", type=POS_INT, default=8, help="--plan: plans printed")
     mem.add_argument("overrides", nargs="*")
     prec = dsub.add_parser(
         "precision", help="per role: value ranges and what fp32/bf16/fp16 would do; a recommended precision: block"
@@ -204,6 +211,8 @@ def cmd_debug(args) -> int:
         return memory.load_shape(args.model_config or str(Path(resolve_model_path(cfg)) / "config.json"))
 
     world = args.world_size or 1
+    if args.plan:
+        return _debug_memory_plan(args, world)
     if args.compare:
         tables = []
         for path in args.compare:
@@ -239,6 +248,33 @@ def cmd_debug(args) -> int:
             measured = memory.stages_from_metrics(trainer.step())
         world = args.world_size or trainer.world
     print(memory.report(cfg, shape_of(cfg), world, args.stage, measured, args.gpu_memory_gb))
+    return 0
+
+
+def _debug_memory_plan(args, world: int) -> int:
+    """`debug memory --plan`: every placement that fits, cheapest first, and the best as YAML."""
+    from pathlib import Path
+
+    from verl_ds.config import load_config
+    from verl_ds.diagnostics import memory
+    from verl_ds.diagnostics.memory import plan
+    from verl_ds.ds_config import render_ds_configs, resolve
+
+    for flag, value in (("--config", args.config), ("--model-config", args.model_config)):
+        if not value:
+            raise ConfigError(flag, "debug memory --plan needs --config X.yaml --model-config M/config.json")
+    if not args.gpu_memory_gb:
+        raise ConfigError("--gpu-memory-gb", "debug memory --plan needs the GPU size")
+    extra = [f"model.reward_path={Path(args.reward_config).parent}"] if args.reward_config else []
+    cfg = load_config(args.config, args.overrides + extra, world_size=world)
+    actor = memory.load_shape(args.model_config)
+    shapes = {"actor": actor, "reference": actor, "critic": memory.load_shape(args.critic_config or args.model_config)}
+    if args.reward_config:
+        shapes["reward"] = memory.load_shape(args.reward_config)
+    plans = plan.search(
+        cfg, shapes, render_ds_configs(cfg, world, resolve(cfg)), world, args.gpu_memory_gb, args.host_memory_gb
+    )
+    print(plan.render_plans(plans, args.top, world, args.gpu_memory_gb, args.host_memory_gb))
     return 0
 
 

@@ -1,5 +1,7 @@
 """`rollout.engine: auto`: vLLM on GPUs and for real models, HF generate for tiny models on CPU."""
 
+from dataclasses import replace
+
 import pytest
 
 from verl_ds.config import RolloutConfig, load_config
@@ -62,9 +64,12 @@ def test_the_memory_estimate_follows_auto():
     ds = render_ds_configs(cfg, 1, precision=resolve(cfg))
     cpu = estimate_memory(cfg, tiny, ds, 1, "fp32")
     gpu = estimate_memory(cfg, tiny, ds, 1, "fp32", gpu_gib=80.0)
-    # HF generate holds its KV cache only while generating; vLLM reserves its pool for the whole step
+    # HF generate holds its KV cache only while generating; vLLM reserves its pool for the whole step,
+    # unless it sleeps while the roles train (rollout.sleep, GPU)
     assert "kv_cache" not in cpu["update"]["rollout"] and cpu["rollout"]["rollout"]["kv_cache"] > 0
-    assert gpu["update"]["rollout"]["kv_cache"] > 0
+    assert gpu["rollout"]["rollout"]["kv_cache"] > 0 and gpu["update"]["rollout"] == {}
+    awake = replace(cfg, rollout=replace(cfg.rollout, sleep=False))
+    assert estimate_memory(awake, tiny, ds, 1, "fp32", gpu_gib=80.0)["update"]["rollout"]["kv_cache"] > 0
 
 
 def test_both_engines_implement_the_whole_rollout_engine_protocol(tiny_model_dir):

@@ -258,6 +258,9 @@ def rollout_memory(
         pool = (rcfg.gpu_memory_utilization * gpu_gib * GIB - weights_bytes) if gpu_gib else rcfg.kv_cache_gb * GIB
         base = {**weights, "kv_cache": max(pool, 0.0)}
         stages = {s: dict(base) for s in STAGES}
+        if gpu_gib and rcfg.sleep:  # asleep (level 1) while the roles score and train; the sync wakes weights
+            stages["score"], stages["update"] = {}, {}
+            stages["sync"] = dict(weights)
     else:
         stages = {s: dict(weights) for s in STAGES}
         stages["rollout"]["kv_cache"] = kv_need
@@ -270,10 +273,13 @@ def rollout_memory(
 HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score", "teacher": "lm"}
 
 
-def run_role_memory(cfg, shape: ModelShape, role: str, ds: dict, w: Workload) -> dict[str, dict[str, float]]:
-    """`role_memory` with what the run config says about this role (head, int8 reward or teacher, LoRA)."""
+def run_role_memory(
+    cfg, shape: ModelShape, role: str, ds: dict, w: Workload, on_gpu: bool = False
+) -> dict[str, dict[str, float]]:
+    """`role_memory` with what the run config says about this role (head, int8 reward or teacher,
+    LoRA; on a GPU, `roles.<role>.sleep`: nothing of it on the device while the rollout generates)."""
     lora = cfg.model.lora
-    return role_memory(
+    stages = role_memory(
         shape,
         ds,
         head=HEADS[role],
@@ -283,6 +289,9 @@ def run_role_memory(cfg, shape: ModelShape, role: str, ds: dict, w: Workload) ->
         weight_dtype="int8" if role in INT8_ROLES and cfg.precision.role_dtype(role) == "int8" else None,
         adapter_params=shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0,
     )
+    if on_gpu and getattr(cfg.roles, role).sleep and role in ("actor", "critic"):
+        stages["rollout"] = {}
+    return stages
 
 
 def estimate_memory(
@@ -302,7 +311,8 @@ def estimate_memory(
         cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine))
     w = workload(cfg, world)
     per_role = {
-        role: run_role_memory(cfg, (role_shapes or {}).get(role, shape), role, ds, w) for role, ds in ds_configs.items()
+        role: run_role_memory(cfg, (role_shapes or {}).get(role, shape), role, ds, w, on_gpu=bool(gpu_gib))
+        for role, ds in ds_configs.items()
     }
     rdt = rollout_dtype
     per_role["rollout"] = rollout_memory(

@@ -1,0 +1,98 @@
+"""`verl-ds debug memory --plan`: placements that fit, cheapest first, and a block that renders."""
+
+import re
+
+import pytest
+import yaml
+
+from tests.diagnostics.helpers import DATA, LLAMA_8B
+from verl_ds import cli
+from verl_ds.config import load_config
+from verl_ds.diagnostics.memory import plan as P
+
+QWEN_7B = DATA / "qwen2_7b_config.json"
+PPO_8B = [
+    "data.max_prompt_length=512",
+    "rollout.max_new_tokens=512",
+    "rollout.max_model_len=1024",
+    *[f"roles.{r}.micro_batch_size=4" for r in ("actor", "critic", "reference", "reward")],
+]
+
+
+def _plan(capsys, config, model, world, *extra):
+    args = ["debug", "memory", "--plan", "--config", config, "--model-config", str(model)]
+    assert cli.main(args + ["--world-size", str(world), "--gpu-memory-gb", "80", *extra]) == 0
+    out = capsys.readouterr().out
+    block = re.search(r"```yaml\n(.*?)```", out, re.S)
+    assert block, out
+    return out, yaml.safe_load(block.group(1))
+
+
+def _renders(tmp_path, config, overrides, block, world):
+    """The printed block, pasted into the run config, loads and renders (`config render`)."""
+    path = tmp_path / "planned.yaml"
+    base = yaml.safe_load(open(config))
+    for section, keys in block.items():
+        for k, v in keys.items():
+            if isinstance(v, dict):
+                base.setdefault(section, {}).setdefault(k, {}).update(v)
+            else:
+                base.setdefault(section, {})[k] = v
+    path.write_text(yaml.safe_dump(base))
+    out = cli.main(["config", "render", "--config", str(path), *overrides, "--world-size", str(world)])
+    assert out == 0
+    return load_config(path, overrides, world_size=world)
+
+
+@pytest.mark.parametrize("world,prompts", [(1, 8), (8, 64)])
+def test_an_8b_ppo_flow_with_a_reward_model_gets_a_plan_that_renders(tmp_path, capsys, world, prompts):
+    """The founding question: 8B actor + 8B critic + 8B reference + an 8B reward model on 1 x 80 GB
+    (and on 8 x 80 GB): a plan fits, and its block renders."""
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text(LLAMA_8B.read_text())
+    overrides = PPO_8B + [f"trainer.prompts_per_step={prompts}", f"model.reward_path={rm}"]
+    out, block = _plan(
+        capsys,
+        "examples/ppo_cpu_tiny.yaml",
+        LLAMA_8B,
+        world,
+        "--reward-config",
+        str(LLAMA_8B),
+        "--host-memory-gb",
+        "1024",
+        *PPO_8B,
+        f"trainer.prompts_per_step={prompts}",
+    )
+    with capsys.disabled():
+        print(f"\n{out}")
+    assert set(block["roles"]) == {"actor", "critic", "reference", "reward"}
+    assert "plans fit" in out
+    cfg = _renders(tmp_path, "examples/ppo_cpu_tiny.yaml", overrides, block, world)
+    assert cfg.rollout.sleep and cfg.roles.actor.offload == block["roles"]["actor"].get("offload", "none")
+
+
+def test_a_7b_grpo_on_8_gpus_fits_without_offload(tmp_path, capsys):
+    """Qwen2-7B GRPO on 8 x 80 GB: ZeRO shards the states enough that no plan needs the host, so the
+    cheapest has neither offload nor sleep (they only add PCIe traffic)."""
+    overrides = ["data.train_files=[]", "data.task=arithmetic"]
+    out, block = _plan(capsys, "examples/grpo_gpu_qwen05b.yaml", QWEN_7B, 8, *overrides)
+    assert set(block["roles"]) == {"actor", "reference"}
+    assert all("offload" not in r and "sleep" not in r for r in block["roles"].values()), block
+    _renders(tmp_path, "examples/grpo_gpu_qwen05b.yaml", overrides, block, 8)
+
+
+def test_nothing_fits_is_said_in_one_line(capsys):
+    args = ["debug", "memory", "--plan", "--config", "examples/ppo_cpu_tiny.yaml", "--model-config", str(LLAMA_8B)]
+    assert cli.main(args + ["--world-size", "1", "--gpu-memory-gb", "8", "--host-memory-gb", "16", *PPO_8B]) == 0
+    assert "No placement fits" in capsys.readouterr().out
+
+
+def test_role_options_follow_deepspeeds_rules():
+    actor = P.role_options("actor")
+    assert all(o.stage == 3 for o in actor if "params" in o.offload)
+    assert all(o.stage >= 1 for o in actor if o.offload == "optimizer" or o.sleep)
+    assert not any(o.sleep and "params" in o.offload for o in actor)
+    ref = P.role_options("reference")
+    assert {o.stage for o in ref} == {0, 3} and not any("optimizer" in o.offload or o.sleep for o in ref)
+    assert {o.dtype for o in P.role_options("reward")} == {"bf16", "int8"}

@@ -1,0 +1,251 @@
+"""`verl-ds debug memory --plan`: the placements of every role that fit the GPUs, cheapest first.
+
+Searched per role: ZeRO stage (trained roles 0-3, frozen 0 or 3), offload (optimizer; optimizer +
+parameters at ZeRO-3; a frozen role's parameters at ZeRO-3), `sleep` (trained roles at ZeRO >= 1 whose
+parameters stay on the device), int8 weights for a reward model or teacher; for the run, activation
+checkpointing and vLLM's share of the GPU (`rollout.gpu_memory_utilization`). Compute dtypes stay
+bf16 (the GPU rule); LoRA is not searched (it changes what is trained).
+
+A plan fits when the analytic estimate (`estimate_memory`: every stage's device bytes, vLLM asleep
+while the roles train) is within the GPU at every stage, and the host holds each node's offloaded
+and sleeping states (`--host-memory-gb`; unlimited when not given).
+
+The cost model (seconds per step, from bytes moved and work added; constants below, per rank):
+- PCIe: an offloaded optimizer sends the 16-bit gradient partition down and the updated 16-bit
+  parameters up once per optimizer step, and DeepSpeedCPUAdam touches the 16 bytes/param of masters
+  and moments on the host; offloaded parameters come up once per forward and per backward pass; a
+  sleeping role's device states go down and come back once per step; vLLM's weights likewise.
+- Collectives (ring): ZeRO-0 all-reduces the gradients, ZeRO-1/2 reduce-scatter them and all-gather
+  the parameters, ZeRO-3 reduce-scatters them and gathers the parameters for every forward and
+  backward pass; at the intra-node rate on one node, the inter-node rate across nodes.
+- Activation checkpointing recomputes each training forward (2 FLOPs/param/token).
+Ties go to the larger vLLM share (a larger KV pool batches more sequences), then to the simpler
+placement (lower ZeRO stages, fewer offloads and sleeps), then the lower peak.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field, replace
+
+from verl_ds.config import active_roles, offload_stages
+from verl_ds.diagnostics.memory.estimate import (
+    BYTES,
+    GIB,
+    ModelShape,
+    estimate_memory,
+    model_states,
+    stage_totals,
+    workload,
+)
+
+PCIE_BYTES_S = 25e9  # host <-> GPU, one direction (PCIe 4 x16, achieved)
+INTRA_NODE_BYTES_S = 150e9  # NVLink-class all-gather / reduce-scatter bus bandwidth per GPU
+INTER_NODE_BYTES_S = 25e9  # one 200 Gb/s NIC per GPU
+HOST_ADAM_BYTES_S = 20e9  # DeepSpeedCPUAdam over masters + moments (AVX-512, one socket's share)
+GPU_FLOPS = 400e12  # achieved bf16 FLOP/s for the recomputation
+VLLM_SHARES = (0.3, 0.5, 0.7, 0.9)
+TRAINED = ("actor", "critic")
+
+
+@dataclass(frozen=True)
+class RolePlacement:
+    stage: int
+    offload: str = "none"
+    sleep: bool = False
+    dtype: str = "bf16"
+
+
+@dataclass
+class Plan:
+    roles: dict[str, RolePlacement]
+    grad_checkpointing: bool
+    vllm_share: float
+    peak: float = 0.0  # device bytes at the peak stage
+    peak_stage: str = ""
+    dominant: str = ""  # the role and component that dominate the peak
+    host: float = 0.0  # host bytes per node
+    cost_s: float = 0.0
+    costs: dict[str, float] = field(default_factory=dict)
+
+    def yaml(self) -> str:
+        """A `roles:` / `precision:` / `rollout:` block `config render` accepts."""
+        lines = ["roles:"]
+        for role, p in self.roles.items():
+            keys = [f"zero_stage: {p.stage}"]
+            if p.offload != "none":
+                keys.append(f"offload: {p.offload}")
+            if p.sleep:
+                keys.append("sleep: true")
+            lines.append(f"  {role}: {{{', '.join(keys)}}}")
+        dtypes = ", ".join(f"{r}_dtype: {p.dtype}" for r, p in self.roles.items())
+        ckpt = str(self.grad_checkpointing).lower()
+        lines.append(f"precision: {{{dtypes}, rollout_dtype: bf16, enable_grad_checkpointing: {ckpt}}}")
+        lines.append(f"rollout: {{engine: vllm, sleep: true, gpu_memory_utilization: {self.vllm_share}}}")
+        return "\n".join(lines)
+
+
+def role_options(role: str) -> list[RolePlacement]:
+    trained = role in TRAINED
+    out = []
+    for offload in ("none", "optimizer", "optimizer+params") if trained else ("none", "params"):
+        for stage in offload_stages(offload, trained):
+            sleeps = (False, True) if trained and stage >= 1 and "params" not in offload else (False,)
+            dtypes = (
+                ("bf16", "int8") if role in ("reward", "teacher") and stage == 0 and offload == "none" else ("bf16",)
+            )
+            for sleep, dtype in itertools.product(sleeps, dtypes):
+                out.append(RolePlacement(stage, offload, sleep, dtype))
+    return out
+
+
+def _ds_for(base: dict, p: RolePlacement) -> dict:
+    ds = copy.deepcopy(base)
+    zero = ds.setdefault("zero_optimization", {})
+    zero["stage"] = p.stage
+    zero.pop("offload_optimizer", None)
+    zero.pop("offload_param", None)
+    if "optimizer" in p.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if "params" in p.offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    ds.pop("fp16", None)
+    ds["bf16"] = {"enabled": p.dtype == "bf16"}
+    return ds
+
+
+def plan_cost(cfg, plan: Plan, shapes: dict[str, ModelShape], world: int, nodes: int) -> dict[str, float]:
+    """Seconds per step by source (the module docstring's model)."""
+    w = workload(cfg, world)
+    coll_rate = INTRA_NODE_BYTES_S if nodes == 1 else INTER_NODE_BYTES_S
+    ring = (world - 1) / world if world > 1 else 0.0
+    out = {"pcie": 0.0, "host_adam": 0.0, "collectives": 0.0, "recompute": 0.0}
+    for role, p in plan.roles.items():
+        psi = shapes[role].params("value" if role == "critic" else "score" if role == "reward" else "lm")
+        b = BYTES[p.dtype]
+        mb = getattr(cfg.roles, role).micro_batch_size
+        passes = max(1, -(-w.local_batch // mb))  # micro-batches per pass over this rank's rows
+        trained = role in TRAINED
+        fwd_bwd = passes * cfg.algorithm.ppo_epochs * (2 if trained else 0) + passes  # + the scoring pass
+        if p.stage >= 3:
+            out["collectives"] += fwd_bwd * ring * psi * b / coll_rate
+        if trained:
+            grads = ring * psi * b
+            out["collectives"] += (2 * grads if p.stage in (0, 1, 2) else grads) / coll_rate
+            if "optimizer" in p.offload:
+                out["pcie"] += 2 * psi * b / world / PCIE_BYTES_S
+                out["host_adam"] += 16 * psi / world / HOST_ADAM_BYTES_S
+            if p.sleep:
+                ds = _ds_for({}, p)
+                st = model_states(shapes[role], ds, head="lm", trainable=True, world=world)["device"]
+                out["pcie"] += 2 * sum(v for k, v in st.items() if not k.endswith("_update")) / PCIE_BYTES_S
+            if plan.grad_checkpointing:
+                tokens = w.local_batch * w.seq_len * cfg.algorithm.ppo_epochs
+                out["recompute"] += 2 * psi * tokens / GPU_FLOPS
+        if "params" in p.offload:
+            out["pcie"] += fwd_bwd * psi * b / world / PCIE_BYTES_S
+    out["pcie"] += 2 * shapes["actor"].params("lm") * 2 / PCIE_BYTES_S  # vLLM's weights, asleep and back
+    return out
+
+
+def search(
+    cfg,
+    shapes: dict[str, ModelShape],
+    base_ds: dict[str, dict],
+    world: int,
+    gpu_gib: float,
+    host_gib: float | None = None,
+    gpus_per_node: int = 8,
+) -> list[Plan]:
+    """Every placement of the run's roles that fits, cheapest first."""
+    roles = active_roles(cfg)
+    per_node = min(world, gpus_per_node)
+    nodes = -(-world // per_node)
+    plans = []
+    for combo in itertools.product(*(role_options(r) for r in roles)):
+        placement = dict(zip(roles, combo))
+        for gc, share in itertools.product((False, True), VLLM_SHARES):
+            dtypes = {f"{r}_dtype": p.dtype for r, p in placement.items()}
+            c = replace(
+                cfg,
+                precision=replace(cfg.precision, enable_grad_checkpointing=gc, **dtypes),
+                rollout=replace(cfg.rollout, engine="vllm", sleep=True, gpu_memory_utilization=share),
+                roles=replace(
+                    cfg.roles, **{r: replace(getattr(cfg.roles, r), sleep=p.sleep) for r, p in placement.items()}
+                ),
+            )
+            ds = {r: _ds_for(base_ds[r], p) for r, p in placement.items()}
+            est = estimate_memory(c, shapes["actor"], ds, world, "bf16", gpu_gib, role_shapes=shapes)
+            totals = stage_totals(est)
+            peak_stage = max(totals, key=totals.get)
+            if totals[peak_stage] > gpu_gib * GIB:
+                continue
+            host = per_node * _host_bytes(shapes, ds, placement, world)
+            if host_gib is not None and host > host_gib * GIB:
+                continue
+            plan = Plan(placement, gc, share, totals[peak_stage], peak_stage, _dominant(est[peak_stage]), host)
+            plan.costs = plan_cost(c, plan, shapes, world, nodes)
+            plan.cost_s = sum(plan.costs.values())
+            plans.append(plan)
+    # ties: the larger vLLM share, then the simpler placement (lower stages, fewer offloads), the lower peak
+    plans.sort(key=lambda p: (round(p.cost_s, 4), -p.vllm_share, _complexity(p), p.peak))
+    return plans
+
+
+def _host_bytes(shapes, ds: dict, placement: dict, world: int) -> float:
+    """One rank's host bytes: offloaded states, plus sleeping roles' device states (while generating)."""
+    total = 0.0
+    for role, p in placement.items():
+        head = "value" if role == "critic" else "score" if role == "reward" else "lm"
+        st = model_states(
+            shapes[role], ds[role], head=head, trainable=role in TRAINED, world=world, weight_dtype=p.dtype
+        )
+        total += sum(st["host"].values())
+        if p.sleep:
+            total += sum(v for k, v in st["device"].items() if not k.endswith("_update"))
+    return total
+
+
+def _complexity(p: Plan) -> int:
+    return sum(r.stage + 4 * (r.offload != "none") + 2 * r.sleep for r in p.roles.values()) + 2 * p.grad_checkpointing
+
+
+def _dominant(stage: dict[str, dict[str, float]]) -> str:
+    role, comp = max(((r, c) for r, cs in stage.items() for c in cs), key=lambda rc: stage[rc[0]][rc[1]])
+    return f"{role} {comp}"
+
+
+def render_plans(plans: list[Plan], top: int, world: int, gpu_gib: float, host_gib: float | None) -> str:
+    """The Markdown `--plan` prints: the best `top` plans and the best one as YAML."""
+    host = f"{host_gib:g} GiB host per node" if host_gib else "host memory not bounded"
+    head = f"## Plans that fit {world} x {gpu_gib:g} GiB GPUs ({host}), cheapest first\n\n"
+    if not plans:
+        return head + "No placement fits: more GPUs, a smaller model, shorter sequences or smaller micro-batches."
+    rows = [
+        "| # | " + " | ".join(plans[0].roles) + " | ckpt | vLLM | peak GiB (stage: dominant) | host GiB/node | "
+        "s/step (PCIe, host Adam, collectives, recompute) |",
+        "|---|" + "---|" * len(plans[0].roles) + "---|---|---|---|---|",
+    ]
+    for i, p in enumerate(plans[:top], 1):
+        cells = [_short(r) for r in p.roles.values()]
+        c = p.costs
+        rows.append(
+            f"| {i} | " + " | ".join(cells) + f" | {'on' if p.grad_checkpointing else 'off'} | {p.vllm_share:g} | "
+            f"{p.peak / GIB:.1f} ({p.peak_stage}: {p.dominant}) | {p.host / GIB:.0f} | {p.cost_s:.2f} "
+            f"({c['pcie']:.2f}, {c['host_adam']:.2f}, {c['collectives']:.2f}, {c['recompute']:.2f}) |"
+        )
+    return (
+        head
+        + "\n".join(rows)
+        + f"\n\n{len(plans)} plans fit. The best as a run-config block:\n\n```yaml\n{plans[0].yaml()}\n```"
+    )
+
+
+def _short(p: RolePlacement) -> str:
+    parts = [f"Z{p.stage}", p.dtype]
+    if p.offload != "none":
+        parts.append(f"off:{p.offload}")
+    if p.sleep:
+        parts.append("sleep")
+    return " ".join(parts)
