@@ -39,6 +39,14 @@ for dtype in bf16 fp16; do
     > "$out/$dtype.log" 2>&1
   echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/$dtype.log" | tail -n 12
 done
+# roles.actor.sleep: the actor's optimizer states, masters and gradients leave the GPU while vLLM
+# generates (DeepSpeed offload_states) and come back before its update: memory/rollout/actor/* shows it
+echo "== actor bf16 asleep during generation (roles.actor.sleep), rollout $engine"
+timeout 150 "$PY" -m deepspeed.launcher.runner --num_gpus 1 --master_port $((29500 + RANDOM % 1000)) \
+  --module verl_ds.cli train --config examples/grpo_cpu_tiny.yaml "${common[@]}" roles.actor.zero_stage=3 \
+  roles.actor.sleep=true precision.actor_dtype=bf16 precision.reference_dtype=bf16 trainer.run_dir=$out/sleep \
+  > "$out/sleep.log" 2>&1
+echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/sleep.log" | tail -n 6
 echo "== bench step (bf16 actor, rollout $engine)"
 timeout 110 "$PY" -m verl_ds.cli bench step --config examples/grpo_cpu_tiny.yaml --steps 3 "${common[@]}" \
   precision.actor_dtype=bf16 precision.reference_dtype=bf16 trainer.run_dir=$out/bench > "$out/bench.log" 2>&1
@@ -69,4 +77,11 @@ for dtype in ("bf16", "fp16"):
           f"rollout gap max {last.get('rollout_corr/logprob_abs_diff_max', float('nan')):.2e}")
     print("  timings:", {k[9:]: round(v, 3) for k, v in last.items() if k.startswith("timing_s/")})
     print("  process memory MiB:", {k[7:]: round(v) for k, v in last.items() if k.startswith("memory/") and "/process/" in k})
+for run in ("bf16", "sleep"):  # the actor's device memory per stage, awake vs asleep during generation
+    try:
+        last = [r for r in map(json.loads, open(f"{out}/{run}/metrics.jsonl")) if "reward/mean" in r][-1]
+    except (FileNotFoundError, IndexError):
+        print(f"{run}: no metrics (run failed)"); continue
+    print(f"actor device MiB per stage ({run}):",
+          {s: round(last.get(f"memory/{s}/actor/total_mib", float("nan"))) for s in ("rollout", "score", "update", "sync")})
 PY

@@ -26,7 +26,8 @@ def _dtype_name(t) -> str:
 
 def account_role(role) -> dict[str, float]:
     """Bytes a role's tensors hold now: weights by dtype (ZeRO-3: this rank's partition), fp32 master
-    partitions, gradients, optimizer states. A tensor counted once (first category wins)."""
+    partitions, gradients, optimizer states. A tensor counted once (first category wins). On a GPU
+    only device tensors count (an offloaded optimizer, a role asleep: on the host)."""
     import torch
 
     module = getattr(role, "module", None) or getattr(role, "model", None)
@@ -34,9 +35,12 @@ def account_role(role) -> dict[str, float]:
         return {}  # e.g. a vLLM engine in another process
     seen: set = set()
     out: dict[str, float] = {}
+    device_only = torch.cuda.is_available()  # GPU memory per GPU: offloaded or asleep states are on the host
 
     def add(key, t):
         if t is None or not torch.is_tensor(t) or t.numel() == 0 or (t.data_ptr(), t.numel()) in seen:
+            return
+        if device_only and t.device.type == "cpu":
             return
         seen.add((t.data_ptr(), t.numel()))
         out[key] = out.get(key, 0.0) + _nbytes(t)
