@@ -275,3 +275,14 @@ def test_zero2_model_states_match_deepspeeds_estimator(world, offload):
     else:  # DeepSpeed counts the 16-bit weights only; the 16-bit gradients backward makes are ours too
         assert device - 2 * shape.params("lm") / world == pytest.approx(gpu, rel=1e-6)
         assert host * world == pytest.approx(cpu, rel=1e-6)
+
+
+def test_debug_memory_prints_the_host_share_of_an_offloaded_optimizer(capsys):
+    args = ["debug", "memory", "--config", "examples/grpo_cpu_tiny.yaml", "--model-config", str(LLAMA_8B)]
+    extra = ["--world-size", "8", "roles.actor.offload=optimizer", "precision.actor_dtype=bf16"]
+    assert cli.main(args + extra) == 0
+    out = capsys.readouterr().out
+    # 8.03B params / 8 ranks: fp32 masters 4 B, Adam 8 B, fp32 gradients 4 B per parameter
+    assert "Host memory per rank (offloaded): actor: master 3.74 GiB + optimizer 7.48 GiB + grads 3.74 GiB." in out
+    update = parse_md_tables(out.split("### stage: update", 1)[1])[0]
+    assert not [r for r in update if r[0] == "actor" and r[1] in ("master", "optimizer")]  # not on the GPU

@@ -13,6 +13,7 @@ from verl_ds.diagnostics.memory.estimate import (
     STAGES,
     ModelShape,
     estimate_memory,
+    host_memory,
     stage_totals,
     verdict,
 )
@@ -140,6 +141,10 @@ def report(
         )
     )
     text = head + "\n\n" + memory_table(est, measured, stages)
+    host = {r: c for r, c in host_memory(cfg, shape, ds, world, role_shapes(cfg)).items() if c}
+    if host:  # offloaded model states (roles.<role>.offload), one rank's share
+        parts = ", ".join(f"{r}: " + " + ".join(f"{k} {fmt_bytes(v)}" for k, v in c.items()) for r, c in host.items())
+        text += f"\n\nHost memory per rank (offloaded): {parts}."
     if gpu_gib:
         ok, peak_stage, peak = verdict({s: est[s] for s in stages}, gpu_gib)
         text += (
