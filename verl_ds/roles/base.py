@@ -356,10 +356,12 @@ class Role:
         return zeros / total if total else float("nan")
 
     # ------------------------------------------------------------ diagnostics
+    int8 = False  # a frozen role whose Linear weights are int8 (roles/quant.py): reward model, teacher
+
     def precision_stats(self) -> dict:
         """Dtypes (strings) and loss-scale/overflow/skip/grad-norm numbers for this role."""
         param = next(self.module.parameters())
-        stats = {"param_dtype": str(param.dtype).replace("torch.", "")}
+        stats = {"param_dtype": "int8" if self.int8 else str(param.dtype).replace("torch.", "")}
         if not self.trainable:
             return stats
         opt = self.engine.optimizer

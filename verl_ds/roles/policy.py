@@ -130,12 +130,6 @@ class Teacher(PolicyRole):
         super().__init__("teacher", model, ds_config, trainable=False)
         self.int8 = int8
 
-    def precision_stats(self) -> dict:
-        stats = super().precision_stats()
-        if self.int8:
-            stats["param_dtype"] = "int8"
-        return stats
-
 
 class Actor(PolicyRole):
     """Trains with the clipped PPO surrogate from `verl_ds.algos`, plus optional KL and entropy terms.

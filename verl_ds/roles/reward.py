@@ -28,8 +28,6 @@ class RewardModel(Role):
 
     def precision_stats(self) -> dict:
         stats = super().precision_stats()
-        if self.int8:
-            stats["param_dtype"] = "int8"
         stats["weight_bytes"] = float(tensor_bytes(self.module))
         return stats
 
