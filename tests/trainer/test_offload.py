@@ -47,3 +47,14 @@ def test_offload_params_needs_zero3_and_a_frozen_role_has_no_optimizer_to_offloa
         load_config(None, ["roles.actor.zero_stage=0", "roles.actor.sleep=true"])
     cfg = load_config(None, ["roles.reference.ds_config=ref_zero3.json", "roles.reference.offload=params"])
     assert render_ds_configs(cfg, 1)["reference"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_sleep_is_accepted_on_cpu_and_says_it_is_a_no_op(tmp_path, caplog):
+    """roles.actor.sleep on CPU: the run trains, one log line says nothing moves, the role stays awake."""
+    import logging
+
+    cfg = load_config(None, tiny_overrides(tmp_path) + ["roles.actor.zero_stage=3", "roles.actor.sleep=true"])
+    with caplog.at_level(logging.INFO, logger="verl_ds"), RLTrainer(cfg) as trainer:
+        trainer.step()
+        assert not trainer.actor.asleep and trainer.actor.sleep() is False
+    assert sum("sleep: a no-op on CPU" in r.getMessage() for r in caplog.records) == 1
