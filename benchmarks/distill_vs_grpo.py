@@ -2,6 +2,7 @@
 
     source launch/env.sh && python benchmarks/distill_vs_grpo.py                 # 2 seeds, ~10 min on 2 cores
     python benchmarks/distill_vs_grpo.py --seeds 2 --steps 60 --teacher-steps 100  # a short check
+    python benchmarks/distill_vs_grpo.py --job smollm2 --seeds 1 2 --steps 16 --teacher-steps 16 --val-every 8
 
 1. The teacher: `examples/grpo_cpu_tiny.yaml` (GRPO, seed 1) for --teacher-steps; its final model and
    its held-out greedy accuracy at the last step.
@@ -9,6 +10,10 @@
    teacher's own start): GRPO (`grpo_cpu_tiny.yaml`) and distillation alone
    (`examples/opd_cpu_tiny.yaml`: the teacher's per-token reverse KL as the reward, no task reward),
    the same rollout budget (steps x prompts x samples) and learning rate.
+`--job smollm2`: the same on the real-model demo (`examples/grpo_cpu_smollm2_rg.yaml`: SmolLM2-135M-
+Instruct, reasoning-gym arithmetic, 95 held-out questions; `bash launch/demo.sh` converts the model
+once); distillation keeps the demo's settings, without the reference. With `--seeds 1 ...` GRPO's
+seed-1 run is the teacher's own.
 Every run goes through `launch/train.sh` (2 ranks). Held-out accuracy: greedy, on 10 prompts the
 training never sees (`data.val_fraction` 0.4 of the 25 problems; every run holds out the same ones),
 every --val-every steps. "Reached" = the first validation at >= teacher accuracy - 0.03; its time is
@@ -27,8 +32,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+COMMON = ["checkpoint.every=0", "logging.wandb.mode=disabled", "logging.sample_every=0"]
+# job: (GRPO config, distillation config, overrides of both, distillation's own, held-out accuracy key)
+JOBS = {
+    "tiny": ("grpo_cpu_tiny.yaml", "opd_cpu_tiny.yaml", ["data.val_fraction=0.4"], [], "val/arithmetic/accuracy"),
+    "smollm2": (
+        "grpo_cpu_smollm2_rg.yaml",
+        "grpo_cpu_smollm2_rg.yaml",
+        [],
+        ["algorithm.kl_coef=0", "algorithm.distill.coef=1.0", "roles.teacher.micro_batch_size=32"],
+        "val/reasoning_gym/accuracy",
+    ),
+}
 ACC = "val/arithmetic/accuracy"
-COMMON = ["data.val_fraction=0.4", "checkpoint.every=0", "logging.wandb.mode=disabled", "logging.sample_every=0"]
 
 
 def train(config: str, run_dir: Path, overrides: list[str]) -> list[dict]:
@@ -65,26 +81,29 @@ def reached(c: dict, target: float):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", choices=sorted(JOBS), default="tiny")
     ap.add_argument("--seeds", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--teacher-steps", type=int, default=200)
     ap.add_argument("--val-every", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "runs" / "distill_vs_grpo"))
     args = ap.parse_args()
-    out = Path(args.out)
-    val = [f"trainer.val_every={args.val_every}"]
-    t_rows = train(
-        "grpo_cpu_tiny.yaml", out / "teacher", [f"trainer.steps={args.teacher_steps}", "trainer.seed=1", *val]
-    )
+    global ACC
+    grpo_cfg, opd_cfg, both, opd_only, ACC = JOBS[args.job]
+    out = Path(args.out if args.out != ap.get_default("out") else f"{args.out}_{args.job}")
+    val = [f"trainer.val_every={args.val_every}", *both]
+    teacher_dir = out / "teacher"
+    t_rows = train(grpo_cfg, teacher_dir, [f"trainer.steps={args.teacher_steps}", "trainer.seed=1", *val])
     teacher = curve(t_rows)
     t_acc = teacher["val"][-1][2]
     target = t_acc - 0.03
     runs = {}
     for seed in args.seeds:  # the two methods one after the other per seed: drift hits both alike
         common = [f"trainer.steps={args.steps}", f"trainer.seed={seed}", *val]
-        runs[f"grpo/{seed}"] = curve(train("grpo_cpu_tiny.yaml", out / f"grpo_{seed}", common))
-        opd = [f"model.teacher_path={out / 'teacher' / 'final_model'}", *common]
-        runs[f"distill/{seed}"] = curve(train("opd_cpu_tiny.yaml", out / f"distill_{seed}", opd))
+        opd = [f"model.teacher_path={teacher_dir / 'final_model'}", *opd_only, *common]
+        runs[f"distill/{seed}"] = curve(train(opd_cfg, out / f"distill_{seed}", opd))
+        same = seed == 1 and args.steps == args.teacher_steps  # GRPO seed 1 is the teacher's own run
+        runs[f"grpo/{seed}"] = teacher if same else curve(train(grpo_cfg, out / f"grpo_{seed}", common))
     rows = []
     for name, c in runs.items():
         step, sec = reached(c, target)
@@ -97,8 +116,9 @@ def main() -> int:
         )
     table = "\n".join(
         [
-            f"Teacher (GRPO, seed 1, {args.teacher_steps} steps): held-out greedy accuracy {t_acc:.2f}; "
-            f"target {target:.2f}. {args.steps} steps x 16 prompts x 16 samples per run, {os.cpu_count()} cores.",
+            f"Job {args.job}. Teacher (GRPO, seed 1, {args.teacher_steps} steps): held-out greedy accuracy "
+            f"{t_acc:.3f} (step 0: {teacher['val'][0][2]:.3f}); target {target:.3f}. {args.steps} steps per run, "
+            f"{os.cpu_count()} cores.",
             "",
             "| run / seed | steps to target | train s to target | final held-out | best held-out | "
             "train reward (last 10) | s/step | run wall s |",
