@@ -9,7 +9,7 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 import pytest  # noqa: E402
 
-SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+from verl_ds.process import DS_SHM_BUFFERS as SHM_BUFFERS  # noqa: E402,F401  (tests glob the same names)
 
 
 @pytest.fixture(scope="session", autouse=True)

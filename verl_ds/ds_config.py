@@ -45,6 +45,13 @@ def precision_blocks(dtype: str, scaling: LossScaling | None) -> dict:
     return {}
 
 
+def offload_blocks(offload: str) -> dict:
+    """The `zero_optimization` blocks of `roles.<role>.offload`: to the CPU, pinned."""
+    parts = offload.split("+")
+    keys = [k for part, k in (("optimizer", "offload_optimizer"), ("params", "offload_param")) if part in parts]
+    return {k: {"device": "cpu", "pin_memory": True} for k in keys}
+
+
 def render_role(
     role: str,
     base: dict,
@@ -75,9 +82,8 @@ def render_role(
     if dtype == "fp16" and json_fp16.get("enabled") and json_loss_scaling:
         ds["fp16"].update(json_fp16)  # the JSON's own loss-scaling keys
     stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-    for part, key in (("optimizer", "offload_optimizer"), ("params", "offload_param")):
-        if part in offload.split("+"):
-            ds.setdefault("zero_optimization", {})[key] = {"device": "cpu", "pin_memory": True}
+    if offload != "none":
+        ds.setdefault("zero_optimization", {}).update(offload_blocks(offload))
 
     trained = role in TRAINED_ROLES
     if trained:

@@ -39,7 +39,10 @@ def _check_processes() -> list[str]:
     return out
 
 
-@pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+WHY_NOT = _why_not()  # a platform limit: sshd needs root, and its packages or apt to install them
+
+
+@pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 def test_multinode_check_two_loopback_nodes_leaves_nothing_behind():
     home_ssh = os.path.expanduser("~/.ssh")
     before = {

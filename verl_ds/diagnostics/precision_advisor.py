@@ -248,14 +248,15 @@ def measure_dtypes(probe: RoleProbe, call: tuple, groups, path: str | None = Non
     return res
 
 
-def weight_memory(cfg, role: str, shape, world: int, hw) -> dict[str, float]:
-    """Weight bytes of `role` per dtype from the analytic model (what `debug memory` prints)."""
+def weight_memory(cfg, role: str, shape, world: int, hw, shapes: dict | None = None) -> dict[str, float]:
+    """Weight bytes of `role` per dtype from the analytic model (what `debug memory` prints);
+    `shapes`: the roles with a model of their own (`role_shapes`)."""
     out = {}
     for dt in COMPUTE_DTYPES:
         c = copy.deepcopy(cfg)
         setattr(c.precision, f"{role}_dtype", dt)
         p = resolve_precision(c.precision, hw, json_dtypes(c), log_choice=False)
-        est = estimate_memory(c, shape, render_ds_configs(c, world, p), world, p.rollout, role_shapes=role_shapes(c))
+        est = estimate_memory(c, shape, render_ds_configs(c, world, p), world, p.rollout, role_shapes=shapes)
         out[dt] = sum(v for k, v in est["update"][role].items() if k.startswith("weights_"))
     return out
 
@@ -324,7 +325,8 @@ def debug_precision(
         ]
     hw = detect_hardware(cfg.trainer.device)
     shape = load_shape(str(Path(model_path) / "config.json"))
-    mem = {name: weight_memory(cfg, name, shape, world, hw) for name in roles}
+    shapes = role_shapes(cfg)
+    mem = {name: weight_memory(cfg, name, shape, world, hw, shapes) for name in roles}
     result = R.build_report(roles, rows, mem, world, hw, steps, time.perf_counter() - t0, notes)
     if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)

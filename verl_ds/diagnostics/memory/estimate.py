@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from verl_ds.config import offload_stages
 from verl_ds.ds_config import ds_dtype
-from verl_ds.precision import INT8_ROLES
+from verl_ds.precision import INT8_ROLES, TRAINED_ROLES
 from verl_ds.rollout.distributed import choose_engine
 
 MIB = 2**20
@@ -125,7 +125,8 @@ def role_memory(
     b = BYTES[dtype]
     zero = ds.get("zero_optimization", {})
     stage, n = int(zero.get("stage", 0)), w.world
-    base_psi, psi = shape.params(head) + adapter_params, (adapter_params or shape.params(head) + adapter_params)
+    base_psi = shape.params(head) + adapter_params
+    psi = adapter_params or base_psi  # the trained parameters
     states = model_states(
         shape, ds, head=head, trainable=trainable, world=n, weight_dtype=weight_dtype, adapter_params=adapter_params
     )
@@ -207,8 +208,8 @@ def model_states(
         opt["optimizer"] = 8 * psi / opt_shard  # Adam exp_avg + exp_avg_sq, fp32
         grads = BYTES[grad_dtype] * psi / (n if stage >= 2 else 1)
         fp32_grads = 4 * psi / opt_shard if stage >= 1 or dtype != "fp32" else 0.0
-        if off_opt:  # reduced gradients go to the host partition the CPU optimizer steps
-            host["grads"] = 4 * psi / opt_shard
+        if off_opt:  # reduced gradients go to the host partition the CPU optimizer steps (stage >= 1)
+            host["grads"] = fp32_grads
             if stage < 3:
                 device["grads_update"] = grads  # backward still produces them on the device
         else:
@@ -225,16 +226,8 @@ def host_memory(cfg, shape: ModelShape, ds_configs: dict[str, dict], world: int,
     (offloaded optimizers and parameters; nothing without offload)."""
     out = {}
     for role, ds in ds_configs.items():
-        lora = cfg.model.lora
-        out[role] = model_states(
-            (role_shapes or {}).get(role, shape),
-            ds,
-            head=HEADS[role],
-            trainable=role in ("actor", "critic"),
-            world=world,
-            weight_dtype="int8" if role in INT8_ROLES and cfg.precision.role_dtype(role) == "int8" else None,
-            adapter_params=shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0,
-        )["host"]
+        role_shape = (role_shapes or {}).get(role, shape)
+        out[role] = model_states(role_shape, ds, **role_kwargs(cfg, role_shape, role), world=world)["host"]
     return out
 
 
@@ -273,23 +266,27 @@ def rollout_memory(
 HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score", "teacher": "lm"}
 
 
-def run_role_memory(
-    cfg, shape: ModelShape, role: str, ds: dict, w: Workload, on_gpu: bool = False
-) -> dict[str, dict[str, float]]:
-    """`role_memory` with what the run config says about this role (head, int8 reward or teacher,
-    LoRA; on a GPU, `roles.<role>.sleep`: nothing of it on the device while the rollout generates)."""
+def role_kwargs(cfg, shape: ModelShape, role: str) -> dict:
+    """What the run config says about a role's model states: its head, whether it trains, int8
+    weights (reward model, teacher), LoRA adapters (the actor)."""
     lora = cfg.model.lora
-    stages = role_memory(
-        shape,
-        ds,
+    return dict(
         head=HEADS[role],
-        trainable=role in ("actor", "critic"),
-        w=w,
-        grad_checkpointing=cfg.precision.enable_grad_checkpointing,
+        trainable=role in TRAINED_ROLES,
         weight_dtype="int8" if role in INT8_ROLES and cfg.precision.role_dtype(role) == "int8" else None,
         adapter_params=shape.lora_params(lora.rank, lora.target_modules) if role == "actor" and lora.rank else 0,
     )
-    if on_gpu and getattr(cfg.roles, role).sleep and role in ("actor", "critic"):
+
+
+def run_role_memory(
+    cfg, shape: ModelShape, role: str, ds: dict, w: Workload, on_gpu: bool = False
+) -> dict[str, dict[str, float]]:
+    """`role_memory` with what the run config says about this role (`role_kwargs`, activation
+    checkpointing; on a GPU, `roles.<role>.sleep`: nothing of it on the device while generating)."""
+    stages = role_memory(
+        shape, ds, **role_kwargs(cfg, shape, role), w=w, grad_checkpointing=cfg.precision.enable_grad_checkpointing
+    )
+    if on_gpu and getattr(cfg.roles, role).sleep and role in TRAINED_ROLES:
         stages["rollout"] = {}
     return stages
 

@@ -33,12 +33,16 @@ from verl_ds.config import active_roles, offload_stages
 from verl_ds.diagnostics.memory.estimate import (
     BYTES,
     GIB,
+    HEADS,
     ModelShape,
     estimate_memory,
     model_states,
+    role_kwargs,
     stage_totals,
     workload,
 )
+from verl_ds.ds_config import offload_blocks, precision_blocks
+from verl_ds.precision import INT8_ROLES, TRAINED_ROLES
 
 PCIE_BYTES_S = 25e9  # host <-> GPU, one direction (PCIe 4 x16, achieved)
 INTRA_NODE_BYTES_S = 150e9  # NVLink-class all-gather / reduce-scatter bus bandwidth per GPU
@@ -46,7 +50,6 @@ INTER_NODE_BYTES_S = 25e9  # one 200 Gb/s NIC per GPU
 HOST_ADAM_BYTES_S = 20e9  # DeepSpeedCPUAdam over masters + moments (AVX-512, one socket's share)
 GPU_FLOPS = 400e12  # achieved bf16 FLOP/s for the recomputation
 VLLM_SHARES = (0.3, 0.5, 0.7, 0.9)
-TRAINED = ("actor", "critic")
 
 
 @dataclass(frozen=True)
@@ -87,46 +90,50 @@ class Plan:
 
 
 def role_options(role: str) -> list[RolePlacement]:
-    trained = role in TRAINED
+    trained = role in TRAINED_ROLES
     out = []
     for offload in ("none", "optimizer", "optimizer+params") if trained else ("none", "params"):
         for stage in offload_stages(offload, trained):
             sleeps = (False, True) if trained and stage >= 1 and "params" not in offload else (False,)
-            dtypes = (
-                ("bf16", "int8") if role in ("reward", "teacher") and stage == 0 and offload == "none" else ("bf16",)
-            )
+            dtypes = ("bf16", "int8") if role in INT8_ROLES and stage == 0 and offload == "none" else ("bf16",)
             for sleep, dtype in itertools.product(sleeps, dtypes):
                 out.append(RolePlacement(stage, offload, sleep, dtype))
     return out
 
 
 def _ds_for(base: dict, p: RolePlacement) -> dict:
+    """The role's rendered DeepSpeed config with this placement's stage, offload and dtype blocks."""
     ds = copy.deepcopy(base)
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = p.stage
     zero.pop("offload_optimizer", None)
     zero.pop("offload_param", None)
-    if "optimizer" in p.offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if "params" in p.offload:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    zero.update(offload_blocks(p.offload))
     ds.pop("fp16", None)
-    ds["bf16"] = {"enabled": p.dtype == "bf16"}
+    ds.pop("bf16", None)
+    ds.update(precision_blocks(p.dtype, None))
     return ds
 
 
-def plan_cost(cfg, plan: Plan, shapes: dict[str, ModelShape], world: int, nodes: int) -> dict[str, float]:
-    """Seconds per step by source (the module docstring's model)."""
+def _resident(states: dict[str, float]) -> float:
+    """A role's device states that stay between updates (what `sleep` moves to the host)."""
+    return sum(v for k, v in states.items() if not k.endswith("_update"))
+
+
+def plan_cost(
+    cfg, plan: Plan, shapes: dict[str, ModelShape], states: dict[str, dict], world: int, nodes: int
+) -> dict[str, float]:
+    """Seconds per step by source (the module docstring's model); `states`: each role's `model_states`."""
     w = workload(cfg, world)
     coll_rate = INTRA_NODE_BYTES_S if nodes == 1 else INTER_NODE_BYTES_S
     ring = (world - 1) / world if world > 1 else 0.0
     out = {"pcie": 0.0, "host_adam": 0.0, "collectives": 0.0, "recompute": 0.0}
     for role, p in plan.roles.items():
-        psi = shapes[role].params("value" if role == "critic" else "score" if role == "reward" else "lm")
+        psi = shapes[role].params(HEADS[role])
         b = BYTES[p.dtype]
         mb = getattr(cfg.roles, role).micro_batch_size
         passes = max(1, -(-w.local_batch // mb))  # micro-batches per pass over this rank's rows
-        trained = role in TRAINED
+        trained = role in TRAINED_ROLES
         fwd_bwd = passes * cfg.algorithm.ppo_epochs * (2 if trained else 0) + passes  # + the scoring pass
         if p.stage >= 3:
             out["collectives"] += fwd_bwd * ring * psi * b / coll_rate
@@ -137,9 +144,7 @@ def plan_cost(cfg, plan: Plan, shapes: dict[str, ModelShape], world: int, nodes:
                 out["pcie"] += 2 * psi * b / world / PCIE_BYTES_S
                 out["host_adam"] += 16 * psi / world / HOST_ADAM_BYTES_S
             if p.sleep:
-                ds = _ds_for({}, p)
-                st = model_states(shapes[role], ds, head="lm", trainable=True, world=world)["device"]
-                out["pcie"] += 2 * sum(v for k, v in st.items() if not k.endswith("_update")) / PCIE_BYTES_S
+                out["pcie"] += 2 * _resident(states[role]["device"]) / PCIE_BYTES_S
             if plan.grad_checkpointing:
                 tokens = w.local_batch * w.seq_len * cfg.algorithm.ppo_epochs
                 out["recompute"] += 2 * psi * tokens / GPU_FLOPS
@@ -165,46 +170,41 @@ def search(
     plans = []
     for combo in itertools.product(*(role_options(r) for r in roles)):
         placement = dict(zip(roles, combo))
+        # what depends on the placement alone: the configs, the model states, the host bytes
+        placed = replace(
+            cfg,
+            precision=replace(cfg.precision, **{f"{r}_dtype": p.dtype for r, p in placement.items()}),
+            roles=replace(
+                cfg.roles, **{r: replace(getattr(cfg.roles, r), sleep=p.sleep) for r, p in placement.items()}
+            ),
+        )
+        ds = {r: _ds_for(base_ds[r], p) for r, p in placement.items()}
+        states = {r: model_states(shapes[r], ds[r], **role_kwargs(placed, shapes[r], r), world=world) for r in roles}
+        # one rank's host bytes: offloaded states, plus sleeping roles' device states while generating
+        host = per_node * sum(
+            sum(st["host"].values()) + (_resident(st["device"]) if placement[r].sleep else 0.0)
+            for r, st in states.items()
+        )
+        if host_gib is not None and host > host_gib * GIB:
+            continue
         for gc, share in itertools.product((False, True), VLLM_SHARES):
-            dtypes = {f"{r}_dtype": p.dtype for r, p in placement.items()}
             c = replace(
-                cfg,
-                precision=replace(cfg.precision, enable_grad_checkpointing=gc, **dtypes),
+                placed,
+                precision=replace(placed.precision, enable_grad_checkpointing=gc),
                 rollout=replace(cfg.rollout, engine="vllm", sleep=True, gpu_memory_utilization=share),
-                roles=replace(
-                    cfg.roles, **{r: replace(getattr(cfg.roles, r), sleep=p.sleep) for r, p in placement.items()}
-                ),
             )
-            ds = {r: _ds_for(base_ds[r], p) for r, p in placement.items()}
             est = estimate_memory(c, shapes["actor"], ds, world, "bf16", gpu_gib, role_shapes=shapes)
             totals = stage_totals(est)
             peak_stage = max(totals, key=totals.get)
             if totals[peak_stage] > gpu_gib * GIB:
                 continue
-            host = per_node * _host_bytes(shapes, ds, placement, world)
-            if host_gib is not None and host > host_gib * GIB:
-                continue
             plan = Plan(placement, gc, share, totals[peak_stage], peak_stage, _dominant(est[peak_stage]), host)
-            plan.costs = plan_cost(c, plan, shapes, world, nodes)
+            plan.costs = plan_cost(c, plan, shapes, states, world, nodes)
             plan.cost_s = sum(plan.costs.values())
             plans.append(plan)
     # ties: the larger vLLM share, then the simpler placement (lower stages, fewer offloads), the lower peak
     plans.sort(key=lambda p: (round(p.cost_s, 4), -p.vllm_share, _complexity(p), p.peak))
     return plans
-
-
-def _host_bytes(shapes, ds: dict, placement: dict, world: int) -> float:
-    """One rank's host bytes: offloaded states, plus sleeping roles' device states (while generating)."""
-    total = 0.0
-    for role, p in placement.items():
-        head = "value" if role == "critic" else "score" if role == "reward" else "lm"
-        st = model_states(
-            shapes[role], ds[role], head=head, trainable=role in TRAINED, world=world, weight_dtype=p.dtype
-        )
-        total += sum(st["host"].values())
-        if p.sleep:
-            total += sum(v for k, v in st["device"].items() if not k.endswith("_update"))
-    return total
 
 
 def _complexity(p: Plan) -> int:

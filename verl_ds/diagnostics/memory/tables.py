@@ -125,7 +125,8 @@ def report(
 
     precision = resolve(cfg)
     ds = render_ds_configs(cfg, world, precision)
-    est = estimate_memory(cfg, shape, ds, world, precision.rollout, gpu_gib, role_shapes(cfg))
+    shapes = role_shapes(cfg)  # read once: the estimate and the host share both use them
+    est = estimate_memory(cfg, shape, ds, world, precision.rollout, gpu_gib, shapes)
     stages = STAGE_GROUPS.get(stage, (stage,))
     dt = {r: precision.role(r) for r in est["update"] if r not in ("rollout", "process")}
     head = (
@@ -141,7 +142,7 @@ def report(
         )
     )
     text = head + "\n\n" + memory_table(est, measured, stages)
-    host = {r: c for r, c in host_memory(cfg, shape, ds, world, role_shapes(cfg)).items() if c}
+    host = {r: c for r, c in host_memory(cfg, shape, ds, world, shapes).items() if c}
     if host:  # offloaded model states (roles.<role>.offload), one rank's share
         parts = ", ".join(f"{r}: " + " + ".join(f"{k} {fmt_bytes(v)}" for k, v in c.items()) for r, c in host.items())
         text += f"\n\nHost memory per rank (offloaded): {parts}."
