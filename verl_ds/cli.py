@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     prec.add_argument(
         "--matrix", action="store_true", help="every trainer dtype x rollout dtype pair of --dtypes (9 cells for 3)"
     )
+    prec.add_argument(
+        "--cells",
+        default=None,
+        help="only these cells, e.g. fp32,bf16,fp16,fp32/bf16 (trainer/rollout); overrides --dtypes",
+    )
     prec.add_argument("--steps", type=POS_INT, default=5)
     prec.add_argument("--out", default=None, help="output folder (default: <trainer.run_dir>/bench_precision)")
     prec.add_argument("overrides", nargs="*")
@@ -185,12 +190,15 @@ def cmd_bench_precision(args) -> int:
     from pathlib import Path
 
     from verl_ds.config import load_config
-    from verl_ds.diagnostics.bench_precision import bench_precision, parse_dtypes
+    from verl_ds.diagnostics.bench_precision import bench_precision, parse_cells, parse_dtypes
     from verl_ds.trainer.rl_trainer import RLTrainer
 
     dtypes = parse_dtypes(args.dtypes)
+    only = parse_cells(args.cells) if args.cells is not None else None
     out = args.out or str(Path(load_config(args.config, args.overrides).trainer.run_dir) / "bench_precision")
-    res = bench_precision(args.config, args.overrides, dtypes, args.steps, out, RLTrainer, matrix=args.matrix)
+    res = bench_precision(
+        args.config, args.overrides, dtypes, args.steps, out, RLTrainer, matrix=args.matrix, only=only
+    )
     print(res["table"])
     print(f"\nwrote {out}/bench_precision.md, .json, .png")
     return 0

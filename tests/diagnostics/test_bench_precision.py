@@ -4,6 +4,7 @@ import json
 
 from tests.diagnostics.helpers import parse_md_tables, tiny_overrides
 from verl_ds import cli
+from verl_ds.diagnostics.bench_precision import parse_cells
 
 
 def test_bench_precision_two_steps_per_dtype(tmp_path, capsys):
@@ -68,3 +69,20 @@ def test_bench_precision_matrix_crosses_trainer_and_rollout_dtypes(tmp_path, cap
     assert res["fp32/bf16"]["mismatch_step1"] > 10 * res["fp32"]["mismatch_step1"]
     for r in res.values():
         assert 0.0 <= r["phantom_clip_step1"] <= 1.0
+
+
+def test_bench_precision_cells_name_a_subset():
+    """--cells: trainer/rollout pairs in the order given; one dtype means both sides."""
+    assert parse_cells("fp32, bf16,fp16/fp16,fp32/bf16") == [
+        ("fp32", "fp32"),
+        ("bf16", "bf16"),
+        ("fp16", "fp16"),
+        ("fp32", "bf16"),
+    ]
+
+
+def test_bench_precision_rejects_a_bad_cell(capsys):
+    args = ["bench", "precision", "--config", "examples/grpo_cpu_tiny.yaml", "--cells", "fp32,bf16/fp8"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "error: --cells" in err and "'bf16/fp8'" in err

@@ -2,7 +2,8 @@
 
 A cell is (trainer dtype, rollout dtype): the actor, critic and reference compute in the first, the
 rollout engine in the second (the reward model keeps its own setting). By default the cells are
-each dtype on both sides; `--matrix` runs every pair (fp32/bf16/fp16: 9 cells). Each cell runs
+each dtype on both sides; `--matrix` runs every pair (fp32/bf16/fp16: 9 cells); `--cells` names a
+subset (`fp32,bf16,fp32/bf16`: trainer/rollout, one dtype for both sides). Each cell runs
 `steps` trainer steps of the same job and seed. Output: a Markdown table (the rollout-vs-trainer
 mismatch at step 1 and over the run, the phantom-clip fraction at step 1 — tokens PPO would clip
 on the same weights, precision alone —, peak memory per role, step time, tokens/s, final reward,
@@ -43,6 +44,20 @@ def precision_overrides(dtype: str, rollout: str | None = None) -> list[str]:
 def cells(dtypes: list[str], matrix: bool) -> list[tuple[str, str]]:
     """(trainer, rollout) pairs: each dtype on both sides, or with `matrix` every pair."""
     return [(a, r) for a in dtypes for r in dtypes] if matrix else [(d, d) for d in dtypes]
+
+
+def parse_cells(text: str) -> list[tuple[str, str]]:
+    """`--cells`: a comma list of `trainer/rollout` pairs, or one dtype for both sides."""
+    out = []
+    for item in (c.strip() for c in text.split(",")):
+        parts = item.split("/") if item else []
+        if not 1 <= len(parts) <= 2 or any(p not in COMPUTE_DTYPES for p in parts):
+            raise ConfigError(
+                "--cells",
+                f"bad cell {item!r}; use a comma list of DTYPE or TRAINER/ROLLOUT ({', '.join(COMPUTE_DTYPES)})",
+            )
+        out.append((parts[0], parts[-1]))
+    return out
 
 
 def cell_name(trainer: str, rollout: str) -> str:
@@ -205,8 +220,10 @@ def bench_precision(
     out_dir: str | Path,
     make_trainer,
     matrix: bool = False,
+    only: list[tuple[str, str]] | None = None,
 ) -> dict:
-    """Run `steps` steps per cell (`cells`); write bench_precision.{md,json,png} into `out_dir`."""
+    """Run `steps` steps per cell (`cells`, or the (trainer, rollout) pairs of `only`); write
+    bench_precision.{md,json,png} into `out_dir`."""
     import torch
 
     out = Path(out_dir)
@@ -214,7 +231,7 @@ def bench_precision(
     base = [] if torch.cuda.is_available() else ["rollout.engine=hf"]
     hw = detect_hardware()
     results = []
-    for trainer, rollout in cells(dtypes, matrix):
+    for trainer, rollout in only or cells(dtypes, matrix):
         name = cell_name(trainer, rollout)
         cfg = load_config(
             config_path,
@@ -227,7 +244,7 @@ def bench_precision(
         emulated = sorted({d for d in (trainer, rollout) if hw.emulates(d)})
         results.append(summarize((trainer, rollout), run_steps(make_trainer, cfg, steps), emulated))
     table = markdown(results)
-    what = "cell (trainer dtype x rollout dtype)" if matrix else "dtype"
+    what = "cell (trainer dtype x rollout dtype)" if matrix or only else "dtype"
     (out / "bench_precision.md").write_text(f"# bench precision ({steps} steps per {what}, {hw.device})\n\n{table}\n")
     (out / "bench_precision.json").write_text(json.dumps(_finite({"steps": steps, "results": results}), indent=2))
     plot(results, out / "bench_precision.png")
