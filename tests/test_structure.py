@@ -116,6 +116,7 @@ _INTERNALS = {
         "supported_dtypes",
         "_packed_params",
         "_weight_bias",
+        "_release_process_group_references",
     },
     "rollout/vllm_internals.py": {"llm_engine", "engine_core", "_finalizer", "disable_envs_cache", "reload_weights"},
     "process.py": {"_dynamo"},

@@ -1,6 +1,9 @@
 """`verl-ds bench precision`: 2 steps per dtype on a tiny model, HF rollout; table, JSON and PNG."""
 
+import importlib.util
 import json
+
+import pytest
 
 from tests.diagnostics.helpers import parse_md_tables, tiny_overrides
 from verl_ds import cli
@@ -86,3 +89,21 @@ def test_bench_precision_rejects_a_bad_cell(capsys):
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert "error: --cells" in err and "'bf16/fp8'" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_bench_precision_cells_run_one_after_another_on_vllm(tmp_path, capsys):
+    """The cells run in one process, each with its own vLLM engine: vLLM's teardown destroys the world
+    group under DeepSpeed, and the next cell's engines must not keep the dead one (the second cell
+    used to fail in DeepSpeed's broadcast: "Group ... is not registered")."""
+    out = tmp_path / "bench"
+    args = (
+        ["bench", "precision", "--config", "examples/grpo_cpu_tiny.yaml", "--cells", "fp32,fp32/fp16"]
+        + ["--steps", "1", "--out", str(out)]
+        + [o for o in tiny_overrides(tmp_path / "run") if not o.startswith("model.tiny.")]  # vLLM: head_dim >= 16
+        + ["rollout.engine=vllm", "rollout.kv_cache_gb=0.05", "trainer.prompts_per_step=2"]
+    )
+    assert cli.main(args) == 0
+    res = json.loads((out / "bench_precision.json").read_text())["results"]
+    assert [r["dtype"] for r in res] == ["fp32", "fp32/fp16"]
+    assert res[1]["mismatch_step1"] > res[0]["mismatch_step1"]  # the fp16 vLLM engine really served cell 2

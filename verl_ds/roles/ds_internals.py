@@ -169,6 +169,21 @@ def enable_cpu_fp16() -> None:
     )
 
 
+# ------------------------------------------------------------------ process groups
+def forget_destroyed_world() -> None:
+    """Drop DeepSpeed's references to process groups of a world that is gone. DeepSpeed keeps groups
+    cloned from the world (`deepspeed.utils.groups`: the world clone, the data-parallel group, ...)
+    and releases them only in its own `deepspeed.comm.destroy_process_group`; vLLM's engine shutdown
+    destroys torch's default group directly. An engine built afterwards in the same process (the next
+    `bench precision` cell) would broadcast over a dead group. A no-op while the world is up."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    groups._release_process_group_references(group=None)
+
+
 # ------------------------------------------------------------------ torch.ao quantized modules
 def packed_weight_bias(mod: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(int8 weight, bias) of a torch.ao dynamically quantized Linear (`mod._packed_params._weight_bias()`,

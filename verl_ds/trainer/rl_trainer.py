@@ -33,7 +33,7 @@ from verl_ds.dist import (
 from verl_ds.ds_config import resolve
 from verl_ds.envs import load_tools
 from verl_ds.errors import ConfigError
-from verl_ds.roles import align_overflow, iter_full_params
+from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_params
 from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import episodes, make_rollout, resolve_engine, sync_distributed
 from verl_ds.trainer import builder
@@ -612,6 +612,7 @@ class RLTrainer:
             logger.finish()
         if rollout is not None:
             rollout.shutdown(release=not exiting)
+            forget_destroyed_world()  # vLLM's teardown destroys the world group under DeepSpeed
 
     def __enter__(self) -> RLTrainer:
         return self
