@@ -11,7 +11,7 @@
    (`examples/opd_cpu_tiny.yaml`: the teacher's per-token reverse KL as the reward, no task reward),
    the same rollout budget (steps x prompts x samples) and learning rate.
 `--job smollm2`: the same on the real-model demo (`examples/grpo_cpu_smollm2_rg.yaml`: SmolLM2-135M-
-Instruct, reasoning-gym arithmetic, 95 held-out questions; `bash launch/demo.sh` converts the model
+Instruct, reasoning-gym arithmetic, its held-out questions; `bash launch/demo.sh` converts the model
 once); distillation keeps the demo's settings, without the reference. With `--seeds 1 ...` GRPO's
 seed-1 run is the teacher's own.
 Every run goes through `launch/train.sh` (2 ranks). Held-out accuracy: greedy, on 10 prompts the
