@@ -141,19 +141,17 @@ def test_missing_model_config_is_a_user_error(capsys):
 
 
 def test_zero_stage_auto_picks_the_lowest_stage_that_fits():
-    cfg = load_config(
-        "examples/grpo_cpu_tiny.yaml",
-        [
-            "roles.actor.zero_stage=auto",
-            "roles.reference.zero_stage=auto",
-            "rollout.max_model_len=1024",
-            "data.max_prompt_length=256",
-            "roles.actor.micro_batch_size=4",
-            "roles.reference.micro_batch_size=4",
-            "precision.actor_dtype=bf16",
-            "precision.reference_dtype=bf16",
-        ],
-    )
+    overrides = [
+        "roles.actor.zero_stage=auto",
+        "roles.reference.zero_stage=auto",
+        "rollout.max_model_len=1024",
+        "data.max_prompt_length=256",
+        "roles.actor.micro_batch_size=4",
+        "roles.reference.micro_batch_size=4",
+        "precision.actor_dtype=bf16",
+        "precision.reference_dtype=bf16",
+    ]
+    cfg = load_config("examples/grpo_cpu_tiny.yaml", overrides)
     shape = M.load_shape(str(LLAMA_8B))
     ds = render_ds_configs(cfg, 8)
     roomy = M.choose_zero_stages(cfg, shape, ds, 8, 1e15, ["actor", "reference"])
@@ -164,6 +162,9 @@ def test_zero_stage_auto_picks_the_lowest_stage_that_fits():
     assert hopeless == {"actor": 3, "reference": 3}  # nothing fits: ZeRO-3
     rendered = render_ds_configs(cfg, 8, zero_stages=tight)
     assert rendered["actor"]["zero_optimization"]["stage"] == tight["actor"]
+    # a sleeping actor needs a ZeRO optimizer (stage >= 1): auto never picks 0 for it, even when 0 fits
+    asleep = load_config("examples/grpo_cpu_tiny.yaml", [*overrides, "roles.actor.sleep=true"])
+    assert M.choose_zero_stages(asleep, shape, ds, 8, 1e15, ["actor", "reference"]) == {"actor": 1, "reference": 0}
 
 
 def test_bench_step_prints_phases_and_floor(tmp_path, capsys):

@@ -352,8 +352,9 @@ def choose_zero_stages(
     role_shapes: dict[str, ModelShape] | None = None,
 ) -> dict[str, int]:
     """`zero_stage: auto`: for each role in `auto_roles`, the lowest ZeRO stage (0-3; frozen roles
-    0 or 3) at which every role's peak estimate, summed, fits `headroom` x `budget_bytes`. Roles
-    not yet decided count at stage 3. ZeRO-3 when nothing fits."""
+    0 or 3; one its offload allows; >= 1 for a role that sleeps) at which every role's peak
+    estimate, summed, fits `headroom` x `budget_bytes`. Roles not yet decided count at stage 3.
+    ZeRO-3 when nothing fits."""
     import copy
 
     w = workload(cfg, world)
@@ -371,7 +372,10 @@ def choose_zero_stages(
         return max(totals.values())
 
     for role in auto_roles:
-        for stage in offload_stages(getattr(cfg.roles, role).offload, role in ("actor", "critic")):
+        rc = getattr(cfg.roles, role)
+        for stage in offload_stages(rc.offload, role in ("actor", "critic")):
+            if rc.sleep and stage == 0:  # sleep moves a ZeRO optimizer's states: stage 0 has none
+                continue
             if peak({**chosen, role: stage}) <= headroom * budget_bytes:
                 chosen[role] = stage
                 break
