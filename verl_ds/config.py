@@ -305,11 +305,14 @@ class RoleConfig:
     )
 
 
-def offload_stages(offload: str, trained: bool) -> tuple[int, ...]:
-    """The ZeRO stages an offload setting works at: DeepSpeed offloads optimizer states from stage 1
-    on and parameters at stage 3 only; a frozen role has no optimizer to offload."""
+def offload_stages(offload: str, trained: bool, sleep: bool = False) -> tuple[int, ...]:
+    """The ZeRO stages an offload (and `sleep`) setting works at: DeepSpeed offloads optimizer states
+    from stage 1 on and parameters at stage 3 only; a frozen role has no optimizer to offload; sleep
+    moves a trained role's ZeRO optimizer states (stage >= 1) while its parameters stay on the device."""
+    if sleep and (not trained or "params" in offload):
+        return ()
     if offload == "none":
-        return (0, 1, 2, 3) if trained else (0, 3)
+        return ((1, 2, 3) if sleep else (0, 1, 2, 3)) if trained else (0, 3)
     if "params" in offload:
         return (3,)
     return (1, 2, 3) if trained else ()
@@ -811,7 +814,8 @@ def _check_ds_file(cfg: RunConfig, role: str, world: int, mini: int) -> None:
         )
     if rc.sleep and not trained:
         raise ConfigError(f"roles.{role}.sleep", f"the {role} is frozen: sleep applies to trained roles")
-    if rc.sleep and ("params" in rc.offload or (rc.zero_stage != "auto" and stage == 0)):
+    sleep_stages = offload_stages(rc.offload, trained, sleep=True) if rc.sleep else ()
+    if rc.sleep and (not sleep_stages or (rc.zero_stage != "auto" and stage not in sleep_stages)):
         raise ConfigError(
             f"roles.{role}.sleep",
             "DeepSpeed moves the states of a ZeRO optimizer (stage >= 1) whose parameters are not offloaded",

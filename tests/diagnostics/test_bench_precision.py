@@ -1,9 +1,6 @@
 """`verl-ds bench precision`: 2 steps per dtype on a tiny model, HF rollout; table, JSON and PNG."""
 
-import importlib.util
 import json
-
-import pytest
 
 from tests.diagnostics.helpers import parse_md_tables, tiny_overrides
 from verl_ds import cli
@@ -91,7 +88,6 @@ def test_bench_precision_rejects_a_bad_cell(capsys):
     assert "error: --cells" in err and "'bf16/fp8'" in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_bench_precision_cells_run_one_after_another_on_vllm(tmp_path, capsys):
     """The cells run in one process, each with its own vLLM engine: vLLM's teardown destroys the world
     group under DeepSpeed, and the next cell's engines must not keep the dead one (the second cell

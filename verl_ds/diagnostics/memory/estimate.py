@@ -373,9 +373,7 @@ def choose_zero_stages(
 
     for role in auto_roles:
         rc = getattr(cfg.roles, role)
-        for stage in offload_stages(rc.offload, role in ("actor", "critic")):
-            if rc.sleep and stage == 0:  # sleep moves a ZeRO optimizer's states: stage 0 has none
-                continue
+        for stage in offload_stages(rc.offload, role in TRAINED_ROLES, rc.sleep):
             if peak({**chosen, role: stage}) <= headroom * budget_bytes:
                 chosen[role] = stage
                 break

@@ -94,7 +94,7 @@ def role_options(role: str) -> list[RolePlacement]:
     out = []
     for offload in ("none", "optimizer", "optimizer+params") if trained else ("none", "params"):
         for stage in offload_stages(offload, trained):
-            sleeps = (False, True) if trained and stage >= 1 and "params" not in offload else (False,)
+            sleeps = (False, True) if stage in offload_stages(offload, trained, sleep=True) else (False,)
             dtypes = ("bf16", "int8") if role in INT8_ROLES and stage == 0 and offload == "none" else ("bf16",)
             for sleep, dtype in itertools.product(sleeps, dtypes):
                 out.append(RolePlacement(stage, offload, sleep, dtype))
