@@ -84,6 +84,14 @@ class PrecisionConfig:
     critic_comm_dtype: Optional[str] = opt(None, "the critic's gradient all-reduce dtype", choices=(None, *DTYPES))
     enable_grad_checkpointing: bool = opt(False, "recompute activations in backward (less memory, more time)")
     lm_head_fp32: bool = opt(False, "logits and log-softmax in fp32 (actor, reference, rollout)")
+    cpu_gemm: str = opt(
+        "auto",
+        "bf16/fp16 matrix products on a CPU without kernels for them (verl_ds/gemm.py): fp32 (16-bit "
+        "operands multiplied and summed in fp32, the result rounded to 16 bits, as 16-bit hardware does; "
+        "fp32 speed), native (ATen's generic 16-bit loop, an order of magnitude slower), auto: fp32 for "
+        "the dtypes this CPU lacks kernels for. The trainer's roles and the rollout in its process",
+        choices=("auto", "fp32", "native"),
+    )
     actor_loss_scaling: LossScaling = section(LossScaling)
     critic_loss_scaling: LossScaling = section(LossScaling)
 
@@ -128,15 +136,16 @@ class Hardware:
     cpu_flags: frozenset = frozenset()
 
     def emulates(self, dtype: str) -> bool:
-        """Whether `dtype` runs emulated here (slow; its numbers still hold): fp16 on any CPU, bf16
-        on a CPU without avx512_bf16/AMX. Nothing on CUDA."""
+        """Whether `dtype` has no kernels here (ATen's generic loop, or `verl_ds/gemm.py`'s fp32
+        products at fp32 speed; the numbers hold either way): fp16 on any CPU, bf16 on a CPU without
+        avx512_bf16/AMX. Nothing on CUDA."""
         if self.device == "cuda" or dtype == "fp32":
             return False
         return dtype == "fp16" or not self.cpu_bf16
 
     @property
     def cpu_bf16(self) -> bool:
-        """The CPU computes bf16 natively (avx512_bf16 or AMX); without, ATen emulates it (~40x slower)."""
+        """The CPU computes bf16 natively (avx512_bf16 or AMX); without, ATen emulates it (much slower)."""
         return bool({"avx512_bf16", "amx_bf16"} & set(self.cpu_flags))
 
 
@@ -149,7 +158,8 @@ def detect_hardware(device: str = "auto") -> Hardware:
 
 def auto_compute_dtype(hw: Hardware) -> tuple[str, str]:
     """The `auto` rule: (dtype, reason). bf16 on CUDA >= 8.0 and on CPUs with bf16 hardware; fp16
-    (dynamic loss scaling) on older CUDA; fp32 on CPUs where bf16 is emulated (~40x slower)."""
+    (dynamic loss scaling) on older CUDA; fp32 on CPUs where bf16 is emulated (no faster than fp32
+    even as fp32 products, `verl_ds/gemm.py`, and only rounder)."""
     if hw.device == "cuda":
         major, minor = hw.cuda_capability
         if major >= 8:
@@ -157,7 +167,7 @@ def auto_compute_dtype(hw: Hardware) -> tuple[str, str]:
         return "fp16", f"CUDA capability {major}.{minor} < 8: fp16 with dynamic loss scaling"
     if hw.cpu_bf16:
         return "bf16", "CPU has avx512_bf16/AMX"
-    return "fp32", "CPU without avx512_bf16/AMX: bf16 matmul is ~40x slower here"
+    return "fp32", "CPU without avx512_bf16/AMX: bf16 has no kernels here, so it is no faster than fp32"
 
 
 def _cpu_flags() -> set:
@@ -191,6 +201,7 @@ class ResolvedPrecision:
     auto_choice: str  # what `auto` meant on this hardware, and why
     auto_reason: str
     lm_head_fp32: bool = False
+    fp32_gemm: tuple = ()  # 16-bit dtypes whose GEMMs run on fp32 copies here (verl_ds/gemm.py)
 
     def role(self, name: str) -> str:
         return getattr(self, name)
@@ -249,10 +260,13 @@ def resolve_precision(
         log.info("precision 'auto' -> %s (%s)", auto, why)
     if log_choice and (msg := mismatch_warning(roles["actor"], rollout)):
         log.warning(msg)
+    activations = {
+        "reward_activation": pick(p.reward_activation_dtype),
+        "teacher_activation": pick(p.teacher_activation_dtype),
+    }
     return ResolvedPrecision(
         **roles,
-        reward_activation=pick(p.reward_activation_dtype),
-        teacher_activation=pick(p.teacher_activation_dtype),
+        **activations,
         rollout=rollout,
         buffer=pick(p.buffer_dtype),
         grad_accum=p.grad_accum_dtype,
@@ -263,4 +277,13 @@ def resolve_precision(
         auto_choice=auto,
         auto_reason=why,
         lm_head_fp32=p.lm_head_fp32,
+        fp32_gemm=fp32_gemm_dtypes(p.cpu_gemm, hw, {*roles.values(), *activations.values(), rollout}),
     )
+
+
+def fp32_gemm_dtypes(mode: str, hw: Hardware, used) -> tuple[str, ...]:
+    """The 16-bit dtypes among `used` whose GEMMs run on fp32 copies (`precision.cpu_gemm`): on a
+    CPU only; `auto`: those it has no kernels for (`Hardware.emulates`)."""
+    if hw.device != "cpu" or mode == "native":
+        return ()
+    return tuple(d for d in ("bf16", "fp16") if d in used and (mode == "fp32" or hw.emulates(d)))

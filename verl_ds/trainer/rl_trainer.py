@@ -33,6 +33,7 @@ from verl_ds.dist import (
 from verl_ds.ds_config import resolve
 from verl_ds.envs import load_tools
 from verl_ds.errors import ConfigError
+from verl_ds.gemm import fp32_gemm
 from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_params
 from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import episodes, make_rollout, resolve_engine, sync_distributed
@@ -102,6 +103,11 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
+        """One PPO step; 16-bit GEMMs as `precision.cpu_gemm` resolved (verl_ds/gemm.py)."""
+        with fp32_gemm(self.precision.fp32_gemm):
+            return self._step()
+
+    def _step(self) -> dict[str, float]:
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
         distill = a.distill if self.teacher else None
         # a Timer that, every logging.memory_every steps, also accounts each role's memory per stage
@@ -287,6 +293,10 @@ class RLTrainer:
         """Held-out prompts on the rollout engine with the current weights: greedy accuracy (mean
         reward at temperature 0) and, from `trainer.val_n` samples at the rollout temperature,
         mean@k and unbiased pass@k (a sample passes with reward >= 1). Collective: every rank calls it."""
+        with fp32_gemm(self.precision.fp32_gemm):
+            return self._validate()
+
+    def _validate(self) -> dict[str, float]:
         cfg, r = self.cfg, self.cfg.rollout
         k, name = cfg.trainer.val_n, cfg.data.task
         mine = self.val_prompts[self.rank :: self.world]
