@@ -13,7 +13,8 @@ Per run: held-out greedy accuracy at every validation, the change, whether it me
 last 5 steps), KL to the reference (last 5), the rollout-vs-trainer gap (mean |Δlogprob|) and the
 phantom-clip fraction (tokens PPO would clip on the same weights). Prints a Markdown table and, per
 dtype, how many seeds met the claim; writes <out>/results.json. A dtype this CPU emulates (bf16 or
-fp16 without avx512_bf16/AMX) is marked so: it runs ~40x slower.
+fp16 without avx512_bf16/AMX) is marked so: its trainer GEMMs run as fp32 products
+(`precision.cpu_gemm`), vLLM's on its own CPU kernels.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class PrecisionConfig:
         "bf16/fp16 matrix products on a CPU without kernels for them (verl_ds/gemm.py): fp32 (16-bit "
         "operands multiplied and summed in fp32, the result rounded to 16 bits, as 16-bit hardware does; "
         "fp32 speed), native (ATen's generic 16-bit loop, an order of magnitude slower), auto: fp32 for "
-        "the dtypes this CPU lacks kernels for. The trainer's roles and the rollout in its process",
+        "the dtypes this CPU lacks kernels for. The trainer's roles and an HF rollout (vLLM has its own CPU kernels)",
         choices=("auto", "fp32", "native"),
     )
     actor_loss_scaling: LossScaling = section(LossScaling)

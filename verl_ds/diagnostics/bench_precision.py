@@ -12,7 +12,8 @@ same as JSON, and a PNG of the mismatch, loss and reward curves per cell.
 
 On CPU the rollout defaults to HF generate (`rollout.engine=hf`; pass `rollout.engine=vllm` to
 override): three vLLM engine starts would dominate the benchmark. fp16 on CPU runs through the
-roles' DeepSpeed fp16 shim (emulated, slow). bf16 on a CPU without avx512_bf16/AMX is slow too.
+roles' DeepSpeed fp16 shim; on a CPU without 16-bit kernels the roles' GEMMs run as fp32 products
+of the 16-bit operands (`precision.cpu_gemm`, verl_ds/gemm.py).
 
 The trainer is passed in (`make_trainer`, e.g. `RLTrainer`): diagnostics sit below the trainer layer.
 """
