@@ -295,7 +295,10 @@ def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_roll
     steps under the launcher; the same job with an fp32 trainer and a bf16 rollout (the mismatched
     pair behind "phantom clipping"), and all in bf16. Matched fp16 keeps the rollout-vs-trainer gap
     far below the mismatched pair's and below matched bf16's (measured on an AVX2 CPU: 5.4e-5 vs
-    2.9e-4 vs 1.2e-3; on a 4x smaller model bf16's was the smaller: docs/BENCHMARKS.md)."""
+    2.9e-4 vs 1.2e-3; on a 4x smaller model bf16's was the smaller: docs/BENCHMARKS.md).
+    ATen's own 16-bit kernels (`precision.cpu_gemm=native`): the gap needs two kernel paths, and under
+    `cpu_gemm: fp32` the HF rollout and the trainer run the same fp32 products and round alike
+    (measured: matched bf16 3.7e-7, fp16 1.5e-6)."""
     runs = {}
     for name, (trainer, rollout) in {
         "fp16": ("fp16", "fp16"),
@@ -317,6 +320,7 @@ def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_roll
             *[f"precision.{k}_dtype={trainer}" for k in ("actor", "reference")],
             f"precision.rollout_dtype={rollout}",
             "precision.buffer_dtype=fp32",
+            "precision.cpu_gemm=native",
         )
         runs[name] = read_metrics(run_dir)
     fp16 = runs["fp16"]
