@@ -11,7 +11,8 @@ the weights and activations kept between ops) stays 16-bit.
 
 Autograd sees the casts: backward runs fp32 GEMMs and rounds each gradient to 16 bits where its
 tensor is 16-bit, as a 16-bit kernel's backward does. `resolve_precision` decides the dtypes
-(`precision.cpu_gemm`); the trainer enters the context around its step and its validation.
+(`precision.cpu_gemm`); the RL trainer enters the context around its step and its validation, the
+SFT trainer (`cpu_gemm=`) around its fit.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 DTYPES = ("fp32", "fp16", "bf16", "int8", "auto")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+CPU_GEMM_MODES = ("auto", "fp32", "native")  # precision.cpu_gemm (verl_ds/gemm.py)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -90,7 +91,7 @@ class PrecisionConfig:
         "operands multiplied and summed in fp32, the result rounded to 16 bits, as 16-bit hardware does; "
         "fp32 speed), native (ATen's generic 16-bit loop, an order of magnitude slower), auto: fp32 for "
         "the dtypes this CPU lacks kernels for. The trainer's roles and an HF rollout (vLLM has its own CPU kernels)",
-        choices=("auto", "fp32", "native"),
+        choices=CPU_GEMM_MODES,
     )
     actor_loss_scaling: LossScaling = section(LossScaling)
     critic_loss_scaling: LossScaling = section(LossScaling)

@@ -110,12 +110,33 @@ def test_sft_fp16_forced_overflow_is_skipped_and_counted(tiny_model_dir):
     assert t.skipped_steps == 1 and t.precision_stats()["loss_scale"] == 2048.0
 
 
+@pytest.mark.parametrize("cpu_gemm,want", [("fp32", ["Fp32Gemm"]), ("native", [])])
+def test_sft_passes_run_under_the_resolved_gemm(tiny_model_dir, cpu_gemm, want):
+    from torch.overrides import _get_current_function_mode_stack
+
+    from verl_ds import Trainer
+
+    class Watching(Trainer):
+        modes = []
+
+        def compute_loss(self, batch):
+            Watching.modes.append([type(m).__name__ for m in _get_current_function_mode_stack()])
+            return super().compute_loss(batch)
+
+    t = Watching(tiny_model_dir, strategy="zero2", precision="bf16", micro_batch_size=16, cpu_gemm=cpu_gemm)
+    assert t.fp32_gemm == (("bf16",) if cpu_gemm == "fp32" else ())
+    losses = t.fit(_sft_data(16), max_steps=1)
+    assert Watching.modes and all(m == want for m in Watching.modes)
+    assert losses[0] == losses[0] and _get_current_function_mode_stack() == []
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
         ({"precision": "bf16", "grad_scaler": True}, "fp16 only"),
         ({"precision": "fp32", "grad_scaler": True}, "fp16 only"),
         ({"strategy": "fsdp"}, "zero3"),
+        ({"cpu_gemm": "fast"}, "cpu_gemm.*'fast' is not one of auto, fp32, native"),
     ],
 )
 def test_sft_bad_arguments_say_why(tiny_model_dir, kwargs, match):

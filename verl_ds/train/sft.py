@@ -3,7 +3,8 @@
     Trainer(model, strategy="zero2", precision="fp16", grad_scaler=True, max_grad_norm=1.0).fit(data)
 
 `strategy` picks the ZeRO stage, `precision` the compute dtype (fp32 master weights for 16-bit),
-`grad_scaler=True` with fp16 means DeepSpeed's dynamic loss scaling. Backward and step go through
+`grad_scaler=True` with fp16 means DeepSpeed's dynamic loss scaling, `cpu_gemm` is
+`precision.cpu_gemm` (16-bit GEMMs as fp32 products on a CPU without 16-bit kernels). Backward and step go through
 the engine (a `Role`), so overflows, skipped steps and loss scale are DeepSpeed's own.
 """
 
@@ -16,7 +17,15 @@ import torch
 
 from verl_ds.ds_config import precision_blocks
 from verl_ds.errors import ConfigError
-from verl_ds.precision import LossScaling, PrecisionConfig, detect_hardware, resolve_precision
+from verl_ds.gemm import fp32_gemm
+from verl_ds.precision import (
+    CPU_GEMM_MODES,
+    LossScaling,
+    PrecisionConfig,
+    detect_hardware,
+    fp32_gemm_dtypes,
+    resolve_precision,
+)
 from verl_ds.roles.base import Role
 from verl_ds.roles.params import export_hf
 
@@ -90,11 +99,14 @@ class Trainer:
         batch_size: int | None = None,
         tokenizer=None,
         trust_remote_code: bool = False,
+        cpu_gemm: str = "auto",
     ):
         from verl_ds.dist import init_distributed, world_size
         from verl_ds.roles.policy import load_causal_lm
 
         init_distributed()
+        if cpu_gemm not in CPU_GEMM_MODES:
+            raise ConfigError("cpu_gemm", f"'{cpu_gemm}' is not one of {', '.join(CPU_GEMM_MODES)}")
         if precision == "auto":  # the same rule as the RL roles, resolved in one place
             precision = resolve_precision(PrecisionConfig(actor_dtype="auto"), detect_hardware()).actor
         if isinstance(model, (str, Path)):
@@ -118,6 +130,7 @@ class Trainer:
         )
         self.role = Role("sft", model, ds, trainable=True, optimizer=optimizer)
         self.precision, self.batch_size = precision, batch_size
+        self.fp32_gemm = fp32_gemm_dtypes(cpu_gemm, detect_hardware(), {precision})  # the RL trainer's rule
         self.losses: list[float] = []
 
     @property
@@ -157,6 +170,10 @@ class Trainer:
 
     def fit(self, dataset, epochs: int = 1, max_steps: int | None = None, seed: int = 0) -> list[float]:
         """Train; returns the loss of every optimizer step (each rank takes its share of each batch)."""
+        with fp32_gemm(self.fp32_gemm):
+            return self._fit(dataset, epochs, max_steps, seed)
+
+    def _fit(self, dataset, epochs: int, max_steps: int | None, seed: int) -> list[float]:
         from verl_ds.dist import rank, world_size
 
         g = torch.Generator().manual_seed(seed)
