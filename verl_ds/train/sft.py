@@ -3,9 +3,9 @@
     Trainer(model, strategy="zero2", precision="fp16", grad_scaler=True, max_grad_norm=1.0).fit(data)
 
 `strategy` picks the ZeRO stage, `precision` the compute dtype (fp32 master weights for 16-bit),
-`grad_scaler=True` with fp16 means DeepSpeed's dynamic loss scaling, `cpu_gemm` is
-`precision.cpu_gemm` (16-bit GEMMs as fp32 products on a CPU without 16-bit kernels). Backward and step go through
-the engine (a `Role`), so overflows, skipped steps and loss scale are DeepSpeed's own.
+`grad_scaler=True` with fp16 means DeepSpeed's dynamic loss scaling, `cpu_gemm` is the RL config's
+`precision.cpu_gemm` (16-bit GEMMs as fp32 products on a CPU without 16-bit kernels). Backward and
+step go through the engine (a `Role`), so overflows, skipped steps and loss scale are DeepSpeed's own.
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ class Trainer:
         init_distributed()
         if cpu_gemm not in CPU_GEMM_MODES:
             raise ConfigError("cpu_gemm", f"'{cpu_gemm}' is not one of {', '.join(CPU_GEMM_MODES)}")
+        hw = detect_hardware()
         if precision == "auto":  # the same rule as the RL roles, resolved in one place
-            precision = resolve_precision(PrecisionConfig(actor_dtype="auto"), detect_hardware()).actor
+            precision = resolve_precision(PrecisionConfig(actor_dtype="auto"), hw).actor
         if isinstance(model, (str, Path)):
             from verl_ds.data.tiny import load_tokenizer
 
@@ -130,7 +131,7 @@ class Trainer:
         )
         self.role = Role("sft", model, ds, trainable=True, optimizer=optimizer)
         self.precision, self.batch_size = precision, batch_size
-        self.fp32_gemm = fp32_gemm_dtypes(cpu_gemm, detect_hardware(), {precision})  # the RL trainer's rule
+        self.fp32_gemm = fp32_gemm_dtypes(cpu_gemm, hw, {precision})  # the RL trainer's rule
         self.losses: list[float] = []
 
     @property
