@@ -147,14 +147,25 @@ class Hardware:
     @property
     def cpu_bf16(self) -> bool:
         """The CPU computes bf16 natively (avx512_bf16 or AMX); without, ATen emulates it (much slower)."""
-        return bool({"avx512_bf16", "amx_bf16"} & set(self.cpu_flags))
+        return bool(_BF16_FLAGS & set(self.cpu_flags))
 
 
 def detect_hardware(device: str = "auto") -> Hardware:
     """This machine's facts; `device` is `trainer.device` (auto | cpu | cuda)."""
     if device in ("auto", "cuda") and torch.cuda.is_available():
         return Hardware("cuda", tuple(torch.cuda.get_device_capability()))
-    return Hardware("cpu", cpu_flags=frozenset(_cpu_flags()))
+    flags = frozenset(_cpu_flags())
+    return Hardware("cpu", cpu_flags=flags - _BF16_FLAGS if _aten_below_avx512() else flags)
+
+
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def _aten_below_avx512() -> bool:
+    """ATen runs AVX2-or-lower kernels although the CPU may have more (`ATEN_CPU_CAPABILITY=avx2`,
+    as `launch/numerics_avx2.sh` sets): bf16 is then emulated, so the CPU's bf16 flags must not
+    count, and `auto` resolves as on an AVX2-only host."""
+    return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "NO AVX", "AVX2")
 
 
 def auto_compute_dtype(hw: Hardware) -> tuple[str, str]:

@@ -116,6 +116,18 @@ def test_auto_rule_every_branch_from_injected_hardware(hw, want):
     assert r.actor_comm == ("fp32" if want == "fp16" else None)  # fp16 grads reduce in fp32
 
 
+def test_forced_avx2_kernels_resolve_auto_as_an_avx2_host():
+    """Under `ATEN_CPU_CAPABILITY=avx2` (launch/numerics_avx2.sh) bf16 is emulated whatever the CPU
+    has, so this machine's `auto` is fp32 and its bf16 flags do not count, as on an AVX2-only host."""
+    probe = (
+        "from verl_ds.precision import auto_compute_dtype, detect_hardware; hw = detect_hardware('cpu'); "
+        "print(auto_compute_dtype(hw)[0], hw.cpu_bf16, sorted(hw.cpu_flags & {'avx512_bf16', 'amx_bf16'}))"
+    )
+    env = child_env(ATEN_CPU_CAPABILITY="avx2")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["fp32", "False", "[]"], out.stdout + out.stderr
+
+
 def test_resolution_explicit_wins_then_json_then_hardware():
     p = PrecisionConfig(
         actor_dtype="fp32",

@@ -32,6 +32,8 @@ OVERRIDES = [
     "trainer.val_before_train=false",
     "checkpoint.every=2",
     "trainer.collective_timeout_s=30",  # a bound for what no closed connection reports (README)
+    # pinned: bitwise equality is about the two paths' logic, not the CPU kind `auto` follows
+    *[f"precision.{k}_dtype=fp32" for k in ("actor", "reference", "rollout", "buffer")],
 ]
 DEAD_NODE_BOUND_S = 60
 # per-step numbers that are not the algorithm's: wall times and process memory

@@ -290,15 +290,21 @@ def test_multi_turn_zero3_vllm_lora_filter_groups_kill_resume(tmp_path):
     )
 
 
+@pytest.mark.numerics
 def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_rollout_gap_small(tmp_path, capsys):
     """The actor, the reference and the rollout all in fp16 (dynamic loss scaling, fp32 masters), 3
     steps under the launcher; the same job with an fp32 trainer and a bf16 rollout (the mismatched
-    pair behind "phantom clipping"), and all in bf16. Matched fp16 keeps the rollout-vs-trainer gap
-    far below the mismatched pair's and below matched bf16's (measured on an AVX2 CPU: 5.4e-5 vs
-    2.9e-4 vs 1.2e-3; on a 4x smaller model bf16's was the smaller: docs/BENCHMARKS.md).
-    ATen's own 16-bit kernels (`precision.cpu_gemm=native`): the gap needs two kernel paths, and under
-    `cpu_gemm: fp32` the HF rollout and the trainer run the same fp32 products and round alike
-    (measured: matched bf16 3.7e-7, fp16 1.5e-6)."""
+    pair behind "phantom clipping"), and all in bf16. ATen's own 16-bit kernels
+    (`precision.cpu_gemm=native`): under `cpu_gemm: fp32` the HF rollout and the trainer run the same
+    fp32 products and round alike, so the gap would not show the format at all.
+
+    What holds on every CPU kind, and so what is asserted: loss scaling ran in fp16 (and not in
+    bf16); each matched pair's gap is far below the mismatched pair's; each gap is under a bound
+    derived from its format's unit roundoff. Which matched format is closer is NOT asserted: it
+    depends on the kernels. With two kernel paths (AVX2: bf16 emulated) fp16 is the closer; on an
+    avx512_bf16 CPU both sides of a matched pair run the same native kernel and both gaps are
+    ~5e-8, their order noise (docs/ARCHITECTURE.md, Tests). The comparison is printed, as
+    `bench precision --matrix` reports it."""
     runs = {}
     for name, (trainer, rollout) in {
         "fp16": ("fp16", "fp16"),
@@ -329,9 +335,16 @@ def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_roll
     assert all(r["precision/actor/loss_scale"] == 1.0 for r in runs["bf16"])
     gap = {n: sum(r["rollout_corr/logprob_abs_diff_mean"] for r in rows) / 3 for n, rows in runs.items()}
     with capsys.disabled():
-        print(f"\nmean rollout-vs-trainer |dlogprob| over 3 steps: {gap}")
-    assert gap["fp16"] < gap["fp32/bf16"] / 3, gap
-    assert gap["fp16"] < gap["bf16"], gap  # fp16's 10 mantissa bits against bf16's 7 (arXiv 2510.26788)
+        order = "fp16 closer" if gap["fp16"] < gap["bf16"] else "bf16 closer"
+        print(f"\nmean rollout-vs-trainer |dlogprob| over 3 steps: {gap} (measured, not asserted: {order})")
+    # A rounding of the rollout's logits alone moves a logprob by a fraction of the format's unit
+    # roundoff u (fp32 trainer vs bf16 rollout: ~0.3 u_bf16 on both CPU kinds); a matched pair rounds
+    # alike, so its gap stays under half its own u whatever the kernels (measured 1e-4..0.1 u).
+    u = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+    assert u["fp16"] / 4 < gap["fp32/bf16"] < u["bf16"], gap  # the mismatched pair shows bf16's rounding
+    for fmt in ("fp16", "bf16"):
+        assert gap[fmt] < u[fmt] / 2, (fmt, gap)
+        assert gap[fmt] < gap["fp32/bf16"] / 2, (fmt, gap)  # matched: far below the mismatched pair
     assert all(0 <= r["rollout_corr/phantom_clip_fraction"] <= 1 for rows in runs.values() for r in rows)
 
 
