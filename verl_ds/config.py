@@ -286,7 +286,14 @@ class RoleConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
     betas: list = opt(help="AdamW betas", factory=lambda: [0.9, 0.999])
     micro_batch_size: int = opt(8, "rows per micro-batch per rank", gt=0)
-    max_tokens_per_micro_batch: int = opt(0, "> 0: micro-batches by padded tokens instead (dynamic size)", ge=0)
+    max_tokens_per_micro_batch: Any = opt(
+        "auto",
+        "padded tokens per micro-batch, rows packed by length so little padding runs (dynamic size); auto: "
+        "micro_batch_size x the longest row the run can make (`token_budget`: never more than a row micro-batch "
+        "of full-length rows); 0: micro_batch_size rows each",
+        ge=0,
+        auto=True,
+    )
     zero_stage: Any = opt(
         None,
         "null: the JSON's | 0-3 | auto: the lowest stage that fits (GPU memory)",
@@ -843,6 +850,25 @@ def _check_ds_file(cfg: RunConfig, role: str, world: int, mini: int) -> None:
         raise ConfigError(
             where, f"gradient_accumulation_steps {gas} != train_batch_size {total} / (micro {micro} x {world} ranks)"
         )
+
+
+def longest_row(cfg: RunConfig) -> int:
+    """The most tokens (prompt + response) one row of this run can hold: a cut prompt and a full
+    response, or a multi-turn episode up to its token cap, never past the engine's context."""
+    r, mt = cfg.rollout, cfg.rollout.multi_turn
+    response = (mt.max_total_tokens or r.max_model_len) if mt.env else r.max_new_tokens
+    return min(r.max_model_len, cfg.data.max_prompt_length + response)
+
+
+def token_budget(cfg: RunConfig, role: str) -> int:
+    """`roles.<role>.max_tokens_per_micro_batch` resolved: `auto` is micro_batch_size x
+    `longest_row`, the padded tokens of a row micro-batch whose rows all run full length, which the
+    user's micro_batch_size already has to fit: packing short rows up to it never needs more memory
+    (activations grow with tokens, attention with rows x width^2 <= budget x the longest row)."""
+    rc = getattr(cfg.roles, role)
+    if rc.max_tokens_per_micro_batch == "auto":
+        return rc.micro_batch_size * longest_row(cfg)
+    return rc.max_tokens_per_micro_batch
 
 
 def active_roles(cfg: RunConfig) -> list[str]:

@@ -22,9 +22,12 @@ def opt(
     ge=None,
     lt=None,
     le=None,
+    auto: bool = False,
 ):
-    """A config field: `help` for docs/CONFIG.md, `choices` and bounds checked by `validate`."""
+    """A config field: `help` for docs/CONFIG.md, `choices` and bounds checked by `validate`;
+    `auto`: the string "auto" is allowed besides an integer within the bounds."""
     meta = {
+        "auto": auto,
         "help": help,
         "choices": tuple(choices) if choices is not None else None,
         "gt": gt,
@@ -50,6 +53,11 @@ def _check_value(value: Any, meta: dict) -> str | None:
             shown = ", ".join("null" if c is None else str(c) for c in choices)
             return f"'{value}' is not one of {shown}"
         return None
+    if meta.get("auto"):
+        if value == "auto":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be auto or an integer, got {value!r}"
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     for key, op, ok in (
@@ -100,7 +108,7 @@ def _allowed_text(meta) -> str:
     bounds = [
         f"{op} {meta[k]}" for k, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if meta.get(k) is not None
     ]
-    return " and ".join(bounds)
+    return " and ".join((["auto or an integer"] if meta.get("auto") else []) + bounds)
 
 
 def markdown(cls, title: str, intro: str = "") -> str:

@@ -128,6 +128,25 @@ def test_forced_avx2_kernels_resolve_auto_as_an_avx2_host():
     assert out.stdout.split() == ["fp32", "False", "[]"], out.stdout + out.stderr
 
 
+def test_token_budgets_are_on_by_default_and_never_exceed_a_full_length_row_micro_batch():
+    """`max_tokens_per_micro_batch: auto` (the default) is micro_batch_size x the longest row the run
+    can make: a prompt cut at max_prompt_length plus a full response (multi-turn: up to its token
+    cap), never past max_model_len. An explicit number wins; 0 is row micro-batches."""
+    from verl_ds.config import token_budget
+
+    cfg = load_config(None, ["data.max_prompt_length=40", "rollout.max_new_tokens=24", "roles.actor.micro_batch_size=4"])
+    assert cfg.roles.actor.max_tokens_per_micro_batch == cfg.roles.critic.max_tokens_per_micro_batch == "auto"
+    assert token_budget(cfg, "actor") == 4 * (40 + 24)
+    assert token_budget(cfg, "reference") == cfg.roles.reference.micro_batch_size * (40 + 24)
+    mt = ["rollout.multi_turn.env=retry", "rollout.max_model_len=200", "data.max_prompt_length=40"]
+    assert token_budget(load_config(None, mt), "critic") == cfg.roles.critic.micro_batch_size * 200
+    capped = load_config(None, [*mt, "rollout.multi_turn.max_total_tokens=100"])
+    assert token_budget(capped, "critic") == cfg.roles.critic.micro_batch_size * 140
+    for explicit in (0, 512):
+        cfg = load_config(None, [f"roles.actor.max_tokens_per_micro_batch={explicit}"])
+        assert token_budget(cfg, "actor") == explicit
+
+
 def test_resolution_explicit_wins_then_json_then_hardware():
     p = PrecisionConfig(
         actor_dtype="fp32",
@@ -244,6 +263,11 @@ BAD_INPUTS = {
         "roles:\n  critic: {max_tokens_per_micro_batch: -1}\n",
         [],
         "roles.critic.max_tokens_per_micro_batch",
+    ),
+    "max_tokens_not_auto": (
+        "roles:\n  actor: {max_tokens_per_micro_batch: lots}\n",
+        [],
+        "roles.actor.max_tokens_per_micro_batch: must be auto or an integer, got 'lots'",
     ),
     "model_without_config": ("model: {path: EMPTYDIR}\n", [], "has no config.json"),
     "model_without_tokenizer": ("model: {path: NOTOKDIR}\n", [], "has no tokenizer"),

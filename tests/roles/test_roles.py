@@ -257,6 +257,61 @@ def test_padding_removal_runs_each_micro_batch_on_the_columns_it_uses(tiny_model
             torch.testing.assert_close(values[i, : len(r)], v[len(p) - 1 : -1].float(), rtol=0, atol=1e-5)
 
 
+def _padded_rows(vocab: int, lens: list[tuple[int, int]], P: int, R: int) -> dict:
+    """Rows of (prompt, response) lengths `lens`, left-padded to P prompt and right-padded to R
+    response columns, as the rollout hands them over."""
+    n = len(lens)
+    ids, attn, resp = torch.zeros(n, P + R, dtype=torch.long), torch.zeros(n, P + R, dtype=torch.long), torch.zeros(n, R)
+    for i, (p, r) in enumerate(lens):
+        ids[i, P - p : P + r] = torch.randint(3, vocab, (p + r,))
+        attn[i, P - p : P + r] = 1
+        resp[i, :r] = 1
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+
+
+@pytest.mark.numerics
+def test_a_token_budget_runs_a_long_tail_without_padding_and_counts_what_ran(tiny_model_dir):
+    """8 rows with one long response in each 4-row micro-batch: row micro-batches pad three short rows
+    to it (real 68 of 128 tokens); the `auto` budget (micro 4 x the longest row, 16) packs the short
+    rows together and the long ones together (68 of 68). `take_token_counts` reports exactly what
+    the forwards ran, per pass, and the logprobs are the row path's."""
+    torch.manual_seed(0)
+    ref = Reference(load_causal_lm(tiny_model_dir), ds_config("reference", 0, "fp32", micro=4))
+    lens = [(4, 2)] * 3 + [(4, 12)] + [(4, 2)] * 3 + [(4, 12)]
+    batch = _padded_rows(ref.module.config.vocab_size, lens, P=4, R=12)
+    widths = []
+    ref.module.register_forward_pre_hook(lambda _m, a, kw: widths.append(kw["input_ids"].shape), with_kwargs=True)
+    rows_lp = ref.logprobs(batch)
+    assert ref.take_token_counts() == {"score": (68.0, 128.0), "update": (0.0, 0.0)}
+    assert ref.take_token_counts() == {"score": (0.0, 0.0), "update": (0.0, 0.0)}  # taken: zeroed
+    ref.max_tokens = 4 * 16
+    packed_lp = ref.logprobs(batch)
+    assert ref.take_token_counts()["score"] == (68.0, 68.0)
+    assert [tuple(w) for w in widths] == [(4, 16), (4, 16), (6, 6), (2, 16)]
+    mask = batch["response_mask"].bool()  # past a row's end both paths run padding: not compared
+    torch.testing.assert_close(packed_lp[mask], rows_lp[mask], rtol=0, atol=1e-5)
+
+
+@pytest.mark.numerics
+def test_the_reward_model_runs_only_the_columns_its_rows_use(reward_dir):
+    """A token budget counts a micro-batch's used columns, so the reward model's forward runs only
+    those (as the policy's and the critic's do): its scores equal each row scored alone."""
+    torch.manual_seed(0)
+    rm = RewardModel(load_reward_model(reward_dir, "fp32", "fp32"), ds_config("reward", 0, "fp32", micro=2))
+    lens = [(3, 1), (2, 2), (5, 3), (4, 2)]
+    batch = _padded_rows(rm.module.config.vocab_size, lens, P=8, R=5)
+    widths = []
+    rm.module.register_forward_pre_hook(lambda _m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    scores = rm.score(batch)
+    assert widths[:2] == [3 + 2, 5 + 3]
+    P = 8
+    with torch.no_grad():
+        for i, (p, r) in enumerate(lens):
+            seq = batch["input_ids"][i, P - p : P + r][None]
+            alone = rm.module(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[0, 0].float()
+            torch.testing.assert_close(scores[i], alone, rtol=0, atol=1e-5)
+
+
 @pytest.mark.numerics
 def test_shared_prompt_logits_and_gradients_equal_the_full_sequences(tiny_model_dir):
     """Each distinct prompt runs once and its keys/values serve its responses: the response logits

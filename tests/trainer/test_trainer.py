@@ -107,8 +107,12 @@ def test_every_estimator_runs_a_step(tmp_path, estimator):
     )
     with RLTrainer(cfg) as trainer:
         assert ("critic" in trainer.roles) == (estimator == "gae")  # no critic engine unless needed
+        assert trainer.actor.max_tokens == 8 * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)  # auto
         m = trainer.step()
     assert math.isfinite(m["actor/pg_loss"])
+    passes = ["actor/update", "reference/score"] + (["critic/score", "critic/update"] if estimator == "gae" else [])
+    for p in passes:  # real tokens / tokens run, every scoring and update pass of the step
+        assert 0 < m[f"perf/padding_efficiency/{p}"] <= 1, (p, m)
     if estimator == "gae":
         assert math.isfinite(m["critic/vf_loss"]) and "critic/vf_explained_var" in m
 

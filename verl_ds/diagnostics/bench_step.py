@@ -119,6 +119,17 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
         yield {"gen": t[1] - t[0], "ref": t[2] - t[1], "update_actor": t[3] - t[2], "step": t[3] - t[0]}
 
 
+# a timed phase -> the role pass whose `perf/padding_efficiency/<role>/<pass>` it reports
+PHASE_PASS = {
+    "update_actor": "actor/update",
+    "old_logprob": "actor/score",
+    "ref": "reference/score",
+    "teacher": "teacher/score",
+    "values": "critic/score",
+    "update_critic": "critic/update",
+}
+
+
 def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
     """Run `steps` (+1 warm-up) verl-ds steps and as many plain-PyTorch floor steps, alternating (a
     shared host's speed drifts: back to back, one side could get the slow minutes); print ratios."""
@@ -155,6 +166,7 @@ def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
         )
         / rate
     )
+    eff = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k.startswith("perf/padding_efficiency/")}
     floor_med = {k: statistics.median(f[k] for f in floor_times) for k in floor_times[0]}
     floor = floor_med["step"]
     out = {
@@ -166,18 +178,20 @@ def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
         "bench/matmul_flops": rate,
         **{f"bench/{k}": v for k, v in med.items()},
         **{f"bench/floor/{k}": v for k, v in floor_med.items()},
+        **{f"bench/{k}": v for k, v in eff.items()},
     }
     print(
         f"model {params / 1e6:.2f}M params ({dtype}), {len(prompts)} prompts x n={cfg.rollout.n} per rank, "
         f"{steps} steps after a warm-up, world size {trainer.world}"
     )
-    print("| phase | verl-ds s | share of step | plain-PyTorch floor s |\n|---|---|---|---|")
+    print("| phase | verl-ds s | share of step | padding efficiency | plain-PyTorch floor s |\n|---|---|---|---|---|")
     for k, v in sorted(med.items(), key=lambda kv: -kv[1]):
         name = k[len("timing_s/") :]
         if name != "step" and v > 0:
             fl = f"{floor_med[name]:.3f}" if name in floor_med else "-"
-            print(f"| {name} | {v:.3f} | {100 * v / step_s:.1f}% | {fl} |")
-    print(f"| **step** | {step_s:.3f} | 100% | {floor:.3f} |")
+            pe = eff.get(f"perf/padding_efficiency/{PHASE_PASS.get(name)}")
+            print(f"| {name} | {v:.3f} | {100 * v / step_s:.1f}% | {'-' if pe is None else f'{pe:.2f}'} | {fl} |")
+    print(f"| **step** | {step_s:.3f} | 100% | | {floor:.3f} |")
     print(
         f"\ntokens/s {tokens / step_s:.0f}; training MFU {100 * mfu:.1f}% of the measured {dtype} matmul rate "
         f"({rate / 1e9:.0f} GFLOP/s)"

@@ -36,15 +36,29 @@ def trim_padding(batch: dict) -> tuple[dict, int]:
     micro-batch of shorter ones needs fewer columns (GRPO groups share a prompt length). Exact: a
     dropped column is a masked key for every real token, and positions count real tokens only."""
     mask = batch["attention_mask"]
-    width = batch["response_mask"].shape[1]
-    p = mask.shape[1] - width
-    used = mask.bool().any(0).cpu()  # one device sync, then index arithmetic on the host
-    start = int(used[:p].int().argmax()) if p and bool(used[:p].any()) else p  # first prompt column in use
-    keep = int(used[p:].nonzero().max()) + 1 if bool(used[p:].any()) else 1  # last response column in use
+    start, p, keep = _used_columns(batch)
     inputs = model_inputs(
         {"input_ids": batch["input_ids"][:, start : p + keep], "attention_mask": mask[:, start : p + keep]}
     )
     return inputs, keep
+
+
+def _used_columns(batch: dict) -> tuple[int, int, int]:
+    """(first prompt column some row uses, the prompt width P, response columns kept)."""
+    mask = batch["attention_mask"]
+    p = mask.shape[1] - batch["response_mask"].shape[1]
+    used = mask.bool().any(0).cpu()  # one device sync, then index arithmetic on the host
+    start = int(used[:p].int().argmax()) if p and bool(used[:p].any()) else p  # first prompt column in use
+    keep = int(used[p:].nonzero().max()) + 1 if bool(used[p:].any()) else 1  # last response column in use
+    return start, p, keep
+
+
+def token_counts(batch: dict) -> tuple[float, float]:
+    """(real tokens, tokens its forward runs after `trim_padding`) of one micro-batch; their ratio
+    is `perf/padding_efficiency`. A `pad_row` entry is all waste."""
+    start, p, keep = _used_columns(batch)
+    real = 0.0 if batch.get("pad_row") else float(batch["attention_mask"].sum())
+    return real, float(batch["attention_mask"].shape[0] * (p - start + keep))
 
 
 def pad_response(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
@@ -174,6 +188,7 @@ class Role:
         self.aligned_skips = 0  # steps skipped because the partner role overflowed
         self.observers: list[RoleObserver] = []
         self._last_underflow = float("nan")
+        self._tokens: dict[str, tuple[float, float]] = {}  # per pass: (real, processed) tokens
         # fp32 ZeRO-0 runs a plain torch optimizer: DeepSpeed keeps no gradient norm for it (`step`
         # measures one), and on CPU its gradients are averaged over the ranks by a reusable-buffer
         # all-reduce at the accumulation boundary instead of DeepSpeed's (BucketAllReduce)
@@ -195,7 +210,18 @@ class Role:
     def to_device(self, batch: dict) -> dict:
         return {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
-    max_tokens = 0  # roles.<role>.max_tokens_per_micro_batch; 0: micro-batches of micro_batch_size rows
+    max_tokens = 0  # roles.<role>.max_tokens_per_micro_batch resolved; 0: micro_batch_size rows each
+    PASSES = ("score", "update")
+
+    def take_token_counts(self) -> dict[str, tuple[float, float]]:
+        """(real, processed) tokens of each pass since the last call (`token_counts`), then zero."""
+        counts, self._tokens = self._tokens, {}
+        return {k: counts.get(k, (0.0, 0.0)) for k in self.PASSES}
+
+    def _count_tokens(self, kind: str, mb: dict) -> None:
+        real, processed = token_counts(mb)
+        r, p = self._tokens.get(kind, (0.0, 0.0))
+        self._tokens[kind] = (r + real, p + processed)
 
     def packed(self, batch: dict) -> list[torch.Tensor]:
         """Under a token budget: `pack_by_tokens`, as many micro-batches on every rank (ZeRO-3 gathers
@@ -218,7 +244,9 @@ class Role:
         batch = self.to_device(batch)
         outs, rows, single = [], [], False
         for idx in self.micro_indices(batch):
-            out = fn(select_rows(batch, idx))  # an empty entry runs one dropped row
+            mb = select_rows(batch, idx)
+            self._count_tokens("score", mb)
+            out = fn(mb)  # an empty entry runs one dropped row
             single = not isinstance(out, tuple)
             if len(idx):
                 outs.append((out,) if single else out)
@@ -253,6 +281,7 @@ class Role:
         sums: dict[str, float] = {}
         rows, kept = [], []
         for i, mb in enumerate(mbs):
+            self._count_tokens("update", mb)
             loss, metrics, out = self.micro_loss(mb, counts)
             if self.force_overflow:
                 loss = loss * float("inf")

@@ -124,3 +124,6 @@ class AdapterOffReference:
 
     def precision_stats(self) -> dict:
         return {"shares_actor_weights": 1.0}
+
+    def take_token_counts(self) -> dict:
+        return {}  # its passes run on the actor's engine and count as the actor's

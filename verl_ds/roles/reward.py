@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_ds.roles.base import Role, model_inputs
+from verl_ds.roles.base import Role, trim_padding
 from verl_ds.roles.quant import quantize_int8, tensor_bytes
 
 
@@ -39,8 +39,9 @@ class RewardModel(Role):
         def scores(mb: dict) -> torch.Tensor:
             # HF pools at the last non-pad token: mark padding with the reward model's own pad id
             # (the policy's may differ), so the score is read at the last real token.
-            ids = torch.where(mb["attention_mask"].bool(), mb["input_ids"], pad)
-            return self.engine(**model_inputs({**mb, "input_ids": ids})).logits.squeeze(-1).float()
+            inputs, _ = trim_padding(mb)  # only the columns some row uses (a token budget counts those)
+            inputs["input_ids"] = torch.where(inputs["attention_mask"].bool(), inputs["input_ids"], pad)
+            return self.engine(**inputs).logits.squeeze(-1).float()
 
         out = self.map_micro(batch, scores)
         self.notify("on_score", batch, (), out)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from verl_ds.config import RunConfig, active_roles, validate_paths
+from verl_ds.config import RunConfig, active_roles, token_budget, validate_paths
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import load_examples, tokenize_prompts
 from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
@@ -164,7 +164,7 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
         roles["teacher"] = Teacher(teacher, ds["teacher"], int8=dtype == "int8")
     for name, role in roles.items():
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
-            role.max_tokens = getattr(cfg.roles, name).max_tokens_per_micro_batch
+            role.max_tokens = token_budget(cfg, name)
         if isinstance(role, PolicyRole):
             role.share_prompts = m.share_prompt and can_share_prompts(role.module)
     return roles

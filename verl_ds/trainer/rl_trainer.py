@@ -117,6 +117,8 @@ class RLTrainer:
             if self.track_activations or (every and self.global_step % every == 0)
             else Timer()
         )
+        for role in self.roles.values():
+            role.take_token_counts()  # this step's passes only (validation also scores)
         with timer("step"):
             # 1-3. prompts -> rollout -> rewards (+ overlong shaping); more rounds when dynamic
             # sampling drops groups whose samples all scored alike
@@ -220,6 +222,7 @@ class RLTrainer:
                 **self._precision_metrics(),
             }
         )
+        metrics.update(self._padding_metrics())
         if self.val_prompts and cfg.trainer.val_every and self.global_step % cfg.trainer.val_every == 0:
             metrics.update(self.validate())
         self.logger.log(metrics, self.global_step)
@@ -501,6 +504,17 @@ class RLTrainer:
                     out[f"precision/{name}/{k}"] = v
         out["actor/grad_norm"] = out.get("precision/actor/grad_norm", float("nan"))
         return out
+
+    def _padding_metrics(self) -> dict[str, float]:
+        """perf/padding_efficiency/<role>/<pass>: real tokens / tokens its forwards ran (every
+        rank's), for each role's scoring and update passes of this step. 1.0: no padding ran."""
+        keys, sums = [], []
+        for name, role in self.roles.items():
+            for kind, (real, processed) in role.take_token_counts().items():
+                keys.append(f"perf/padding_efficiency/{name}/{kind}")
+                sums += [real, processed]
+        sums = all_reduce_sum(sums)  # the same roles on every rank: the same list
+        return {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(keys) if sums[2 * i + 1]}
 
     def _decode(self, batch) -> list[str]:
         """Each row's response as text; multi-turn rows with their turns marked ([model] / [env])."""
