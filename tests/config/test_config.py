@@ -134,7 +134,8 @@ def test_token_budgets_are_on_by_default_and_never_exceed_a_full_length_row_micr
     cap), never past max_model_len. An explicit number wins; 0 is row micro-batches."""
     from verl_ds.config import token_budget
 
-    cfg = load_config(None, ["data.max_prompt_length=40", "rollout.max_new_tokens=24", "roles.actor.micro_batch_size=4"])
+    lengths = ["data.max_prompt_length=40", "rollout.max_new_tokens=24"]
+    cfg = load_config(None, [*lengths, "roles.actor.micro_batch_size=4"])
     assert cfg.roles.actor.max_tokens_per_micro_batch == cfg.roles.critic.max_tokens_per_micro_batch == "auto"
     assert token_budget(cfg, "actor") == 4 * (40 + 24)
     assert token_budget(cfg, "reference") == cfg.roles.reference.micro_batch_size * (40 + 24)

@@ -261,7 +261,8 @@ def _padded_rows(vocab: int, lens: list[tuple[int, int]], P: int, R: int) -> dic
     """Rows of (prompt, response) lengths `lens`, left-padded to P prompt and right-padded to R
     response columns, as the rollout hands them over."""
     n = len(lens)
-    ids, attn, resp = torch.zeros(n, P + R, dtype=torch.long), torch.zeros(n, P + R, dtype=torch.long), torch.zeros(n, R)
+    ids, attn = torch.zeros(n, P + R, dtype=torch.long), torch.zeros(n, P + R, dtype=torch.long)
+    resp = torch.zeros(n, R)
     for i, (p, r) in enumerate(lens):
         ids[i, P - p : P + r] = torch.randint(3, vocab, (p + r,))
         attn[i, P - p : P + r] = 1
