@@ -130,6 +130,14 @@ JOBS = {
     # agentic: SmolLM2 with the calculator tool (up to 3 turns of 48 tokens), the example's 8 prompts x 8
     # episodes and micro-batches of 8; TRL runs GRPOTrainer(tools=[calculator]) on the same prompts
     "smollm2_tools": ("examples/grpo_cpu_smollm2_tools.yaml", _COMMON, 3, 1),
+    # a long tail: the real-model demo's task (reasoning-gym two-digit arithmetic, 8 prompts x 8) with room
+    # to answer (max_new_tokens 96): a few samples run long and, padded, set most micro-batches' length
+    "smollm2_long": (
+        "examples/grpo_cpu_smollm2_rg.yaml",
+        _COMMON + ["rollout.max_new_tokens=96", "rollout.max_model_len=192", "precision.buffer_dtype=fp32"],
+        4,
+        1,
+    ),
 }
 
 
@@ -216,6 +224,7 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from verl_ds.config import token_budget
     from verl_ds.data.chat import ChatCodec
     from verl_ds.data.dataset import load_examples, tokenize_prompts
     from verl_ds.data.reward import task_reward_fn
@@ -344,8 +353,9 @@ def main() -> None:
     batch = t.prompts_per_step * r.n
     mini = t.mini_batch_size or batch
     micro_rows = actor.micro_batch_size
-    if actor.max_tokens_per_micro_batch:  # verl-ds's token budget: as many padded rows as fit
-        micro_rows = max(1, actor.max_tokens_per_micro_batch // (longest + r.max_new_tokens))
+    budget = token_budget(cfg, "actor")
+    if budget:  # verl-ds's token budget: TRL's per-device batch holds as many full-length rows as fit it
+        micro_rows = max(1, budget // (longest + r.max_new_tokens))
     per_device = max(k for k in range(1, mini + 1) if mini % k == 0 and k <= micro_rows * num_ranks(args.job))
     if batch % mini:
         _fail(f"batch {batch} and mini batch {mini} do not divide")

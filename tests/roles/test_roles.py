@@ -369,7 +369,8 @@ def test_shared_prompt_pass_runs_each_prompt_once_with_the_same_gradient(tiny_mo
 def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():
     """Every row once; a micro-batch's trimmed width (longest prompt + longest response) x rows fits
     the budget unless it is one row. Short and long rows taken in order pair up (8 micro-batches of
-    width 16); sorted by length, the short ones share micro-batches (5)."""
+    width 16); sorted by length, the short ones share micro-batches (5: rows alike, so any
+    micro-batch cost merges them)."""
     g = torch.Generator().manual_seed(0)
     cases = [
         (torch.randint(4, 41, (32,), generator=g), torch.randint(1, 31, (32,), generator=g), 200, None),
@@ -380,11 +381,51 @@ def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():
         attn = torch.zeros(n, P + R, dtype=torch.long)
         for i in range(n):
             attn[i, P - plen[i] : P + rlen[i]] = 1
-        groups = pack_by_tokens({"attention_mask": attn, "response_mask": attn[:, P:].float()}, budget)
+        groups = pack_by_tokens({"attention_mask": attn, "response_mask": attn[:, P:].float()}, budget, cost=16)
         assert sorted(torch.cat(groups).tolist()) == list(range(n))
         for idx in groups:
             assert len(idx) == 1 or int(plen[idx].max() + rlen[idx].max()) * len(idx) <= budget
         assert want is None or len(groups) == want
+
+
+def test_pack_by_tokens_keeps_a_shared_prompts_rows_together_when_that_runs_fewer_tokens():
+    """With shared prompts a prompt runs once per micro-batch its rows land in. Two prompts of 20
+    tokens, responses 1/3/5/7 and 2/4/6/8: sorted by length every micro-batch holds both prompts
+    (128 tokens run), prompt by prompt each runs once (100): kept together. A long tail (one 30-token
+    answer per prompt): sorting by length puts the two long rows together (86 against 250)."""
+
+    def batch(plen: list[int], rlen: list[int], prompt: list[int]) -> dict:
+        n, P, R = len(plen), max(plen), max(rlen)
+        ids, attn = torch.zeros(n, P + R, dtype=torch.long), torch.zeros(n, P + R, dtype=torch.long)
+        for i in range(n):
+            ids[i, P - plen[i] : P] = prompt[i] + 3  # rows of one prompt: the same prompt tokens
+            attn[i, P - plen[i] : P + rlen[i]] = 1
+        return {"input_ids": ids, "attention_mask": attn, "response_mask": attn[:, P:].float()}
+
+    def cut(b, budget, shared=False, cost=128):
+        return [g.tolist() for g in pack_by_tokens(b, budget, shared, cost)]
+
+    two = [0] * 4 + [1] * 4
+    even = batch([20] * 8, [1, 3, 5, 7, 2, 4, 6, 8], two)
+    assert cut(even, 112, shared=True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cut(even, 112) == [[0, 4, 1, 5], [2, 6, 3, 7]]
+    tail = batch([5] * 8, [1, 1, 1, 30] * 2, two)
+    assert cut(tail, 140, shared=True) == [[0, 1, 2, 4, 5, 6], [3, 7]]
+
+
+def test_pack_by_tokens_cuts_where_the_padding_saved_outweighs_a_micro_batchs_cost():
+    """Six short rows (5 + 2 tokens) and two long ones (5 + 30) fit one micro-batch of a large budget:
+    280 tokens run, against 112 in two. The cut is taken when a micro-batch costs less than the 168
+    padded tokens it saves (cost 16), not when it costs more (1000); the budget still bounds each."""
+    plen, rlen = [5] * 8, [2] * 6 + [30] * 2
+    P, R = 5, 30
+    attn = torch.zeros(8, P + R, dtype=torch.long)
+    for i in range(8):
+        attn[i, : P + rlen[i]] = 1
+    b = {"attention_mask": attn, "response_mask": attn[:, P:].float()}
+    assert [g.tolist() for g in pack_by_tokens(b, 1000, cost=16)] == [list(range(6)), [6, 7]]
+    assert [g.tolist() for g in pack_by_tokens(b, 1000, cost=1000)] == [list(range(8))]
+    assert [g.tolist() for g in pack_by_tokens(b, 70, cost=1000)] == [list(range(6)), [6, 7]]  # 8 x 35 > 70
 
 
 @pytest.mark.numerics

@@ -53,36 +53,93 @@ def _used_columns(batch: dict) -> tuple[int, int, int]:
     return start, p, keep
 
 
-def token_counts(batch: dict) -> tuple[float, float]:
-    """(real tokens, tokens its forward runs after `trim_padding`) of one micro-batch; their ratio
-    is `perf/padding_efficiency`. A `pad_row` entry is all waste."""
-    start, p, keep = _used_columns(batch)
-    real = 0.0 if batch.get("pad_row") else float(batch["attention_mask"].sum())
-    return real, float(batch["attention_mask"].shape[0] * (p - start + keep))
-
-
 def pad_response(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
     """`[B, r]` per-response-token outputs back to the batch's `[B, width]` (zeros: masked positions)."""
     return x if x is None or x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
-def pack_by_tokens(batch: dict, budget: int) -> list[torch.Tensor]:
-    """Row indices of micro-batches under a token budget, counted after padding removal: rows sorted
-    by length, each micro-batch the next rows while (its longest prompt + its longest response) x
-    rows fits `budget` (one row at least). Similar lengths share a micro-batch, so little padding runs."""
-    mask = batch["attention_mask"].bool()
+def _row_lengths(batch: dict, shared: bool) -> tuple[list[int], list[int], list[int]]:
+    """Each row's real prompt and response tokens (a response counts 1 at least: the pass never runs
+    empty) and the id of the prompt pass it runs in: with `shared` prompts, rows of one prompt share
+    one (`shared_prompt_logits`), else each row has its own."""
+    mask = batch["attention_mask"]
     p = mask.shape[1] - batch["response_mask"].shape[1]
     plen = mask[:, :p].sum(1).tolist()
     rlen = [max(1, n) for n in mask[:, p:].sum(1).tolist()]
-    groups, cur, mp, mr = [], [], 0, 0
-    for i in sorted(range(len(plen)), key=lambda i: (plen[i] + rlen[i], i)):
-        wp, wr = max(mp, plen[i]), max(mr, rlen[i])
-        if cur and (wp + wr) * (len(cur) + 1) > budget:
-            groups.append(cur)
-            cur, wp, wr = [], plen[i], rlen[i]
-        cur.append(i)
-        mp, mr = wp, wr
-    return [torch.tensor(g, dtype=torch.long) for g in groups + [cur] if g]
+    if not shared:
+        return plen, rlen, list(range(len(plen)))
+    _, pid = torch.unique(torch.cat([batch["input_ids"][:, :p], mask[:, :p]], 1), dim=0, return_inverse=True)
+    return plen, rlen, pid.tolist()
+
+
+def _run_tokens(rows: list[int], plen: list[int], rlen: list[int], pid: list[int]) -> tuple[int, int]:
+    """(real, run) tokens of a micro-batch of `rows` after `trim_padding`: each prompt pass runs the
+    micro-batch's longest prompt, each row its longest response."""
+    wp, wr = max(plen[i] for i in rows), max(rlen[i] for i in rows)
+    prompts = {pid[i]: plen[i] for i in rows}
+    return sum(prompts.values()) + sum(rlen[i] for i in rows), len(prompts) * wp + len(rows) * wr
+
+
+def token_counts(batch: dict, shared: bool = False) -> tuple[float, float]:
+    """(real tokens, tokens its forward runs) of one micro-batch (`_run_tokens`); their ratio is
+    `perf/padding_efficiency`. A `pad_row` entry is all waste."""
+    plen, rlen, pid = _row_lengths(batch, shared)
+    real, run = _run_tokens(list(range(len(plen))), plen, rlen, pid)
+    return (0.0 if batch.get("pad_row") else float(real)), float(run)
+
+
+# One micro-batch's fixed cost in tokens (the forward/backward call, ZeRO-3's weight gathers, GEMMs on
+# fewer rows): the packer cuts another micro-batch where that saves more padding than this. On a CPU
+# per-token compute dominates, and finer micro-batches under a long tail ran faster (docs/BENCHMARKS.md,
+# "Token budgets by default"); on a GPU a call costs as much as many tokens (not yet measured there).
+MICRO_BATCH_COST = {"cpu": 128, "cuda": 2048}
+
+
+def pack_by_tokens(batch: dict, budget: int, shared: bool = False, cost: int = 0) -> list[torch.Tensor]:
+    """Row indices of micro-batches under a token budget, counted after padding removal: rows in a
+    length order, cut into consecutive micro-batches whose (longest prompt + longest response) x
+    rows fits `budget` (one row at least), at the cuts that run the fewest tokens (`_run_tokens`)
+    plus `cost` per micro-batch (an exact minimum over the cuts, `_cut`). Two orders: every row by
+    its length; or, when a prompt runs once for its rows (`shared`), each prompt's rows together,
+    prompts by their longest row (sorting rows alone would run a prompt in every micro-batch its
+    rows land in). The cheaper wins: a long tail favours the first, short answers the second."""
+    plen, rlen, pid = _row_lengths(batch, shared)
+    by_row = sorted(range(len(plen)), key=lambda i: (plen[i] + rlen[i], i))
+    orders = [by_row]
+    if shared:
+        longest, first = {}, {}
+        for i in range(len(plen)):
+            longest[pid[i]] = max(longest.get(pid[i], 0), plen[i] + rlen[i])
+            first.setdefault(pid[i], i)
+        orders.append(sorted(by_row, key=lambda i: (longest[pid[i]], first[pid[i]])))  # stable: by length within
+    packings = [_cut(order, plen, rlen, pid, budget, cost) for order in orders]
+    best = min(packings, key=lambda p: p[0])[1]  # the first order on a tie
+    return [torch.tensor(g, dtype=torch.long) for g in best]
+
+
+def _cut(order: list[int], plen: list[int], rlen: list[int], pid: list[int], budget: int, cost: int):
+    """(total, micro-batches): `order` cut into consecutive micro-batches that fit `budget`, at the
+    cuts minimising run tokens + `cost` each (dynamic programming over the cut points: O(rows x
+    rows per micro-batch))."""
+    n = len(order)
+    best, prev = [0] + [None] * n, [0] * (n + 1)
+    for j in range(1, n + 1):  # best[j]: the cheapest cut of order[:j]
+        wp = wr = 0
+        prompts: dict[int, int] = {}
+        for i in range(j - 1, -1, -1):  # the last micro-batch is order[i:j]
+            k = order[i]
+            wp, wr = max(wp, plen[k]), max(wr, rlen[k])
+            if j - i > 1 and (wp + wr) * (j - i) > budget:
+                break  # a longer one only grows
+            prompts[pid[k]] = 1
+            total = best[i] + len(prompts) * wp + (j - i) * wr + cost
+            if best[j] is None or total < best[j]:
+                best[j], prev[j] = total, i
+    groups, j = [], n
+    while j:
+        groups.append(order[prev[j] : j])
+        j = prev[j]
+    return best[n], groups[::-1]
 
 
 def select_rows(batch: dict, idx: torch.Tensor) -> dict:
@@ -211,6 +268,7 @@ class Role:
         return {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
     max_tokens = 0  # roles.<role>.max_tokens_per_micro_batch resolved; 0: micro_batch_size rows each
+    share_prompts = False  # policy roles: the builder's choice (model.share_prompt and can_share_prompts)
     PASSES = ("score", "update")
 
     def take_token_counts(self) -> dict[str, tuple[float, float]]:
@@ -219,7 +277,7 @@ class Role:
         return {k: counts.get(k, (0.0, 0.0)) for k in self.PASSES}
 
     def _count_tokens(self, kind: str, mb: dict) -> None:
-        real, processed = token_counts(mb)
+        real, processed = token_counts(mb, self.share_prompts)
         r, p = self._tokens.get(kind, (0.0, 0.0))
         self._tokens[kind] = (r + real, p + processed)
 
@@ -227,7 +285,8 @@ class Role:
         """Under a token budget: `pack_by_tokens`, as many micro-batches on every rank (ZeRO-3 gathers
         in every forward, ZeRO-2/3 reduce in every backward; the ranks' lengths differ): a rank with
         fewer gets empty entries, run as one masked-out row."""
-        groups = pack_by_tokens(batch, self.max_tokens)
+        cost = MICRO_BATCH_COST.get(self.device.type, MICRO_BATCH_COST["cuda"])
+        groups = pack_by_tokens(batch, self.max_tokens, self.share_prompts, cost)
         k = int(all_reduce_max(float(len(groups))))
         return groups + [torch.zeros(0, dtype=torch.long)] * (k - len(groups))
 

@@ -83,8 +83,6 @@ class PolicyRole(Role):
     """Log-probabilities of the response tokens: batch tensors are `[B, P + R]` with the response
     in the last R positions; outputs are fp32 `[B, R]`."""
 
-    share_prompts = False  # the builder's choice: model.share_prompt and can_share_prompts
-
     def forward(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
         width = batch["response_mask"].shape[1]
         inputs, resp_len = trim_padding(batch)  # only the columns some row uses
