@@ -102,8 +102,9 @@ def main() -> None:
             if x["round"] == r["round"] and x["max_new_tokens"] == r["max_new_tokens"] and x["budget"] == "0"
         )
         ratio = f"{r['step'] / rows['step']:.2f}" if r["budget"] != "0" else ""
+        cell = "rows (0)" if r["budget"] == "0" else r["budget"]
         print(
-            f"| {r['max_new_tokens']} | {'rows (0)' if r['budget'] == '0' else r['budget']} | {r['response_tokens']:.1f} "
+            f"| {r['max_new_tokens']} | {cell} | {r['response_tokens']:.1f} "
             f"| {100 * r['truncated']:.0f}% | {r['update_actor']:.2f} | {r['ref']:.2f} | {r['gen']:.2f} "
             f"| {r['step']:.2f} "
             f"| {r['update_padding_efficiency']:.2f} | {r['ref_padding_efficiency']:.2f} | {ratio} |"

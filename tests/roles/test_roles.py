@@ -417,7 +417,7 @@ def test_pack_by_tokens_cuts_where_the_padding_saved_outweighs_a_micro_batchs_co
     """Six short rows (5 + 2 tokens) and two long ones (5 + 30) fit one micro-batch of a large budget:
     280 tokens run, against 112 in two. The cut is taken when a micro-batch costs less than the 168
     padded tokens it saves (cost 16), not when it costs more (1000); the budget still bounds each."""
-    plen, rlen = [5] * 8, [2] * 6 + [30] * 2
+    rlen = [2] * 6 + [30] * 2
     P, R = 5, 30
     attn = torch.zeros(8, P + R, dtype=torch.long)
     for i in range(8):
