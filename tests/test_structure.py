@@ -118,7 +118,14 @@ _INTERNALS = {
         "_weight_bias",
         "_release_process_group_references",
     },
-    "rollout/vllm_internals.py": {"llm_engine", "engine_core", "_finalizer", "disable_envs_cache", "reload_weights"},
+    "rollout/vllm_internals.py": {
+        "llm_engine",
+        "engine_core",
+        "_finalizer",
+        "disable_envs_cache",
+        "reload_weights",
+        "get_model",
+    },
     "process.py": {"_dynamo"},
 }
 # Private (`._x`) attributes read on something other than `self`/`cls` outside the adapters: none but

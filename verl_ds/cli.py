@@ -17,7 +17,7 @@ import warnings
 import yaml
 
 from verl_ds import __version__
-from verl_ds.errors import ConfigError
+from verl_ds.errors import ConfigError, RunFailure
 
 
 class _Parser(argparse.ArgumentParser):
@@ -312,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         for err in e.errors:
             print(f"error: {err}", file=sys.stderr)
         rc = 2
+    except RunFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        rc = 1
     except Exception as e:
         from verl_ds.dist import lost_peer_line
 

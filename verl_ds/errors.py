@@ -33,6 +33,11 @@ class ConfigErrors(ConfigError):
         return self.args[0]
 
 
+class RunFailure(RuntimeError):
+    """A run that cannot go on, for a reason its one line names (not a user mistake: the CLI prints
+    `error: <line>` and exits 1, with no traceback)."""
+
+
 def raise_all(errors: list[ConfigError]) -> None:
     """Raise what was collected: nothing, the one error, or all of them."""
     if len(errors) == 1:

@@ -40,6 +40,26 @@ def test_sync_and_bad_sync(hf, model_pair):
     hf.sync_weights(load_hf(model_pair[0]).named_parameters())
 
 
+def test_a_sync_into_a_copy_of_the_model_stops_the_run(model_pair):
+    """The sync check reads the generating module back: weights copied into anything else (here a
+    state dict detached from the model) fail the sync in one line naming a parameter."""
+    import copy
+
+    from verl_ds.errors import RunFailure
+
+    hf = HFRollout(model_pair[0], "fp32")
+    new = load_hf(model_pair[1])
+    m = hf.sync_weights(new.named_parameters())
+    assert m["rollout/sync_checked_params"] == len(list(new.named_parameters())) and m["timing_s/sync_check"] > 0
+    hf.sync_weights(load_hf(model_pair[0]).named_parameters())
+    detached = copy.deepcopy(hf.model)
+    hf.model.state_dict = detached.state_dict  # the copy goes astray
+    with pytest.raises(
+        RunFailure, match=r"^weight sync: the rollout engine does not hold the actor's \S+ after sync 3"
+    ):
+        hf.sync_weights(new.named_parameters())
+
+
 def test_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     lp = processed_logprobs(logits, 1.0, top_p=0.7)

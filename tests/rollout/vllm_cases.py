@@ -123,3 +123,50 @@ def test_three_turn_episodes_trainer_logprobs_equal_vllms(engine, hf_pair, model
     assert ro.batch.multi_turn and ro.metrics["multi_turn/turns/mean"] == 3.0
     assert ro.metrics["multi_turn/token_mismatch_fraction"] == 0.0
     assert trainer_logprobs_match_on_model_tokens(ro, model_pair[0]) <= 1e-5
+
+
+def test_the_sync_is_read_back_and_a_dropped_bucket_stops_the_run_naming_its_parameter(engine, hf_pair):
+    """Every sync ends by reading fingerprints of the serving model's parameters back: a bucket that
+    never reached the engine (dropped on the way here) fails that very sync in one line naming one of
+    its parameters; a sync none of whose buckets arrived names the version the engine last loaded."""
+    import copy
+
+    from verl_ds.errors import RunFailure
+
+    old, new = hf_pair[0], copy.deepcopy(hf_pair[1])
+    with torch.no_grad():  # the tiny models' norms are all ones: make every one differ, as training does
+        for n, p in new.named_parameters():
+            if "norm" in n:
+                p.mul_(1.5)
+    m = engine.sync_weights(old.named_parameters())
+    # what the engine serves by its checkpoint name and value: embeddings and norms here (vLLM's CPU
+    # backend repacks every linear weight into oneDNN's layout); never a fused q/k/v or gate/up
+    assert m["rollout/sync_checked_params"] >= 4 and m["timing_s/sync_check"] > 0
+    assert "model.layers.1.input_layernorm.weight" in engine.checked
+    assert all("qkv" not in n and "gate_up" not in n for n in engine.checked)
+    load, sent = engine._load, []
+
+    def drop(which):
+        def _load(bucket):
+            sent.append([n for n, _ in bucket])
+            if not which(len(sent)):
+                load(bucket)
+
+        return _load
+
+    try:
+        engine._load = drop(lambda i: i == 2)  # the second bucket (a layer group) is lost
+        with pytest.raises(RunFailure) as e:
+            engine.sync_weights(new.named_parameters())
+        line = str(e.value)
+        assert "\n" not in line and line.startswith("weight sync: the rollout engine does not hold the actor's ")
+        name = line.split("actor's ")[1].split(" ")[0]
+        assert name in sent[1] and name in engine.checked, (name, sent[1])
+        engine._load = drop(lambda i: True)  # nothing arrives
+        with pytest.raises(RunFailure, match=r"last loaded sync (\d+), not sync (\d+)"):
+            engine.sync_weights(new.named_parameters())
+    finally:
+        engine._load = load
+    assert (
+        engine.sync_weights(new.named_parameters())["rollout/sync_checked_params"] == m["rollout/sync_checked_params"]
+    )

@@ -9,10 +9,11 @@ from typing import Iterable
 import torch
 
 from verl_ds.algos import use_fp32_lm_head
+from verl_ds.errors import RunFailure
 from verl_ds.precision import TORCH_DTYPES
 
 from .batch import RolloutBatch
-from .weights import ParamChecker, eos_token_ids, pad_token_id
+from .weights import ParamChecker, eos_token_ids, fingerprint, pad_token_id, sync_mismatch
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -78,6 +79,7 @@ class HFRollout:
         if lm_head_fp32:
             use_fp32_lm_head(self.model)
         self.checker = ParamChecker(model_path)
+        self.version = self.loaded_version = 0  # syncs begun; the last one whose tensors reached the model
         self.eos_ids = eos_token_ids(model_path)
         self.pad_id = pad_token_id(model_path)
         self.start_s = 0.0
@@ -154,12 +156,28 @@ class HFRollout:
         shape raises ValueError (tensors already copied stay copied; the model keeps serving)."""
         t0 = time.perf_counter()
         state = self.model.state_dict()
+        self.version += 1
+        want, check_s = {}, 0.0
         self.checker.begin()
         for name, tensor in named_tensors:
             if self.checker.check(name, tensor):
-                state[name].copy_(tensor.detach().to(state[name].device, state[name].dtype))
+                cast = tensor.detach().to(state[name].device, state[name].dtype)
+                t = time.perf_counter()
+                want[name] = fingerprint(cast)
+                check_s += time.perf_counter() - t
+                state[name].copy_(cast)
+                self.loaded_version = self.version
         self.checker.finish()
-        return {"timing_s/update_weights": time.perf_counter() - t0}
+        t = time.perf_counter()  # read back from the module that generates (as VLLMRollout does)
+        live = dict(self.model.named_parameters())
+        got = {n: fingerprint(live[n]) for n in want if n in live}
+        if problem := sync_mismatch(self.version, self.loaded_version, got, want):
+            raise RunFailure(f"weight sync: {problem}")
+        return {
+            "timing_s/update_weights": time.perf_counter() - t0,
+            "timing_s/sync_check": check_s + time.perf_counter() - t,
+            "rollout/sync_checked_params": float(len(want)),
+        }
 
     def sleep(self) -> None:  # nothing to free: HF generate holds no cache between calls
         pass

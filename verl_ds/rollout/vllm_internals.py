@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 
+import torch
+
 VLLM_VERSION = "0.32.0"  # the version every function here was written and tested for
 
 # A weight-sync bucket holds only some layers by design; vLLM 0.32's in-place reload warns, on these
@@ -67,6 +69,12 @@ def quiet_partial_reload():
     finally:
         for lg in loggers:
             lg.removeFilter(_errors_only)
+
+
+def live_model(worker) -> torch.nn.Module:
+    """The model the worker serves (`worker.get_model()`, vLLM 0.32's Worker): the one a sync must
+    have changed."""
+    return worker.get_model()
 
 
 def reload_weights(worker, named: list) -> None:

@@ -14,18 +14,28 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from verl_ds.dist import init_distributed, rank
-from verl_ds.errors import ConfigError
+from verl_ds.errors import ConfigError, RunFailure
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.process import setup_process
 
 from . import vllm_internals
 from .batch import RolloutBatch
-from .weights import TIED_HEAD, ParamChecker, eos_token_ids, layer_group, pad_token_id
+from .weights import (
+    TIED_HEAD,
+    ParamChecker,
+    eos_token_ids,
+    fingerprint,
+    layer_group,
+    pad_token_id,
+    same_fingerprint,
+    sync_mismatch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +103,24 @@ class VLLMRollout:
             )
         self.start_s = 0.0
         self.llm = self._start(kwargs, gpu_memory_utilization, enforce_eager)
+        self.version = 0  # syncs loaded; the engine's workers record the one they last loaded
+        self.checked = self._checkable()
+
+    def _checkable(self) -> list[str]:
+        """The parameters a sync is verified on: those the engine serves under their checkpoint name
+        and with the checkpoint's values (vLLM fuses q/k/v and gate/up, shards under tensor
+        parallelism, may repack), found once at start against the checkpoint it loaded."""
+        from safetensors import safe_open
+
+        _, live = self.llm.collective_rpc("fingerprints", args=(list(self.checker.expected),))[0]
+        device, dt = "cuda" if self.cuda else "cpu", TORCH_DTYPES[self.dtype]
+        out = []
+        for f in sorted(Path(self.model_path).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    if k in live and same_fingerprint(live[k], fingerprint(sf.get_tensor(k).to(device, dt))):
+                        out.append(k)
+        return out
 
     def _start(self, kwargs: dict, gpu_util: float, eager: bool):
         from vllm import LLM
@@ -192,11 +220,16 @@ class VLLMRollout:
         bucket, and missing names before the last bucket is loaded: a model that fits one bucket is
         fully validated before the engine is touched. A ValueError after some buckets were loaded
         (models larger than one bucket) leaves a mix of old and new weights until the next sync.
-        On GPU the weights wake first and the KV cache only after the load (peak memory)."""
+        On GPU the weights wake first and the KV cache only after the load (peak memory).
+        Then the check that it happened: the `checked` parameters' fingerprints read back from the
+        serving model must equal those of what was sent, and the engine must have loaded this very
+        sync; a RunFailure names the parameter otherwise (`timing_s/sync_check`: its cost)."""
         t0 = time.perf_counter()
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         dt = TORCH_DTYPES[self.dtype]
+        self.version += 1
+        want, check_s = {}, 0.0
         self.checker.begin()
         bucket, nbytes, group, n_buckets = [], 0, None, 0
         for name, tensor in named_tensors:
@@ -208,6 +241,10 @@ class VLLMRollout:
                 self._load(bucket)
                 bucket, nbytes, n_buckets = [], 0, n_buckets + 1
             cast = tensor.detach().to(dtype=dt).contiguous()
+            if name in self.checked:
+                t = time.perf_counter()
+                want[name] = fingerprint(cast)
+                check_s += time.perf_counter() - t
             bucket.append((name, cast))
             nbytes, group = nbytes + size, g
             if self.checker.tied and name == self.checker.tied_source:
@@ -222,10 +259,19 @@ class VLLMRollout:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        return {"timing_s/update_weights": time.perf_counter() - t0, "rollout/sync_buckets": float(n_buckets)}
+        t = time.perf_counter()
+        got_version, got = self.llm.collective_rpc("fingerprints", args=(list(want),))[0]
+        if problem := sync_mismatch(self.version, got_version, got, want):
+            raise RunFailure(f"weight sync: {problem}")
+        return {
+            "timing_s/update_weights": time.perf_counter() - t0,
+            "timing_s/sync_check": check_s + time.perf_counter() - t,
+            "rollout/sync_buckets": float(n_buckets),
+            "rollout/sync_checked_params": float(len(want)),
+        }
 
     def _load(self, bucket: list) -> None:
-        self.llm.collective_rpc("load_named_tensors", args=(bucket,))
+        self.llm.collective_rpc("load_named_tensors", args=(bucket, self.version))
 
     def shutdown(self, release: bool = True) -> None:
         """Tear the engine down; `release=False` when the process is about to exit: vLLM's teardown

@@ -92,6 +92,34 @@ class ParamChecker:
             raise ValueError(f"weight sync: {len(missing)} parameter(s) missing, e.g. {missing[:3]}")
 
 
+def fingerprint(t: torch.Tensor) -> tuple[float, float]:
+    """(sum, sum of squares) of a tensor's values in float64: the same values give the same pair (to
+    float64 rounding of the sums), a weight update changes it."""
+    x = t.detach().contiguous().double()
+    return float(x.sum()), float(x.square().sum())
+
+
+def same_fingerprint(a: tuple[float, float] | None, b: tuple[float, float]) -> bool:
+    return a is not None and all(abs(x - y) <= 1e-12 * max(abs(x), abs(y), 1e-30) for x, y in zip(a, b))
+
+
+def sync_mismatch(version: int, got_version: int, got: dict, want: dict) -> str | None:
+    """The one line that says a sync did not reach the engine (None: it did): the version the
+    engine last loaded, or the first parameter whose read-back fingerprint differs."""
+    if got_version != version:
+        return f"the rollout engine last loaded sync {got_version}, not sync {version}"
+    bad = [n for n in want if not same_fingerprint(got.get(n), want[n])]
+    if not bad:
+        return None
+    n = bad[0]
+    have = "absent" if got.get(n) is None else f"sum {got[n][0]:.9g}"
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return (
+        f"the rollout engine does not hold the actor's {n} after sync {version}: "
+        f"engine {have}, actor sum {want[n][0]:.9g}{more}"
+    )
+
+
 def layer_group(name: str) -> str:
     """Bucket boundaries fall between groups: everything under `...layers.N.` stays together,
     because vLLM fuses q/k/v and gate/up of one layer and a half-loaded fused layer is garbage."""

@@ -8,12 +8,22 @@ vLLM's own weight processing (fused qkv / gate_up, tensor-parallel sharding, tie
 
 from __future__ import annotations
 
-from .vllm_internals import reload_weights
+from .vllm_internals import live_model, reload_weights
+from .weights import fingerprint
 
 
 class WeightSyncExtension:
-    def load_named_tensors(self, named) -> int:
-        """Load one bucket of `(hf_name, tensor)` pairs; returns the tensor count."""
+    weights_version = 0  # the sync whose last bucket this worker loaded
+
+    def load_named_tensors(self, named, version: int = 0) -> int:
+        """Load one bucket of `(hf_name, tensor)` pairs of sync `version`; returns the tensor count."""
         named = list(named)
         reload_weights(self, named)
+        self.weights_version = version
         return len(named)
+
+    def fingerprints(self, names) -> tuple[int, dict]:
+        """(the version last loaded, {name: `fingerprint`} of the live model's parameters among
+        `names`): read back from the model that serves, after the sync."""
+        params = dict(live_model(self).named_parameters())
+        return self.weights_version, {n: fingerprint(params[n]) for n in names if n in params}
