@@ -96,12 +96,12 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        rows = next(
+        rows = [
             x
             for x in results
             if x["round"] == r["round"] and x["max_new_tokens"] == r["max_new_tokens"] and x["budget"] == "0"
-        )
-        ratio = f"{r['step'] / rows['step']:.2f}" if r["budget"] != "0" else ""
+        ]
+        ratio = f"{r['step'] / rows[0]['step']:.2f}" if rows and r["budget"] != "0" else ""
         cell = "rows (0)" if r["budget"] == "0" else r["budget"]
         print(
             f"| {r['max_new_tokens']} | {cell} | {r['response_tokens']:.1f} "

@@ -388,11 +388,12 @@ def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():
         assert want is None or len(groups) == want
 
 
-def test_pack_by_tokens_keeps_a_shared_prompts_rows_together_when_that_runs_fewer_tokens():
-    """With shared prompts a prompt runs once per micro-batch its rows land in. Two prompts of 20
-    tokens, responses 1/3/5/7 and 2/4/6/8: sorted by length every micro-batch holds both prompts
-    (128 tokens run), prompt by prompt each runs once (100): kept together. A long tail (one 30-token
-    answer per prompt): sorting by length puts the two long rows together (86 against 250)."""
+def test_pack_by_tokens_keeps_the_row_order_when_that_runs_less():
+    """Two candidates, the one with less work wins. Two prompts of 20 tokens, 4 answers each (1/3/5/7
+    and 2/4/6/8): in row order (micro-batches of 4) each prompt runs once, sorted by length each
+    micro-batch holds both prompts; with shared prompts the row order wins, without it the length
+    order. A long tail (one 30-token answer per prompt): the length order puts the two long rows
+    together, whether prompts are shared or not."""
 
     def batch(plen: list[int], rlen: list[int], prompt: list[int]) -> dict:
         n, P, R = len(plen), max(plen), max(rlen)
@@ -402,15 +403,16 @@ def test_pack_by_tokens_keeps_a_shared_prompts_rows_together_when_that_runs_fewe
             attn[i, P - plen[i] : P + rlen[i]] = 1
         return {"input_ids": ids, "attention_mask": attn, "response_mask": attn[:, P:].float()}
 
-    def cut(b, budget, shared=False, cost=128):
-        return [g.tolist() for g in pack_by_tokens(b, budget, shared, cost)]
+    def cut(b, budget, shared=False):
+        return [g.tolist() for g in pack_by_tokens(b, budget, shared, cost=128, rows_per_micro=4)]
 
     two = [0] * 4 + [1] * 4
     even = batch([20] * 8, [1, 3, 5, 7, 2, 4, 6, 8], two)
     assert cut(even, 112, shared=True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert cut(even, 112) == [[0, 4, 1, 5], [2, 6, 3, 7]]
     tail = batch([5] * 8, [1, 1, 1, 30] * 2, two)
-    assert cut(tail, 140, shared=True) == [[0, 1, 2, 4, 5, 6], [3, 7]]
+    assert cut(tail, 140, shared=True) == cut(tail, 140) == [[0, 1, 2, 4, 5, 6], [3, 7]]
+    assert cut(even, 100, shared=True)[0] == [0, 4, 1, 5]  # the row order over the budget: not a candidate
 
 
 def test_pack_by_tokens_cuts_where_the_padding_saved_outweighs_a_micro_batchs_cost():

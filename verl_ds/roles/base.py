@@ -88,58 +88,62 @@ def token_counts(batch: dict, shared: bool = False) -> tuple[float, float]:
     return (0.0 if batch.get("pad_row") else float(real)), float(run)
 
 
+def _work(rows: list[int], plen: list[int], rlen: list[int], pid: list[int]) -> float:
+    """What a micro-batch of `rows` costs, in tokens, for choosing between packings: a shared prompt
+    pass saves about half of a prompt's work per extra row (its projections and MLP run once; every
+    row still attends to it, expands its cached keys/values and sends their gradient back)."""
+    wp, wr = max(plen[i] for i in rows), max(rlen[i] for i in rows)
+    return len(rows) * wr + wp * (len(rows) + len({pid[i] for i in rows})) / 2
+
+
 # One micro-batch's fixed cost in tokens (the forward/backward call, ZeRO-3's weight gathers, GEMMs on
-# fewer rows): the packer cuts another micro-batch where that saves more padding than this. On a CPU
-# per-token compute dominates, and finer micro-batches under a long tail ran faster (docs/BENCHMARKS.md,
-# "Token budgets by default"); on a GPU a call costs as much as many tokens (not yet measured there).
-MICRO_BATCH_COST = {"cpu": 128, "cuda": 2048}
+# fewer rows): the packer cuts another micro-batch where that saves more padding than this.
+MICRO_BATCH_COST = {"cpu": 128, "cuda": 2048}  # CPU measured (docs/BENCHMARKS.md); GPU not yet
 
 
-def pack_by_tokens(batch: dict, budget: int, shared: bool = False, cost: int = 0) -> list[torch.Tensor]:
-    """Row indices of micro-batches under a token budget, counted after padding removal: rows in a
-    length order, cut into consecutive micro-batches whose (longest prompt + longest response) x
-    rows fits `budget` (one row at least), at the cuts that run the fewest tokens (`_run_tokens`)
-    plus `cost` per micro-batch (an exact minimum over the cuts, `_cut`). Two orders: every row by
-    its length; or, when a prompt runs once for its rows (`shared`), each prompt's rows together,
-    prompts by their longest row (sorting rows alone would run a prompt in every micro-batch its
-    rows land in). The cheaper wins: a long tail favours the first, short answers the second."""
+def pack_by_tokens(
+    batch: dict, budget: int, shared: bool = False, cost: float = 0, rows_per_micro: int = 0
+) -> list[torch.Tensor]:
+    """Row indices of micro-batches under a token budget, counted after padding removal ((longest
+    prompt + longest response) x rows fits `budget`, or one row). Two candidates, the one with less
+    `_work` + `cost` per micro-batch wins: rows sorted by length, cut where that runs the least
+    (`_cut`: similar lengths share a micro-batch, a long tail gets its own); and, given
+    `rows_per_micro` when each fits the budget, the rows in order in micro-batches of that many (a
+    GRPO batch's groups stay whole, so each prompt runs once: better when answers are short)."""
     plen, rlen, pid = _row_lengths(batch, shared)
-    by_row = sorted(range(len(plen)), key=lambda i: (plen[i] + rlen[i], i))
-    orders = [by_row]
-    if shared:
-        longest, first = {}, {}
-        for i in range(len(plen)):
-            longest[pid[i]] = max(longest.get(pid[i], 0), plen[i] + rlen[i])
-            first.setdefault(pid[i], i)
-        orders.append(sorted(by_row, key=lambda i: (longest[pid[i]], first[pid[i]])))  # stable: by length within
-    packings = [_cut(order, plen, rlen, pid, budget, cost) for order in orders]
-    best = min(packings, key=lambda p: p[0])[1]  # the first order on a tie
+    n = len(plen)
+    by_length = _cut(sorted(range(n), key=lambda i: (plen[i] + rlen[i], i)), plen, rlen, pid, budget, cost)
+    candidates = [by_length]
+    if rows_per_micro:
+        in_order = [list(range(s, min(s + rows_per_micro, n))) for s in range(0, n, rows_per_micro)]
+        if all((max(plen[i] for i in g) + max(rlen[i] for i in g)) * len(g) <= budget for g in in_order):
+            candidates.insert(0, in_order)  # the first on a tie
+    best = min(candidates, key=lambda groups: sum(_work(g, plen, rlen, pid) + cost for g in groups))
     return [torch.tensor(g, dtype=torch.long) for g in best]
 
 
-def _cut(order: list[int], plen: list[int], rlen: list[int], pid: list[int], budget: int, cost: int):
-    """(total, micro-batches): `order` cut into consecutive micro-batches that fit `budget`, at the
-    cuts minimising run tokens + `cost` each (dynamic programming over the cut points: O(rows x
-    rows per micro-batch))."""
+def _cut(order: list[int], plen: list[int], rlen: list[int], pid: list[int], budget: int, cost: float):
+    """`order` cut into consecutive micro-batches that fit `budget`, at the cuts minimising `_work` +
+    `cost` each (dynamic programming over the cut points: O(rows x rows per micro-batch))."""
     n = len(order)
-    best, prev = [0] + [None] * n, [0] * (n + 1)
+    best, prev = [0.0] + [None] * n, [0] * (n + 1)
     for j in range(1, n + 1):  # best[j]: the cheapest cut of order[:j]
         wp = wr = 0
-        prompts: dict[int, int] = {}
+        prompts: set[int] = set()
         for i in range(j - 1, -1, -1):  # the last micro-batch is order[i:j]
             k = order[i]
             wp, wr = max(wp, plen[k]), max(wr, rlen[k])
             if j - i > 1 and (wp + wr) * (j - i) > budget:
                 break  # a longer one only grows
-            prompts[pid[k]] = 1
-            total = best[i] + len(prompts) * wp + (j - i) * wr + cost
+            prompts.add(pid[k])
+            total = best[i] + (j - i) * wr + wp * (j - i + len(prompts)) / 2 + cost
             if best[j] is None or total < best[j]:
                 best[j], prev[j] = total, i
     groups, j = [], n
     while j:
         groups.append(order[prev[j] : j])
         j = prev[j]
-    return best[n], groups[::-1]
+    return groups[::-1]
 
 
 def select_rows(batch: dict, idx: torch.Tensor) -> dict:
@@ -286,7 +290,7 @@ class Role:
         in every forward, ZeRO-2/3 reduce in every backward; the ranks' lengths differ): a rank with
         fewer gets empty entries, run as one masked-out row."""
         cost = MICRO_BATCH_COST.get(self.device.type, MICRO_BATCH_COST["cuda"])
-        groups = pack_by_tokens(batch, self.max_tokens, self.share_prompts, cost)
+        groups = pack_by_tokens(batch, self.max_tokens, self.share_prompts, cost, self.micro_batch_size)
         k = int(all_reduce_max(float(len(groups))))
         return groups + [torch.zeros(0, dtype=torch.long)] * (k - len(groups))
 
