@@ -49,7 +49,8 @@ def read_ds_json(name: str, key: str) -> dict:
     if not path.is_file():
         raise ConfigError(key, f"DeepSpeed config file not found: {path}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text, object_pairs_hook=_unique_keys(str(path), text))
     except UnicodeDecodeError as e:
         raise ConfigError(str(path), f"not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
@@ -57,6 +58,43 @@ def read_ds_json(name: str, key: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(str(path), "a DeepSpeed config must be a JSON object")
     return data
+
+
+def _unique_keys(where: str, text: str):
+    """A `json.loads` object hook that refuses a key given twice in one object (JSON keeps the last,
+    silently), naming the key and the lines where it stands."""
+
+    def hook(pairs: list) -> dict:
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                lines = [i + 1 for i, line in enumerate(text.splitlines()) if f'"{k}"' in line]
+                at = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
+                raise ConfigError(where, f"key '{k}' is given twice in one object{at}: the second would replace the first")
+            seen.add(k)
+        return dict(pairs)
+
+    return hook
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last, silently:
+    a second `trainer:` section would drop the first's settings without a word)."""
+
+    where = ""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in first:
+                raise ConfigError(
+                    f"{self.where}:{key_node.start_mark.line + 1}",
+                    f"key '{key}' is given twice (lines {first[key]} and {key_node.start_mark.line + 1}): "
+                    "the second would replace the first",
+                )
+            first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 # ---------------------------------------------------------------- the schema
@@ -524,15 +562,16 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(str(p), "config file not found")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        loader = type("Loader", (_UniqueKeyLoader,), {"where": str(p)})
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=loader)  # noqa: S506 (a SafeLoader)
     except UnicodeDecodeError as e:
         raise ConfigError(str(p), f"not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         loc = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         raise ConfigError(f"{p}{loc}", f"YAML syntax error: {getattr(e, 'problem', e)}") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file is a mistake (a wrong path, a truncated copy), not "the defaults"
+        raise ConfigError(str(p), "the config file is empty (write `{}` for every default)")
     if not isinstance(data, dict):
         raise ConfigError(str(p), "the top level must be a mapping of sections")
     return data

@@ -270,6 +270,15 @@ BAD_INPUTS = {
         [],
         "roles.actor.max_tokens_per_micro_batch: must be auto or an integer, got 'lots'",
     ),
+    # nothing silently accepted: a key written twice (YAML and JSON keep the last), an empty file
+    "yaml_section_twice": (
+        "trainer:\n  run_dir: runs/mine\nrollout: {n: 4}\ntrainer:\n  steps: 3\n",
+        [],
+        "key 'trainer' is given twice (lines 1 and 4)",
+    ),
+    "yaml_key_twice_in_a_section": ("rollout:\n  n: 4\n  n: 8\n", [], "run.yaml:3: key 'n' is given twice"),
+    "empty_yaml": ("", [], "the config file is empty"),
+    "json_key_twice": ("roles:\n  actor: {ds_config: TWICEJSON}\n", [], "key 'zero_optimization' is given twice"),
     "model_without_config": ("model: {path: EMPTYDIR}\n", [], "has no config.json"),
     "model_without_tokenizer": ("model: {path: NOTOKDIR}\n", [], "has no tokenizer"),
     # out-of-range values: bounds at the field
@@ -339,6 +348,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
     tbs = _write(tmp_path, "tbs.json", json.dumps({"train_batch_size": 7}))
     stage5 = _write(tmp_path, "s5.json", json.dumps({"zero_optimization": {"stage": 5}}))
     micro0 = _write(tmp_path, "m0.json", json.dumps({"train_micro_batch_size_per_gpu": 0}))
+    twice = _write(tmp_path, "twice.json", '{"zero_optimization": {"stage": 3},\n "zero_optimization": {"stage": 0}}')
     latin1 = tmp_path / "latin1.json"
     latin1.write_bytes(b'{"wall_clock_breakdown": false, "caf\xe9": 1}')
     afile = _write(tmp_path, "a_file", "not a directory")
@@ -353,6 +363,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
         "TBS": tbs,
         "STAGE5": stage5,
         "MICRO0": micro0,
+        "TWICEJSON": twice,
         "LATIN1": str(latin1),
         "AFILE": afile,
         "EMPTYDIR": str(tmp_path / "empty"),
