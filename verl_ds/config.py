@@ -70,7 +70,9 @@ def _unique_keys(where: str, text: str):
             if k in seen:
                 lines = [i + 1 for i, line in enumerate(text.splitlines()) if f'"{k}"' in line]
                 at = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
-                raise ConfigError(where, f"key '{k}' is given twice in one object{at}: the second would replace the first")
+                raise ConfigError(
+                    where, f"key '{k}' is given twice in one object{at}: the second would replace the first"
+                )
             seen.add(k)
         return dict(pairs)
 
