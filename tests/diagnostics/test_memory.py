@@ -193,8 +193,10 @@ def test_bench_step_prints_phases_and_floor(tmp_path, capsys):
     tables = parse_md_tables(out)
     phases = {row[0] for row in tables[0][1:]}
     assert {"update_actor", "gen", "**step**"} <= phases
-    floor = {row[0]: row[3] for row in tables[0][1:]}  # the floor's own phases, same names
+    floor = {row[0]: row[4] for row in tables[0][1:]}  # the floor's own phases, same names
     assert all(float(floor[k]) > 0 for k in ("gen", "update_actor", "ref", "**step**")), floor
+    padding = {row[0]: row[3] for row in tables[0][1:]}  # real / run tokens of the phase's role pass
+    assert all(0 < float(padding[k]) <= 1 for k in ("update_actor", "ref")), padding
     assert "verl-ds / floor =" in out and "training MFU" in out
 
 
