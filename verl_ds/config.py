@@ -287,6 +287,13 @@ class MultiTurnConfig:
     max_turns: int = opt(4, "model turns per episode at most", gt=0)
     max_env_tokens: int = opt(0, "an observation's content is cut to this many tokens; 0: no cut", ge=0)
     max_total_tokens: int = opt(0, "model + environment tokens per row; 0: rollout.max_model_len bounds it", ge=0)
+    max_env_failure_fraction: float = opt(
+        0.1,
+        "an exception raised inside the environment ends its episode (counted in env/failures, its traceback "
+        "logged); the run stops when more than this fraction of a step's episodes end so",
+        ge=0,
+        le=1,
+    )
     tokenization_check: str = opt(
         "strict", "strict: compare each episode's ids with a one-shot render (a metric)", choices=("strict", "off")
     )

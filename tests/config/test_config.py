@@ -515,6 +515,10 @@ def test_train_with_a_validation_file_missing_the_prompt_key_is_one_line(tmp_pat
             "error: rollout.multi_turn.env_kwargs: RetryEnv(max_tries, colour): "
             "got an unexpected keyword argument 'colour'",
         ),
+        (
+            "rollout.multi_turn.env_kwargs={max_tries: '3'}",
+            "error: rollout.multi_turn.env_kwargs.max_tries: RetryEnv takes max_tries: int, got '3' (str)",
+        ),
     ],
 )
 def test_train_with_a_bad_environment_is_one_line_at_start(tmp_path, override, expected):
@@ -528,8 +532,26 @@ def test_train_with_a_bad_environment_is_one_line_at_start(tmp_path, override, e
         "rollout.engine=hf",
     )
     assert out.returncode == 2, out.stderr[-2000:]
-    assert [line for line in out.stderr.strip().splitlines() if line.startswith("error")] == [expected], out.stderr
+    errors = [line for line in out.stderr.strip().splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith(expected), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_an_environment_file_that_does_not_import_is_one_line_with_its_file_and_line(tmp_path):
+    """A syntax error (or any exception while the module runs) in the user's environment file: one
+    line at start naming the file and the line, even for `config render`."""
+    (tmp_path / "my_env.py").write_text("class Env:\n    def reset(self, example)\n        return None\n")
+    (tmp_path / "raising_env.py").write_text("import os\n\nBOARD = os.environ['NO_SUCH_VARIABLE']\n")
+    for module, expected in (
+        ("my_env", f"importing 'my_env' failed at {tmp_path / 'my_env.py'}:2: SyntaxError:"),
+        ("raising_env", "importing 'raising_env' failed at "),
+    ):
+        cfg = ["--config", str(ROOT / "examples" / "grpo_cpu_tiny_retry.yaml"), f"rollout.multi_turn.env={module}:Env"]
+        out = cli("config", "render", *cfg, cwd=tmp_path)
+        assert out.returncode == 2, out.stderr[-2000:]
+        errors = out.stderr.strip().splitlines()
+        assert len(errors) == 1 and errors[0].startswith(f"error: rollout.multi_turn.env: {expected}"), out.stderr
+    assert "KeyError: 'NO_SUCH_VARIABLE'" in errors[0]
 
 
 def test_config_reference_is_generated_and_current():

@@ -215,6 +215,88 @@ def test_limits_cut_observations_and_end_long_episodes(chat_tok):
     assert ro.episodes[0].turns == 2 and ro.env_rewards.tolist() == [0.5]  # step() scores the last answer too
 
 
+class GymNag(Nag):
+    """The shapes gym users bring: reset -> (obs, info), step -> (obs, reward, terminated, truncated, info)."""
+
+    def reset(self, example):
+        return None, {"seed": 0}
+
+    def step(self, action):
+        obs, reward, done, info = super().step(action)
+        return obs, reward, done, False, info
+
+
+class Broken(Nag):
+    """Returns `what` from step(), or raises it when it is an exception (every `every`-th episode)."""
+
+    made = 0
+
+    def __init__(self, what, every: int = 1):
+        super().__init__("#", 3)
+        Broken.made += 1
+        self.what, self.mine = what, Broken.made % every == 0
+
+    def step(self, action):
+        if not self.mine:
+            return super().step(action)
+        if isinstance(self.what, Exception):
+            raise self.what
+        return self.what
+
+
+THREE_TURNS = TurnLimits(3, 0, 0, 4096)
+
+
+def _episodes(chat_tok, factory, n=1, limits=THREE_TURNS):
+    codec = ChatCodec(chat_tok, True, None, model="t")
+    prompt = chat_tok(codec.prompt_texts(["q"])[0], add_special_tokens=False)["input_ids"]
+    engine = ScriptedEngine(chat_tok, ["abc"], chat_tok.eos_token_id, 1)
+    ex = [{"prompt": "q", "answer": ""}]
+    return collect(engine, ex, [prompt], n, 1.0, 1.0, 8, 0, 0, env_factory=factory, codec=codec, limits=limits)
+
+
+def test_gym_shaped_environments_are_accepted_as_documented_variants(chat_tok):
+    """reset's (obs, info) and step's 5-tuple (done = terminated or truncated) run the same episodes."""
+    plain, gym = _episodes(chat_tok, lambda: Nag("#", 3)), _episodes(chat_tok, lambda: GymNag("#", 3))
+    assert gym.episodes[0].turns == plain.episodes[0].turns == 3
+    assert gym.env_rewards.tolist() == plain.env_rewards.tolist() == [1.5]
+    assert torch.equal(gym.batch.response_ids, plain.batch.response_ids)
+
+
+@pytest.mark.parametrize(
+    "returned,expected",
+    [
+        ("oops", "error: Broken.step(): returned 'oops'; the contract is (observation, reward, done, info)"),
+        (("#", "1.0", False, {}), "with a number for reward and a dict for info"),
+        ((3, 0.0, False, {}), "returned (3, 0.0, False, {}); the contract is an observation: a string"),
+    ],
+)
+def test_an_environment_that_breaks_the_contract_is_one_line_naming_it(chat_tok, returned, expected):
+    with pytest.raises(ConfigError) as e:
+        _episodes(chat_tok, lambda: Broken(returned))
+    line = f"error: {e.value}"
+    assert "\n" not in line and line.startswith("error: Broken.step(): returned ") and expected in line, line
+
+
+def test_an_exception_inside_an_environment_ends_its_episode_counted_and_too_many_stop_the_run(chat_tok, caplog):
+    """One episode in 4 whose step() raises: it ends there, `env/failures` counts it, the traceback is
+    logged; the other episodes run their 3 turns. Past `max_failure_fraction` the run stops in one line."""
+    from verl_ds.errors import RunFailure
+
+    Broken.made = 0
+    with caplog.at_level("WARNING"):
+        ro = _episodes(
+            chat_tok, lambda: Broken(KeyError("board"), every=4), n=8, limits=TurnLimits(3, 0, 0, 4096, 0.25)
+        )
+    assert ro.metrics["env/failures"] == 2.0
+    assert sorted(ep.turns for ep in ro.episodes) == [1, 1] + [3] * 6
+    assert [ep.failure for ep in ro.episodes if ep.failure] == ["Broken.step() raised KeyError: 'board'"] * 2
+    assert "Traceback" in caplog.text and "KeyError: 'board'" in caplog.text
+    Broken.made = 0
+    with pytest.raises(RunFailure, match=r"^4 of 8 episodes ended in an exception of their environment \(> .*0.25\)"):
+        _episodes(chat_tok, lambda: Broken(KeyError("board"), every=2), n=8, limits=TurnLimits(3, 0, 0, 4096, 0.25))
+
+
 def test_without_an_environment_the_engine_batch_is_the_rollout(tokenizer):
     engine = ScriptedEngine(tokenizer, ["7"], tokenizer.eos_token_id)
     ro = collect(engine, [{"prompt": "3+4=", "answer": "7"}], [[1, 6, 15, 7, 17]], 4, 1.0, 1.0, 3, 0, 0)

@@ -47,3 +47,128 @@ def test_save_checkpoint_swaps_in_rotates_and_loads(tmp_path):
     assert json.loads((tmp_path / "step_3" / "trainer_state.json").read_text()) == {"step": 3, "sampler": 3}
     state = load_checkpoint(tmp_path / "step_3", roles)
     assert state["step"] == 3 and roles["actor"].loaded == (str(tmp_path / "step_3" / "actor"), "ds")
+
+
+# ---------------------------------------------------------------------- damaged checkpoints (real ones)
+def _tiny_run_with_two_checkpoints(run_dir: Path) -> list[Path]:
+    from verl_ds.config import load_config
+    from verl_ds.trainer.rl_trainer import RLTrainer
+
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=hf",
+            "trainer.steps=2",
+            "trainer.prompts_per_step=4",
+            "rollout.n=2",
+            "trainer.val_every=0",
+            "trainer.val_before_train=false",
+            "checkpoint.every=1",
+            "checkpoint.keep_last=2",
+            *[f"precision.{k}_dtype=fp32" for k in ("actor", "reference", "rollout", "buffer")],
+            f"trainer.run_dir={run_dir}",
+            "logging.wandb.mode=disabled",
+            "model.tiny.hidden=32",
+            "model.tiny.ffn=64",
+        ],
+    )
+    with RLTrainer(cfg) as trainer:
+        trainer.fit()
+    return list_checkpoints(run_dir / "checkpoints")
+
+
+def _cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_damaged_checkpoint_is_named_and_auto_resumes_from_the_newest_intact_one(tmp_path, caplog):
+    """A real checkpoint, then damaged as a full disk or a cut copy leaves it: its largest DeepSpeed
+    state file cut in half, then trainer_state.json cut short. `damage` names the file; `resume: auto`
+    passes over the damaged step_2 to step_1 in one log line, and starts fresh when none is intact; an
+    explicit path is a ConfigError naming what is wrong."""
+    import pytest
+
+    from verl_ds.errors import ConfigError
+    from verl_ds.trainer.checkpoint import damage, pick_resume
+
+    root = tmp_path / "checkpoints"
+    step1, step2 = _tiny_run_with_two_checkpoints(tmp_path)
+    assert damage(step1, ["actor"], 1) is None and damage(step2, ["actor"], 1) is None
+    states = max((step2 / "actor").rglob("*.pt"), key=lambda p: p.stat().st_size)
+    _cut_in_half(states)
+    assert damage(step2, ["actor"], 1).startswith(f"{states.relative_to(step2)} is not a whole torch file")
+    with caplog.at_level("WARNING"):
+        assert pick_resume(root, "auto", ["actor"], 1) == step1
+    assert f"resume: auto passes over {step2}" in caplog.text
+    with pytest.raises(ConfigError, match=r"is not a usable verl-ds checkpoint: actor/.* is not a whole torch file"):
+        pick_resume(root, str(step2), ["actor"], 1)
+    _cut_in_half(step1 / "trainer_state.json")
+    assert pick_resume(root, "auto", ["actor"], 1) is None
+    assert damage(step1, ["actor"], 1).startswith("trainer_state.json does not parse")
+    assert damage(step1, ["actor", "critic"], 2) == "missing rng_rank1.pt, critic"
+    assert pick_resume(root, "none", ["actor"], 1) is None
+
+
+def test_resuming_a_damaged_checkpoint_is_one_line_before_any_engine_is_built(tmp_path):
+    """Through the CLI: exit 2, one line naming the file, and no engine was built (no DeepSpeed
+    start-up output, no vLLM) before it."""
+    import subprocess
+    import sys
+
+    from tests.subprocess_env import child_env
+
+    step1, _ = _tiny_run_with_two_checkpoints(tmp_path)
+    _cut_in_half(step1 / "rng_rank0.pt")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_ds.cli",
+            "train",
+            "--config",
+            str(root / "examples" / "grpo_cpu_tiny.yaml"),
+            f"trainer.resume={step1}",
+            f"trainer.run_dir={tmp_path / 'again'}",
+            "logging.wandb.mode=disabled",
+            "rollout.engine=hf",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=child_env(),
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: trainer.resume: {step1} is not a usable verl-ds checkpoint: rng_rank0.pt is not a "
+        "whole torch file (File is not a zip file)"
+    ], out.stderr
+    assert "Traceback" not in out.stderr and "DeepSpeed info" not in out.stdout + out.stderr
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
+    """A read-only run directory: the probe at start says so (the key and the path), instead of a
+    PermissionError when the first checkpoint is written after a step trained."""
+    import os
+
+    import pytest
+
+    from verl_ds.errors import ConfigError
+    from verl_ds.trainer.checkpoint import probe_writable
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    probe_writable(tmp_path / "rw" / "checkpoints", "trainer.run_dir")
+    assert list((tmp_path / "rw" / "checkpoints").iterdir()) == []  # the probe leaves nothing
+    os.chmod(ro, 0o500)
+    try:
+        if os.access(ro, os.W_OK):  # root writes anywhere: make the path a file's child instead
+            (tmp_path / "a_file").write_text("")
+            ro = tmp_path / "a_file"
+        with pytest.raises(ConfigError, match=r"^trainer.run_dir: .* is not writable"):
+            probe_writable(ro / "checkpoints", "trainer.run_dir")
+    finally:
+        os.chmod(tmp_path / "ro", 0o700)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-SUMMED = {"perf/throughput"}  # per-rank tokens/s add up to the job's
+SUMMED = {"perf/throughput", "env/failures"}  # per-rank tokens/s and failed episodes add up to the job's
 
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:

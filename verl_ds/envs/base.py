@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import numbers
+import traceback
+import typing
 from typing import Any, Callable, Protocol, Union
 
 from verl_ds.errors import ConfigError
@@ -34,11 +37,72 @@ def import_object(spec: str, key: str) -> Any:
         raise ConfigError(key, f"'{spec}' is not a 'pkg.module:Name' path")
     try:
         module = importlib.import_module(mod_name)
-    except ImportError as e:
+    except ModuleNotFoundError as e:
         raise ConfigError(key, f"cannot import module '{mod_name}' ({e}); is it on PYTHONPATH?") from None
+    except Exception as e:  # a syntax error, or the module's own code raising while it is imported
+        raise ConfigError(key, f"importing '{mod_name}' failed at {_where(e)}: {type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
         raise ConfigError(key, f"module '{mod_name}' has no '{attr}'")
     return getattr(module, attr)
+
+
+def _where(e: BaseException) -> str:
+    """`file:line` of an exception: a syntax error's own, else the innermost frame of its traceback."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}:{e.lineno}"
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+# ---------------------------------------------------------------- the contract, checked where it is crossed
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _contract_error(env, method: str, got: Any, wants: str) -> ConfigError:
+    return ConfigError(f"{type(env).__name__}.{method}()", f"returned {_shown(got)}; the contract is {wants}")
+
+
+_OBS = "an observation: a string, a list of chat messages, or None"
+_STEP = "(observation, reward, done, info), or gym's (observation, reward, terminated, truncated, info)"
+
+
+def _observation(env, method: str, obs: Any, got: Any) -> Observation:
+    if (
+        obs is None
+        or isinstance(obs, str)
+        or (isinstance(obs, list) and all(isinstance(m, dict) and "content" in m for m in obs))
+    ):
+        return obs
+    raise _contract_error(env, method, got, _OBS)
+
+
+def env_reset(env, example: dict) -> Observation:
+    """`env.reset(example)`, checked: an observation (None: the task's prompt opens the episode).
+    Gym's `(observation, info)` is accepted, its info dropped."""
+    got = env.reset(example)
+    obs = got[0] if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict) else got
+    return _observation(env, "reset", obs, got)
+
+
+def env_step(env, action: str) -> tuple[Observation, float, bool, dict]:
+    """`env.step(action)`, checked: (observation, reward, done, info). Gym's 5-tuple is accepted:
+    done = terminated or truncated. A wrong shape is one line naming the class, the method, what it
+    returned and the contract (a ConfigError: the environment's author has a mistake to fix)."""
+    got = env.step(action)
+    if isinstance(got, tuple) and len(got) == 5:
+        obs, reward, terminated, truncated, info = got
+        done = bool(terminated) or bool(truncated)
+    elif isinstance(got, tuple) and len(got) == 4:
+        obs, reward, done, info = got
+    else:
+        raise _contract_error(env, "step", got, _STEP)
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not isinstance(info, (dict, type(None))):
+        raise _contract_error(env, "step", got, _STEP + " with a number for reward and a dict for info")
+    return _observation(env, "step", obs, got), float(reward), bool(done), dict(info or {})
 
 
 def _check_method(cls, name: str, n_args: int, key: str) -> None:
@@ -71,4 +135,29 @@ def load_env_factory(
         inspect.signature(cls).bind(**kwargs)
     except TypeError as e:
         raise ConfigError("rollout.multi_turn.env_kwargs", f"{cls.__name__}({', '.join(kwargs)}): {e}") from None
+    _check_kwarg_types(cls, kwargs)
     return lambda: cls(**kwargs)
+
+
+_SIMPLE = (int, float, str, bool)
+
+
+def _check_kwarg_types(cls, kwargs: dict) -> None:
+    """Each keyword argument against its constructor annotation where that is int, float, str or
+    bool (a quoted "3" for an int, seen only when the environment compares it, is a start-up line)."""
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # annotations that do not resolve: nothing to check against
+        return
+    for name, value in kwargs.items():
+        want = hints.get(name)
+        if want not in _SIMPLE:
+            continue
+        ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ConfigError(
+                f"rollout.multi_turn.env_kwargs.{name}",
+                f"{cls.__name__} takes {name}: {want.__name__}, got {_shown(value)} ({type(value).__name__})",
+            )

@@ -20,16 +20,21 @@ prompt is the template's rendering of the conversation so far.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from verl_ds import dist as vdist
+from verl_ds.envs.base import env_reset, env_step
+from verl_ds.errors import ConfigError, RunFailure
 
 from .batch import RolloutBatch
 from .distributed import generate_distributed, prompt_positions
 from .engine import RolloutEngine
 from .seeding import turn_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class TurnLimits:
     max_env_tokens: int = 0  # an observation's content is cut to this many tokens (0: no cut)
     max_total_tokens: int = 0  # model + environment tokens of a row (0: only max_model_len bounds it)
     max_model_len: int = 256  # prompt + response; an episode that would pass it ends truncated
+    max_failure_fraction: float = 0.1  # of a call's episodes whose environment may raise before the run stops
 
 
 @dataclass
@@ -71,6 +77,7 @@ class Episode:
     tool_calls: float = 0.0
     tool_failures: float = 0.0
     live: bool = True
+    failure: str = ""  # the exception the environment raised (the episode ended there)
 
     @property
     def seg(self) -> Segment:
@@ -117,7 +124,7 @@ def collect(
     for ep in episodes:
         ex = examples[ep.group]
         ep.segments.append(Segment(list(prompt_ids[ep.group]), codec.prompt_messages(ex["prompt"])))
-        first = ep.env.reset(ex)
+        first = _guarded(ep, "reset", env_reset, ex)
         if first is not None:  # the environment opens the conversation: a prompt of its own
             msgs = _messages(first, "user")
             seg = ep.seg
@@ -164,7 +171,34 @@ def collect(
                 ids, lps, reason = ids[:budget], lps[:budget], "length"
             _act(ep, ids, lps, reason, codec, limits)
         turn += 1
+    check_failures(episodes, limits)
     return _assemble(episodes, codec, rollout.pad_id, strict)
+
+
+def _guarded(ep: Episode, method: str, call, arg):
+    """`call(ep.env, arg)` (`env_reset` / `env_step`: the contract checked where it is crossed). A
+    contract mistake is the environment author's, one line (ConfigError); an exception raised inside
+    the environment ends only this episode: recorded in `ep.failure`, logged with its traceback,
+    counted in `env/failures` (the run stops when a call's count passes `max_failure_fraction`)."""
+    try:
+        return call(ep.env, arg)
+    except ConfigError:
+        raise
+    except Exception as e:
+        ep.failure = f"{type(ep.env).__name__}.{method}() raised {type(e).__name__}: {e}"
+        log.warning("environment failure (the episode ends, counted in env/failures): %s", ep.failure, exc_info=e)
+        return None
+
+
+def check_failures(episodes: list[Episode], limits: TurnLimits) -> None:
+    """Stop the run in one line when more than `max_failure_fraction` of the episodes' environments
+    raised (a broken environment, not an unlucky episode)."""
+    failed = [ep.failure for ep in episodes if ep.failure]
+    if failed and len(failed) > limits.max_failure_fraction * len(episodes):
+        raise RunFailure(
+            f"{len(failed)} of {len(episodes)} episodes ended in an exception of their environment "
+            f"(> rollout.multi_turn.max_env_failure_fraction {limits.max_failure_fraction}); the first: {failed[0]}"
+        )
 
 
 def _budget(ep: Episode, max_new_tokens: int, limits: TurnLimits) -> int:
@@ -193,8 +227,12 @@ def _act(ep: Episode, ids: list[int], lps: list[float], reason: str, codec, limi
     if reason == "length" and codec.use_template:  # cut mid-turn: no end-of-turn token to continue after
         ep.live = False
         return
-    obs, reward, done, info = ep.env.step(text)
-    ep.reward += float(reward)
+    out = _guarded(ep, "step", env_step, text)
+    if out is None:  # the environment raised: the episode ends here, counted
+        ep.live = False
+        return
+    obs, reward, done, info = out
+    ep.reward += reward
     ep.tool_calls += float(info.get("tool_calls", 0.0))
     ep.tool_failures += float(info.get("tool_failures", 0.0))
     if done or obs is None or ep.turns >= limits.max_turns:
@@ -251,6 +289,7 @@ def _assemble(episodes: list[Episode], codec, pad_id: int, strict: bool) -> Roll
         "tools/call_frequency": sum(ep.tool_calls for ep in episodes) / max(sum(turns), 1),
         "tools/failure_frequency": sum(ep.tool_failures for ep in episodes)
         / max(sum(ep.tool_calls for ep in episodes), 1.0),
+        "env/failures": float(sum(bool(ep.failure) for ep in episodes)),
         "response/model_tokens/mean": float(model_tok.mean()) if len(batch) else 0.0,
         "response/env_tokens/mean": float((batch.response_mask.sum(1) - model_tok).mean()) if len(batch) else 0.0,
     }

@@ -78,7 +78,9 @@ def build_episodes(cfg: RunConfig, codec: ChatCodec, tools: list) -> dict:
     mt = cfg.rollout.multi_turn
     if not mt.env:
         return {}
-    limits = TurnLimits(mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len)
+    limits = TurnLimits(
+        mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len, mt.max_env_failure_fraction
+    )
     return dict(
         env_factory=load_env_factory(mt.env, mt.env_kwargs, tools or None),
         codec=codec,

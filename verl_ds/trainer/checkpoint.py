@@ -8,9 +8,11 @@ leaves a half-written `step_<k>` that `resume: auto` would pick.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from verl_ds.errors import ConfigError
 from verl_ds.roles.params import swap_in
 
 _STEP = re.compile(r"^step_(\d+)$")
+log = logging.getLogger(__name__)
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -49,6 +52,61 @@ def save_checkpoint(root: Path, step: int, roles: dict, state: dict, keep_last: 
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
+
+
+def damage(path: Path, roles: list[str], ranks: int) -> str | None:
+    """What makes checkpoint `path` unusable (None: nothing): a file it needs missing,
+    trainer_state.json not parsing, or a `.pt` file that is not a whole torch archive (a disk that
+    filled, a copy cut short: its zip directory, written last, is missing). Reads the JSON and each
+    archive's directory, not the tensors: cheap enough to run before any engine is built."""
+    needed = ["trainer_state.json", *(f"rng_rank{r}.pt" for r in range(ranks)), *roles]
+    missing = [n for n in needed if not (path / n).exists()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    try:
+        json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"trainer_state.json does not parse ({e})"
+    for f in sorted(path.rglob("*.pt")):
+        try:
+            zipfile.ZipFile(f).close()
+        except (zipfile.BadZipFile, OSError) as e:
+            return f"{f.relative_to(path)} is not a whole torch file ({e})"
+    return None
+
+
+def probe_writable(path: Path, key: str) -> None:
+    """Create `path` and write a file into it once, before any work: a directory the run cannot write
+    is one line now, not a PermissionError after a step has trained."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{rank()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(key, f"{path} is not writable ({e.strerror or e})") from None
+
+
+def pick_resume(root: Path, resume: str, roles: list[str], ranks: int) -> Path | None:
+    """`trainer.resume` resolved and checked before any engine is built: `none` -> None; `auto` -> the
+    newest intact checkpoint under `root` (a damaged newer one is passed over in one log line) or
+    None; a path -> that checkpoint, a ConfigError naming what is wrong with it."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError("trainer.resume", f"checkpoint directory not found: {path}")
+        if problem := damage(path, roles, ranks):
+            raise ConfigError("trainer.resume", f"{path} is not a usable verl-ds checkpoint: {problem}")
+        return path
+    for path in reversed(list_checkpoints(root)):
+        problem = damage(path, roles, ranks)
+        if problem is None:
+            return path
+        log.warning("resume: auto passes over %s: %s", path, problem)
+    log.info("resume: auto found no intact checkpoint in %s; starting fresh", root)
+    return None
 
 
 def load_checkpoint(path: Path, roles: dict) -> dict:

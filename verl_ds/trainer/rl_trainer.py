@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from verl_ds import algos
-from verl_ds.config import RunConfig
+from verl_ds.config import RunConfig, active_roles
 from verl_ds.data.dataset import PromptSampler
 from verl_ds.data.reward import task_reward_fn
 from verl_ds.diagnostics.memory import MemoryTimer
@@ -32,13 +32,13 @@ from verl_ds.dist import (
 )
 from verl_ds.ds_config import resolve
 from verl_ds.envs import load_tools
-from verl_ds.errors import ConfigError
 from verl_ds.gemm import fp32_gemm
+from verl_ds.precision import TRAINED_ROLES
 from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_params
 from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import episodes, make_rollout, resolve_engine, sync_distributed
 from verl_ds.trainer import builder
-from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from verl_ds.trainer.checkpoint import load_checkpoint, pick_resume, probe_writable, save_checkpoint
 from verl_ds.trainer.groups import merge_parts, select_groups, varied_groups
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,10 @@ class RLTrainer:
         self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer, self.codec)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
         self.reward_fn = reward_fn or task_reward_fn(cfg.data)
+        # the checkpoint to resume from, checked whole, and the run's directories writable, before any engine
+        probe_writable(self.run_dir / "checkpoints", "trainer.run_dir")
+        trained = [r for r in active_roles(cfg) if r in TRAINED_ROLES]
+        self.resume_from = pick_resume(self.run_dir / "checkpoints", cfg.trainer.resume, trained, self.world)
         self.roles = builder.build_roles(cfg, self.model_path, self.precision)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
         sleepers = [n for n in self._trained_roles() if getattr(cfg.roles, n).sleep]
@@ -568,16 +572,9 @@ class RLTrainer:
         return path
 
     def _maybe_resume(self) -> bool:
-        resume = self.cfg.trainer.resume
-        if resume == "none":
-            return False
-        found = list_checkpoints(self.run_dir / "checkpoints")
-        path = found[-1] if resume == "auto" and found else (Path(resume) if resume != "auto" else None)
+        path = self.resume_from  # checked before the engines were built (`pick_resume`)
         if path is None:
-            log.info("resume: auto found no checkpoint in %s; starting fresh", self.run_dir / "checkpoints")
             return False
-        if not path.is_dir():
-            raise ConfigError("trainer.resume", f"checkpoint directory not found: {path}")
         state = load_checkpoint(path, self._trained_roles())
         self.global_step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
