@@ -21,12 +21,13 @@ prompt is the template's rendering of the conversation so far.
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.envs.base import env_reset, env_step
 from verl_ds.errors import ConfigError, RunFailure
 
 from .batch import RolloutBatch
@@ -173,6 +174,58 @@ def collect(
         turn += 1
     check_failures(episodes, limits)
     return _assemble(episodes, codec, rollout.pad_id, strict)
+
+
+# ---------------------------------------------------------------- the environment contract, checked where it is crossed
+# (envs/base.py's `Environment`): what reset/step return enters verl-ds here
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _contract_error(env, method: str, got: Any, wants: str) -> ConfigError:
+    return ConfigError(f"{type(env).__name__}.{method}()", f"returned {_shown(got)}; the contract is {wants}")
+
+
+_OBS = "an observation: a string, a list of chat messages, or None"
+_STEP = "(observation, reward, done, info), or gym's (observation, reward, terminated, truncated, info)"
+
+
+def _observation(env, method: str, obs: Any, got: Any) -> str | list | None:
+    if (
+        obs is None
+        or isinstance(obs, str)
+        or (isinstance(obs, list) and all(isinstance(m, dict) and "content" in m for m in obs))
+    ):
+        return obs
+    raise _contract_error(env, method, got, _OBS)
+
+
+def env_reset(env, example: dict) -> str | list | None:
+    """`env.reset(example)`, checked: an observation (None: the task's prompt opens the episode).
+    Gym's `(observation, info)` is accepted, its info dropped."""
+    got = env.reset(example)
+    obs = got[0] if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict) else got
+    return _observation(env, "reset", obs, got)
+
+
+def env_step(env, action: str) -> tuple[str | list | None, float, bool, dict]:
+    """`env.step(action)`, checked: (observation, reward, done, info). Gym's 5-tuple is accepted:
+    done = terminated or truncated. A wrong shape is one line naming the class, the method, what it
+    returned and the contract (a ConfigError: the environment's author has a mistake to fix)."""
+    got = env.step(action)
+    if isinstance(got, tuple) and len(got) == 5:
+        obs, reward, terminated, truncated, info = got
+        done = bool(terminated) or bool(truncated)
+    elif isinstance(got, tuple) and len(got) == 4:
+        obs, reward, done, info = got
+    else:
+        raise _contract_error(env, "step", got, _STEP)
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not isinstance(info, (dict, type(None))):
+        raise _contract_error(env, "step", got, _STEP + " with a number for reward and a dict for info")
+    return _observation(env, "step", obs, got), float(reward), bool(done), dict(info or {})
 
 
 def _guarded(ep: Episode, method: str, call, arg):
