@@ -299,9 +299,9 @@ def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_roll
     fp32 products and round alike, so the gap would not show the format at all.
 
     What holds on every CPU kind, and so what is asserted: loss scaling ran in fp16 (and not in
-    bf16); each matched pair's gap is far below the mismatched pair's; each gap is under a bound
-    derived from its format's unit roundoff. Which matched format is closer is NOT asserted: it
-    depends on the kernels. With two kernel paths (AVX2: bf16 emulated) fp16 is the closer; on an
+    bf16); each gap is within bounds derived from its own format's unit roundoff (the mismatched
+    pair above a fraction of bf16's, each matched pair under half its own). Which matched format is
+    closer is NOT asserted, nor is any gap compared with another: it depends on the kernels. With two kernel paths (AVX2: bf16 emulated) fp16 is the closer; on an
     avx512_bf16 CPU both sides of a matched pair run the same native kernel and both gaps are
     ~5e-8, their order noise (docs/ARCHITECTURE.md, Tests). The comparison is printed, as
     `bench precision --matrix` reports it."""
@@ -341,10 +341,9 @@ def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_roll
     # roundoff u (fp32 trainer vs bf16 rollout: ~0.3 u_bf16 on both CPU kinds); a matched pair rounds
     # alike, so its gap stays under half its own u whatever the kernels (measured 1e-4..0.1 u).
     u = {"fp16": 2.0**-11, "bf16": 2.0**-8}
-    assert u["fp16"] / 4 < gap["fp32/bf16"] < u["bf16"], gap  # the mismatched pair shows bf16's rounding
+    assert u["bf16"] / 16 < gap["fp32/bf16"] < u["bf16"], gap  # the mismatched pair shows bf16's rounding
     for fmt in ("fp16", "bf16"):
-        assert gap[fmt] < u[fmt] / 2, (fmt, gap)
-        assert gap[fmt] < gap["fp32/bf16"] / 2, (fmt, gap)  # matched: far below the mismatched pair
+        assert gap[fmt] < u[fmt] / 2, (fmt, gap)  # matched: each under its own format's bound
     assert all(0 <= r["rollout_corr/phantom_clip_fraction"] <= 1 for rows in runs.values() for r in rows)
 
 
