@@ -301,9 +301,10 @@ def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_roll
     What holds on every CPU kind, and so what is asserted: loss scaling ran in fp16 (and not in
     bf16); each gap is within bounds derived from its own format's unit roundoff (the mismatched
     pair above a fraction of bf16's, each matched pair under half its own). Which matched format is
-    closer is NOT asserted, nor is any gap compared with another: it depends on the kernels. With two kernel paths (AVX2: bf16 emulated) fp16 is the closer; on an
-    avx512_bf16 CPU both sides of a matched pair run the same native kernel and both gaps are
-    ~5e-8, their order noise (docs/ARCHITECTURE.md, Tests). The comparison is printed, as
+    closer is NOT asserted, nor is any gap compared with another: it depends on the kernels. With
+    two kernel paths (AVX2: bf16 emulated) fp16 is the closer; on an avx512_bf16 CPU both sides of
+    a matched pair run the same native kernel and both gaps are ~5e-8, their order noise
+    (docs/ARCHITECTURE.md, Tests). The comparison is printed, as
     `bench precision --matrix` reports it."""
     runs = {}
     for name, (trainer, rollout) in {
