@@ -81,21 +81,19 @@ def _unique_keys(where: str, text: str):
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last, silently:
-    a second `trainer:` section would drop the first's settings without a word)."""
-
-    where = ""
+    a second `trainer:` section would drop the first's settings without a word). `read_yaml` adds
+    the file to the ConfigError's `:line`."""
 
     def construct_mapping(self, node, deep=False):
         first: dict = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
+            key, line = self.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
             if key in first:
                 raise ConfigError(
-                    f"{self.where}:{key_node.start_mark.line + 1}",
-                    f"key '{key}' is given twice (lines {first[key]} and {key_node.start_mark.line + 1}): "
-                    "the second would replace the first",
+                    f":{line}",
+                    f"key '{key}' is given twice (lines {first[key]} and {line}): the second would replace the first",
                 )
-            first[key] = key_node.start_mark.line + 1
+            first[key] = line
         return super().construct_mapping(node, deep=deep)
 
 
@@ -571,8 +569,9 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(str(p), "config file not found")
     try:
-        loader = type("Loader", (_UniqueKeyLoader,), {"where": str(p)})
-        data = yaml.load(p.read_text(encoding="utf-8"), Loader=loader)  # noqa: S506 (a SafeLoader)
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except ConfigError as e:  # a key given twice: `:line` -> `file:line`
+        raise ConfigError(f"{p}{e.where}", e.message) from None
     except UnicodeDecodeError as e:
         raise ConfigError(str(p), f"not UTF-8 text (byte {e.start})") from None
     except yaml.YAMLError as e:

@@ -33,6 +33,12 @@ class ConfigErrors(ConfigError):
         return self.args[0]
 
 
+def shown(value) -> str:
+    """A user's value as an error line shows it: its repr, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class RunFailure(RuntimeError):
     """A run that cannot go on, for a reason its one line names (not a user mistake: the CLI prints
     `error: <line>` and exits 1, with no traceback)."""

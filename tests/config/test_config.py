@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.subprocess_env import child_env
+from tests.subprocess_env import child_env, run_cli
 from verl_ds.config import load_config
 from verl_ds.ds_config import render_ds_configs
 from verl_ds.errors import ConfigError
@@ -20,10 +20,7 @@ CPU_PPO = ROOT / "examples" / "ppo_cpu_tiny.yaml"
 
 
 def cli(*args, cwd=ROOT):
-    # no process-group env inherited from an in-process test (its MASTER_PORT is taken)
-    return subprocess.run(
-        [sys.executable, "-m", "verl_ds.cli", *args], capture_output=True, text=True, cwd=cwd, env=child_env()
-    )
+    return run_cli(*args, cwd=cwd)
 
 
 def test_examples_load_and_render_with_every_role():

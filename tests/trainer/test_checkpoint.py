@@ -113,33 +113,14 @@ def test_a_damaged_checkpoint_is_named_and_auto_resumes_from_the_newest_intact_o
 def test_resuming_a_damaged_checkpoint_is_one_line_before_any_engine_is_built(tmp_path):
     """Through the CLI: exit 2, one line naming the file, and no engine was built (no DeepSpeed
     start-up output, no vLLM) before it."""
-    import subprocess
-    import sys
-
-    from tests.subprocess_env import child_env
+    from tests.subprocess_env import run_cli
 
     step1, _ = _tiny_run_with_two_checkpoints(tmp_path)
     _cut_in_half(step1 / "rng_rank0.pt")
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "verl_ds.cli",
-            "train",
-            "--config",
-            str(root / "examples" / "grpo_cpu_tiny.yaml"),
-            f"trainer.resume={step1}",
-            f"trainer.run_dir={tmp_path / 'again'}",
-            "logging.wandb.mode=disabled",
-            "rollout.engine=hf",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=root,
-        env=child_env(),
-        timeout=300,
-    )
+    config = str(root / "examples" / "grpo_cpu_tiny.yaml")
+    args = [f"trainer.resume={step1}", f"trainer.run_dir={tmp_path / 'again'}", "logging.wandb.mode=disabled"]
+    out = run_cli("train", "--config", config, *args, "rollout.engine=hf", cwd=root)
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors == [

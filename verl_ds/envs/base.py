@@ -8,7 +8,7 @@ import traceback
 import typing
 from typing import Any, Callable, Protocol, Union
 
-from verl_ds.errors import ConfigError
+from verl_ds.errors import ConfigError, shown
 
 Observation = Union[str, list, None]
 
@@ -51,11 +51,6 @@ def _where(e: BaseException) -> str:
         return f"{e.filename}:{e.lineno}"
     frames = traceback.extract_tb(e.__traceback__)
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_method(cls, name: str, n_args: int, key: str) -> None:
@@ -106,11 +101,9 @@ def _check_kwarg_types(cls, kwargs: dict) -> None:
         want = hints.get(name)
         if want not in _SIMPLE:
             continue
-        ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
+        accepted = (int, float) if want is float else want  # an int where a float goes, as YAML writes 1
+        if not isinstance(value, accepted) or (want is not bool and isinstance(value, bool)):
             raise ConfigError(
                 f"rollout.multi_turn.env_kwargs.{name}",
-                f"{cls.__name__} takes {name}: {want.__name__}, got {_shown(value)} ({type(value).__name__})",
+                f"{cls.__name__} takes {name}: {want.__name__}, got {shown(value)} ({type(value).__name__})",
             )

@@ -36,21 +36,14 @@ def trim_padding(batch: dict) -> tuple[dict, int]:
     micro-batch of shorter ones needs fewer columns (GRPO groups share a prompt length). Exact: a
     dropped column is a masked key for every real token, and positions count real tokens only."""
     mask = batch["attention_mask"]
-    start, p, keep = _used_columns(batch)
-    inputs = model_inputs(
-        {"input_ids": batch["input_ids"][:, start : p + keep], "attention_mask": mask[:, start : p + keep]}
-    )
-    return inputs, keep
-
-
-def _used_columns(batch: dict) -> tuple[int, int, int]:
-    """(first prompt column some row uses, the prompt width P, response columns kept)."""
-    mask = batch["attention_mask"]
     p = mask.shape[1] - batch["response_mask"].shape[1]
     used = mask.bool().any(0).cpu()  # one device sync, then index arithmetic on the host
     start = int(used[:p].int().argmax()) if p and bool(used[:p].any()) else p  # first prompt column in use
     keep = int(used[p:].nonzero().max()) + 1 if bool(used[p:].any()) else 1  # last response column in use
-    return start, p, keep
+    inputs = model_inputs(
+        {"input_ids": batch["input_ids"][:, start : p + keep], "attention_mask": mask[:, start : p + keep]}
+    )
+    return inputs, keep
 
 
 def pad_response(x: torch.Tensor | None, width: int) -> torch.Tensor | None:

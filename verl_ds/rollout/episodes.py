@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.errors import ConfigError, RunFailure
+from verl_ds.errors import ConfigError, RunFailure, shown
 
 from .batch import RolloutBatch
 from .distributed import generate_distributed, prompt_positions
@@ -180,13 +180,8 @@ def collect(
 # (envs/base.py's `Environment`): what reset/step return enters verl-ds here
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _contract_error(env, method: str, got: Any, wants: str) -> ConfigError:
-    return ConfigError(f"{type(env).__name__}.{method}()", f"returned {_shown(got)}; the contract is {wants}")
+    return ConfigError(f"{type(env).__name__}.{method}()", f"returned {shown(got)}; the contract is {wants}")
 
 
 _OBS = "an observation: a string, a list of chat messages, or None"

@@ -79,7 +79,7 @@ class HFRollout:
         if lm_head_fp32:
             use_fp32_lm_head(self.model)
         self.checker = ParamChecker(model_path)
-        self.version = self.loaded_version = 0  # syncs begun; the last one whose tensors reached the model
+        self.version = 0  # syncs begun (named in the check's line)
         self.eos_ids = eos_token_ids(model_path)
         self.pad_id = pad_token_id(model_path)
         self.start_s = 0.0
@@ -166,12 +166,11 @@ class HFRollout:
                 want[name] = fingerprint(cast)
                 check_s += time.perf_counter() - t
                 state[name].copy_(cast)
-                self.loaded_version = self.version
         self.checker.finish()
         t = time.perf_counter()  # read back from the module that generates (as VLLMRollout does)
         live = dict(self.model.named_parameters())
         got = {n: fingerprint(live[n]) for n in want if n in live}
-        if problem := sync_mismatch(self.version, self.loaded_version, got, want):
+        if problem := sync_mismatch(self.version, self.version, got, want):  # one process: no stale version
             raise RunFailure(f"weight sync: {problem}")
         return {
             "timing_s/update_weights": time.perf_counter() - t0,

@@ -110,17 +110,8 @@ def pick_resume(root: Path, resume: str, roles: list[str], ranks: int) -> Path |
 
 
 def load_checkpoint(path: Path, roles: dict) -> dict:
-    """Restore roles and RNG; return the trainer state dict (step, sampler, kl, reward_norm)."""
-
-    missing = [
-        p.name
-        for p in [path / "trainer_state.json", path / f"rng_rank{rank()}.pt", *(path / name for name in roles)]
-        if not p.exists()
-    ]
-    if missing:
-        raise ConfigError(
-            "trainer.resume", f"{path} is not a complete verl-ds checkpoint (missing: {', '.join(missing)})"
-        )
+    """Restore roles and RNG; return the trainer state dict (step, sampler, kl, reward_norm). `path`
+    is whole: `pick_resume` checked it before any engine was built."""
     for name, role in roles.items():
         role.load(str(path / name), tag="ds")
     rng = torch.load(path / f"rng_rank{rank()}.pt", weights_only=True)
