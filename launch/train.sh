@@ -12,6 +12,11 @@ port="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127
 args=(--master_port "$port")
 envfile=""
 if [ -n "${HOSTFILE:-}" ]; then
+  # DeepSpeed's runner treats a missing hostfile as "train on this machine only": refuse it instead.
+  if [ ! -f "$HOSTFILE" ] || ! grep -qE '^[[:space:]]*[^#[:space:]]' "$HOSTFILE"; then
+    echo "error: HOSTFILE: $HOSTFILE is missing or lists no hosts (one 'host slots=N' line per node)" >&2
+    exit 2
+  fi
   args+=(--hostfile "$HOSTFILE")
   if [ -n "${MASTER_ADDR:-}" ]; then args+=(--master_addr "$MASTER_ADDR"); fi
   if [ "$VERL_DS_DEVICE" = cpu ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi

@@ -29,6 +29,7 @@ from verl_ds.data.reward import get_reward_fn
 from verl_ds.envs import load_env_factory, load_tools
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import INT8_ROLES, TRAINED_ROLES, PrecisionConfig
+from verl_ds.rollout.weights import safetensors_damage
 from verl_ds.schema import field_errors, markdown, opt, section
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -48,15 +49,21 @@ def read_ds_json(name: str, key: str) -> dict:
         raise ConfigError(key, "no DeepSpeed JSON file given")
     if not path.is_file():
         raise ConfigError(key, f"DeepSpeed config file not found: {path}")
+    return read_json_object(path, "a DeepSpeed config")
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON file that must hold one object (a DeepSpeed config, an HF config.json): anything else
+    (not UTF-8, e.g. a weights file given by mistake; malformed; a key given twice) is one line."""
     try:
         text = path.read_text(encoding="utf-8")
         data = json.loads(text, object_pairs_hook=_unique_keys(str(path), text))
     except UnicodeDecodeError as e:
-        raise ConfigError(str(path), f"not UTF-8 text (byte {e.start})") from None
+        raise ConfigError(str(path), f"not UTF-8 text (byte {e.start}): is it {what}?") from None
     except json.JSONDecodeError as e:
         raise ConfigError(str(path), f"malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     if not isinstance(data, dict):
-        raise ConfigError(str(path), "a DeepSpeed config must be a JSON object")
+        raise ConfigError(str(path), f"{what} must be a JSON object")
     return data
 
 
@@ -732,6 +739,13 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
         "algorithm.distill.coef",
         f"distillation pairs with critic-free estimators (grpo, rloo, ...), not '{a.estimator}'",
     )
+    for role in TRAINED_ROLES:
+        ls = getattr(cfg.precision, f"{role}_loss_scaling")
+        rule(
+            ls.loss_scale == 0 and ls.min_loss_scale > 2.0**ls.initial_scale_power,
+            f"precision.{role}_loss_scaling.min_loss_scale",
+            f"{ls.min_loss_scale} is above the starting scale 2**{ls.initial_scale_power}",
+        )
     rule(len(cfg.roles.actor.betas) != 2, "roles.actor.betas", f"expected two numbers, got {cfg.roles.actor.betas!r}")
     errors += _name_errors(cfg)
     # batch geometry over `world` ranks
@@ -807,6 +821,8 @@ def validate_paths(cfg: RunConfig, missing_ok: bool = False) -> list[str]:
             errors.append(ConfigError(f"model.{key}", f"{value} is a file, not a model directory"))
         elif key != "tokenizer_path" and not (p / "config.json").is_file():
             errors.append(ConfigError(f"model.{key}", f"{value} has no config.json: not an HF model directory"))
+        elif key != "tokenizer_path":
+            errors += _model_file_errors(p, f"model.{key}")
     tok = m.tokenizer_path or (m.path if m.path != "tiny" else None)
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
     key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
@@ -829,6 +845,20 @@ def validate_paths(cfg: RunConfig, missing_ok: bool = False) -> list[str]:
             errors.append(ConfigError("trainer.resume", f"{resume} is a file, not a checkpoint directory"))
     raise_all(errors)
     return notes
+
+
+def _model_file_errors(model_dir: Path, key: str) -> list[ConfigError]:
+    """An HF model directory's files, checked before anything loads them: config.json parses, and
+    each safetensors file is whole (a copy cut short loads as a SafetensorError deep in an engine)."""
+    try:
+        read_json_object(model_dir / "config.json", "an HF config.json")
+    except ConfigError as e:
+        return [ConfigError(key, f"{e.where}: {e.message}")]
+    return [
+        ConfigError(key, f"{f}: {problem}")
+        for f in sorted(model_dir.glob("*.safetensors"))
+        if (problem := safetensors_damage(f))
+    ]
 
 
 def _ds_file_errors(cfg: RunConfig, world: int, mini: int) -> list[ConfigError]:

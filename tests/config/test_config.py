@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tests.subprocess_env import child_env, run_cli
 from verl_ds.config import load_config
@@ -295,6 +297,20 @@ BAD_INPUTS = {
         [],
         "precision.actor_loss_scaling.loss_scale_window: must be > 0",
     ),
+    "scale_power_overflows": (
+        "precision: {actor_loss_scaling: {initial_scale_power: 400}}\n",
+        [],
+        "precision.actor_loss_scaling.initial_scale_power: must be <= 32, got 400",
+    ),
+    "min_scale_above_start": (
+        "precision: {critic_loss_scaling: {initial_scale_power: 2, min_loss_scale: 8}}\n",
+        [],
+        "precision.critic_loss_scaling.min_loss_scale: 8.0 is above the starting scale 2**2",
+    ),
+    # damaged model files, named before anything loads them
+    "model_config_malformed": ("model: {path: BADCFGDIR}\n", [], "config.json: malformed JSON at line 1"),
+    "model_weights_cut_short": ("model: {path: CUTDIR}\n", [], "model.safetensors: cut short"),
+    "model_weights_not_safetensors": ("model: {path: NOTSTDIR}\n", [], "model.safetensors: not a safetensors file"),
     # names a run resolves at start, resolved by validation (so `config render` catches them)
     "unknown_reward_fn": ("data: {reward_fn: no_such_reward}\n", [], "data.reward_fn"),
     "unknown_env": (
@@ -349,6 +365,18 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
     latin1 = tmp_path / "latin1.json"
     latin1.write_bytes(b'{"wall_clock_breakdown": false, "caf\xe9": 1}')
     afile = _write(tmp_path, "a_file", "not a directory")
+    damaged = {"BADCFGDIR": ("{", None), "CUTDIR": ("{}", "cut"), "NOTSTDIR": ("{}", "text")}
+    for name, (config, weights) in damaged.items():
+        d = tmp_path / name.lower()
+        d.mkdir()
+        (d / "config.json").write_text(config)
+        (d / "tokenizer.json").write_text("{}")
+        if weights == "cut":  # a real safetensors file, its last bytes lost (a copy cut short)
+            save_file({"w": torch.ones(64, 64)}, str(d / "model.safetensors"))
+            data = (d / "model.safetensors").read_bytes()
+            (d / "model.safetensors").write_bytes(data[:-100])
+        elif weights == "text":
+            (d / "model.safetensors").write_bytes((8).to_bytes(8, "little") + b"not json")
     (tmp_path / "empty").mkdir()
     (tmp_path / "notok").mkdir()
     (tmp_path / "notok" / "config.json").write_text("{}")
@@ -365,6 +393,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, case):
         "AFILE": afile,
         "EMPTYDIR": str(tmp_path / "empty"),
         "NOTOKDIR": str(tmp_path / "notok"),
+        **{name: str(tmp_path / name.lower()) for name in damaged},
     }
     if not isinstance(text, bytes):  # bytes: a file that is not UTF-8, written as it is
         for name, value in places.items():
@@ -477,6 +506,71 @@ def test_train_with_malformed_jsonl_line_is_one_line(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {bad}:2: malformed JSON line"), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _train(tmp_path, *overrides):
+    return cli(
+        "train",
+        "--config",
+        str(CPU_GRPO),
+        f"trainer.run_dir={tmp_path / 'run'}",
+        "logging.wandb.mode=disabled",
+        "rollout.engine=hf",
+        *overrides,
+    )
+
+
+def test_train_with_a_prompt_that_is_not_a_string_is_one_line(tmp_path):
+    """A number (or a list of messages) would otherwise train as its repr."""
+    bad = _write(tmp_path, "bad.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": 17, "answer": 4}\n')
+    out = _train(tmp_path, "data.task=files", f"data.train_files=[{bad}]")
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {bad}:2: 'prompt' must be a string, got 17"], out.stderr
+
+
+def test_a_rollout_batch_that_cannot_fit_is_refused_before_any_engine(tmp_path):
+    """`rollout.n: 1000000000`: one line naming the keys and the memory, before DeepSpeed starts
+    (not a MemoryError, or the OOM killer, once generation allocates the batch)."""
+    out = _train(tmp_path, "rollout.n=1000000000")
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: rollout.n: trainer.prompts_per_step x rollout.n = "), (
+        errors
+    )
+    assert "GiB to generate, over this rank's" in errors[0]
+    assert "Traceback" not in out.stderr and "DeepSpeed info" not in out.stdout + out.stderr
+
+
+def test_prompts_over_max_prompt_length_get_one_warning_with_the_count(caplog):
+    from verl_ds.data.dataset import tokenize_prompts
+    from verl_ds.data.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    examples = [{"prompt": p} for p in ("1+1=", "12+34+56=", "12+34+56=", "7*8*9*10=")]
+    with caplog.at_level("WARNING", logger="verl_ds"):
+        rows = tokenize_prompts(examples, tok, 6, apply_chat_template=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "data.max_prompt_length: 2 of 3 distinct prompts are longer than 6 tokens and keep only their last 6"
+    ]
+    assert [len(r["prompt_ids"]) for r in rows] == [len(tok("1+1=")["input_ids"]), 6, 6, 6]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="verl_ds"):
+        tokenize_prompts(examples, tok, 64, apply_chat_template=False)
+    assert not caplog.records
+
+
+def test_debug_memory_plan_given_a_weights_file_as_the_model_config_is_one_line(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(4, 4)}, str(weights))
+    out = cli(
+        "debug", "memory", "--plan", "--config", str(CPU_GRPO), "--model-config", str(weights), "--gpu-memory-gb", "80"
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {weights}: not UTF-8 text (byte "), out.stderr
+    assert lines[0].endswith("is it an HF config.json?")
 
 
 def test_train_with_a_validation_file_missing_the_prompt_key_is_one_line(tmp_path):
@@ -597,3 +691,25 @@ def test_actor_rollout_dtype_mismatch_warns_once_in_one_line(caplog, actor, roll
     assert len(lines) == int(warns), lines
     if warns:
         assert "\n" not in lines[0] and f"actor computes in {actor} and the rollout in {r.rollout}" in lines[0]
+
+
+@pytest.mark.parametrize("hostfile", ["missing", "empty"])
+def test_launch_with_a_missing_or_empty_hostfile_is_one_line_before_launch(tmp_path, hostfile):
+    """DeepSpeed's runner would say "will proceed with training with local resources only" and train
+    on one machine: train.sh refuses first."""
+    path = tmp_path / "hostfile"
+    if hostfile == "empty":
+        path.write_text("# no hosts yet\n\n")
+    out = subprocess.run(
+        ["bash", str(ROOT / "launch" / "train.sh"), str(CPU_GRPO), f"trainer.run_dir={tmp_path / 'run'}"],
+        env=child_env(HOSTFILE=str(path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        f"error: HOSTFILE: {path} is missing or lists no hosts (one 'host slots=N' line per node)"
+    ]
+    assert not (tmp_path / "run").exists()

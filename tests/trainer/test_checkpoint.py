@@ -153,3 +153,40 @@ def test_a_run_directory_that_cannot_be_written_is_one_line_before_any_work(tmp_
             probe_writable(ro / "checkpoints", "trainer.run_dir")
     finally:
         os.chmod(tmp_path / "ro", 0o700)
+
+
+def test_a_checkpoint_write_that_fails_mid_run_keeps_the_last_good_one_and_says_where(tmp_path):
+    """Lost work: step 2's checkpoint cannot be written (its temporary directory's name is taken by
+    a file, as a full disk or a path made read-only would fail it). The run ends in one line that
+    names the newest good checkpoint, step_1, which is intact and what `resume: auto` picks."""
+    from tests.subprocess_env import run_cli
+    from verl_ds.trainer.checkpoint import damage, pick_resume
+
+    root = Path(__file__).resolve().parents[2]
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    (ckpts / ".step_2.tmp").write_text("in the way")
+    args = [
+        "trainer.steps=2",
+        "trainer.prompts_per_step=4",
+        "rollout.n=2",
+        "roles.actor.micro_batch_size=8",
+        "roles.reference.micro_batch_size=8",
+        "checkpoint.every=1",
+        "trainer.val_every=0",
+        "trainer.val_before_train=false",
+        f"trainer.run_dir={tmp_path}",
+        "logging.wandb.mode=disabled",
+        "rollout.engine=hf",
+    ]
+    out = run_cli("train", "--config", str(root / "examples" / "grpo_cpu_tiny.yaml"), *args, cwd=root)
+    assert out.returncode == 1, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: writing checkpoint step_2 failed ("), out.stderr
+    assert errors[0].endswith(
+        f"the last good checkpoint is {ckpts / 'step_1'} (trainer.resume: auto continues from it)"
+    )
+    assert "Traceback" not in out.stderr
+    assert [p.name for p in list_checkpoints(ckpts)] == ["step_1"]
+    assert damage(ckpts / "step_1", ["actor"], 1) is None
+    assert pick_resume(ckpts, "auto", ["actor"], 1) == ckpts / "step_1"

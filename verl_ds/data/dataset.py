@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.tasks import arithmetic_examples, file_examples
+from verl_ds.dist import rank
+
+log = logging.getLogger(__name__)
 
 
 def load_examples(data_cfg) -> tuple[list[dict], list[dict]]:
@@ -52,6 +56,15 @@ def tokenize_prompts(
     # a chat template already holds the special tokens; a plain prompt gets the tokenizer's own
     ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
     by_prompt = dict(zip(distinct, ids))
+    long = sum(len(x) > max_prompt_length for x in ids)
+    if long and rank() == 0:  # one line per dataset, not one per prompt or per rank
+        log.warning(
+            "data.max_prompt_length: %d of %d distinct prompts are longer than %d tokens and keep only their last %d",
+            long,
+            len(ids),
+            max_prompt_length,
+            max_prompt_length,
+        )
     return [{**ex, "prompt_ids": by_prompt[ex["prompt"]][-max_prompt_length:]} for ex in examples]
 
 

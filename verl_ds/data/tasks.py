@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from verl_ds.errors import ConfigError
+from verl_ds.errors import ConfigError, shown
 
 
 def arithmetic_examples(
@@ -40,7 +40,9 @@ def file_examples(files: list[str], prompt_key: str, answer_key: str) -> list[di
         for key, name in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key")):
             if key not in r:
                 raise ConfigError(name, f"'{key}' missing in {where} (keys: {sorted(r)})")
-        out.append({"prompt": str(r[prompt_key]), "answer": str(r[answer_key])})
+        if not isinstance(r[prompt_key], str):  # a number or a message list would train as its repr
+            raise ConfigError(where, f"'{prompt_key}' must be a string, got {shown(r[prompt_key])}")
+        out.append({"prompt": r[prompt_key], "answer": str(r[answer_key])})  # answers: 42 reads as "42"
     return out
 
 

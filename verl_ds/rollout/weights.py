@@ -30,6 +30,29 @@ def checkpoint_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def safetensors_damage(path: str | Path) -> str | None:
+    """What makes a safetensors file unloadable (None: nothing), from its layout alone: an 8-byte
+    little-endian header length, a JSON header, then the tensors' bytes, the last ending at the end of
+    the file. A copy cut short or a disk that filled leaves a file shorter than its header says."""
+    p = Path(path)
+    size = p.stat().st_size
+    with open(p, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"{size} bytes: too short for a safetensors file"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"the header says {n} bytes, the file holds {size - 8} after the length: cut short?"
+        try:
+            header = json.loads(fh.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            return f"not a safetensors file (its header does not parse: {e})"
+    if 8 + n + end > size:
+        return f"cut short: {size} bytes, its header needs {8 + n + end}"
+    return None
+
+
 def _json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 

@@ -10,7 +10,7 @@ from verl_ds.config import RunConfig, active_roles, token_budget, validate_paths
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import load_examples, tokenize_prompts
 from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
-from verl_ds.diagnostics.memory import ModelShape, choose_zero_stages, role_shapes
+from verl_ds.diagnostics.memory import choose_zero_stages, estimate_memory, load_shape, role_shapes, workload
 from verl_ds.dist import barrier, rank, world_size
 from verl_ds.ds_config import render_ds_configs
 from verl_ds.envs import load_env_factory, tool_schemas
@@ -100,29 +100,56 @@ def build_prompts(cfg: RunConfig, tokenizer, codec: ChatCodec | None = None) -> 
     return train, val
 
 
-def zero_stages(cfg: RunConfig, model_path: str, precision: ResolvedPrecision, world: int) -> dict[str, int]:
-    """What `roles.<role>.zero_stage: auto` means here: the lowest stage whose analytic estimate (the
-    `debug memory` model) fits this rank's device (GPU memory, or RAM / ranks on this node)."""
-    import json
-
+def rank_budget(cfg: RunConfig, world: int) -> float:
+    """The bytes one rank may use: its GPU (less vLLM's share when vLLM keeps it while the roles
+    train), or this node's RAM over the ranks on it."""
     import torch
 
-    auto = [r for r in active_roles(cfg) if getattr(cfg.roles, r).zero_stage == "auto"]
-    if not auto:
-        return {}
     if torch.cuda.is_available():
         budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         if not cfg.rollout.sleep and cfg.rollout.engine == "vllm":
             budget *= 1 - cfg.rollout.gpu_memory_utilization  # vLLM keeps its share while training
-    else:
-        import os
+        return budget
+    import os
 
-        import psutil
+    import psutil
 
-        budget = psutil.virtual_memory().total / int(os.environ.get("LOCAL_SIZE", world))
-    shape = ModelShape.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
+    return psutil.virtual_memory().total / int(os.environ.get("LOCAL_SIZE", world))
+
+
+def check_batch_fits(cfg: RunConfig, model_path: str, precision: ResolvedPrecision, world: int) -> None:
+    """Refuse, before any engine, a rollout batch whose own buffers (the `debug memory` estimate of its
+    ids, masks and logprobs, and HF generate's cache) exceed this rank's memory whatever the ZeRO
+    stage: `rollout.n: 1000000000` is one line now, not a MemoryError or the OOM killer later."""
+    import torch
+
+    gpu_gib = rank_budget(cfg, world) / 2**30 if torch.cuda.is_available() else None
+    est = estimate_memory(
+        cfg, load_shape(model_path), render_ds_configs(cfg, world, precision), world, precision.rollout, gpu_gib
+    )
+    gen = est["rollout"]["rollout"]
+    need = gen.get("logits_buffer", 0.0) + (gen.get("kv_cache", 0.0) if cfg.rollout.engine == "hf" else 0.0)
+    budget = rank_budget(cfg, world)
+    if need > budget:
+        w = workload(cfg, world)
+        raise ConfigError(
+            "rollout.n",
+            f"trainer.prompts_per_step x rollout.n = {cfg.trainer.prompts_per_step * cfg.rollout.n:,} rows "
+            f"({w.gen_batch:,} per engine) of up to {w.seq_len} tokens need ~{need / 2**30:,.1f} GiB to generate, "
+            f"over this rank's {budget / 2**30:,.1f} GiB: lower rollout.n, trainer.prompts_per_step or "
+            "rollout.max_new_tokens",
+        )
+
+
+def zero_stages(cfg: RunConfig, model_path: str, precision: ResolvedPrecision, world: int) -> dict[str, int]:
+    """What `roles.<role>.zero_stage: auto` means here: the lowest stage whose analytic estimate (the
+    `debug memory` model) fits this rank's device (GPU memory, or RAM / ranks on this node)."""
+    auto = [r for r in active_roles(cfg) if getattr(cfg.roles, r).zero_stage == "auto"]
+    if not auto:
+        return {}
+    budget = rank_budget(cfg, world)
     ds = render_ds_configs(cfg, world, precision)
-    chosen = choose_zero_stages(cfg, shape, ds, world, budget, auto, role_shapes=role_shapes(cfg))
+    chosen = choose_zero_stages(cfg, load_shape(model_path), ds, world, budget, auto, role_shapes=role_shapes(cfg))
     log.info("zero_stage auto -> %s (budget %.1f GiB per rank)", chosen, budget / 2**30)
     return chosen
 

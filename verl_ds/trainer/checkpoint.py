@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from verl_ds.dist import barrier, rank
-from verl_ds.errors import ConfigError
+from verl_ds.errors import ConfigError, RunFailure
 from verl_ds.roles.params import swap_in
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -31,6 +31,25 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def save_checkpoint(root: Path, step: int, roles: dict, state: dict, keep_last: int) -> Path:
+    """Write `step_<step>` atomically; a write that fails (a full disk, a directory made read-only)
+    leaves the previous checkpoints as they were and ends the run in one line that names the newest."""
+    try:
+        return _save(root, step, roles, state, keep_last)
+    except OSError as e:
+        if rank() == 0:
+            shutil.rmtree(root / f".step_{step}.tmp", ignore_errors=True)
+        raise RunFailure(f"writing checkpoint step_{step} failed ({e}); {last_good(root)}") from None
+
+
+def last_good(root: Path) -> str:
+    """Where a run that could not write continues from, in words."""
+    done = list_checkpoints(root)
+    if not done:
+        return f"no checkpoint was written under {root} yet"
+    return f"the last good checkpoint is {done[-1]} (trainer.resume: auto continues from it)"
+
+
+def _save(root: Path, step: int, roles: dict, state: dict, keep_last: int) -> Path:
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)

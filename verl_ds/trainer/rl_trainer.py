@@ -32,13 +32,14 @@ from verl_ds.dist import (
 )
 from verl_ds.ds_config import resolve
 from verl_ds.envs import load_tools
+from verl_ds.errors import RunFailure
 from verl_ds.gemm import fp32_gemm
 from verl_ds.precision import TRAINED_ROLES
 from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_params
 from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import episodes, make_rollout, resolve_engine, sync_distributed
 from verl_ds.trainer import builder
-from verl_ds.trainer.checkpoint import load_checkpoint, pick_resume, probe_writable, save_checkpoint
+from verl_ds.trainer.checkpoint import last_good, load_checkpoint, pick_resume, probe_writable, save_checkpoint
 from verl_ds.trainer.groups import merge_parts, select_groups, varied_groups
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class RLTrainer:
         probe_writable(self.run_dir / "checkpoints", "trainer.run_dir")
         trained = [r for r in active_roles(cfg) if r in TRAINED_ROLES]
         self.resume_from = pick_resume(self.run_dir / "checkpoints", cfg.trainer.resume, trained, self.world)
+        builder.check_batch_fits(cfg, self.model_path, self.precision, self.world)
         self.roles = builder.build_roles(cfg, self.model_path, self.precision)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
         sleepers = [n for n in self._trained_roles() if getattr(cfg.roles, n).sleep]
@@ -588,10 +590,13 @@ class RLTrainer:
     def export(self, out_dir: Path, dtype: str) -> None:
         """The actor as an HF model (safetensors) in `dtype`, written atomically."""
         self._wake_roles()
-        if self.cfg.model.lora.rank and self.cfg.checkpoint.export == "adapter":
-            export_adapter(self.actor.engine, out_dir, self.tokenizer)
-        else:
-            export_hf(self.actor.engine, out_dir, dtype, self.tokenizer)
+        try:
+            if self.cfg.model.lora.rank and self.cfg.checkpoint.export == "adapter":
+                export_adapter(self.actor.engine, out_dir, self.tokenizer)
+            else:
+                export_hf(self.actor.engine, out_dir, dtype, self.tokenizer)
+        except OSError as e:
+            raise RunFailure(f"exporting {out_dir} failed ({e}); {last_good(self.run_dir / 'checkpoints')}") from None
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from verl_ds.config import read_json_object
 from verl_ds.diagnostics.memory.estimate import (
     COMPONENTS,
     GIB,
@@ -95,7 +96,6 @@ def compare_table(a: dict, b: dict, names=("a", "b")) -> str:
 
 
 def load_shape(config_json: str) -> ModelShape:
-    import json
     from pathlib import Path
 
     p = Path(config_json)
@@ -104,8 +104,8 @@ def load_shape(config_json: str) -> ModelShape:
     if not p.is_file():
         raise ConfigError("--model-config", f"HF config.json not found: {p}")
     try:
-        return ModelShape.from_hf_config(json.loads(p.read_text()))
-    except (KeyError, json.JSONDecodeError) as e:
+        return ModelShape.from_hf_config(read_json_object(p, "an HF config.json"))
+    except (KeyError, TypeError) as e:
         raise ConfigError(str(p), f"not a decoder config.json this estimate understands ({e})") from None
 
 
