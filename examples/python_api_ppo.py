@@ -6,7 +6,6 @@ deepspeed --num_gpus 2 examples/python_api_ppo.py         # or under the launche
 
 from verl_ds import PPOTrainer, PrecisionConfig
 from verl_ds.config import DataConfig, ModelConfig
-from verl_ds.data.reward import normalize_reward  # noqa: F401  (for batch-level user rewards)
 
 
 def exact_sum(response: str, answer: str) -> float:

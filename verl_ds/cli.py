@@ -296,10 +296,17 @@ def cmd_debug_precision(args) -> int:
     return 0
 
 
+def _log_to_console() -> None:
+    """verl-ds's own lines on stdout, prefixed; other libraries' INFO chatter (compiler probes, font
+    caches) stays off the console: the root logger is at WARNING, only verl_ds's at INFO."""
+    logging.basicConfig(level=logging.WARNING, format="[verl-ds] %(message)s", stream=sys.stdout)
+    logging.getLogger("verl_ds").setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.exiting = argv is None  # a program (not a call from Python): the process ends after the command
-    logging.basicConfig(level=logging.INFO, format="[verl-ds] %(message)s", stream=sys.stdout)
+    _log_to_console()
     # torch.distributed's deprecation notices for calls DeepSpeed makes: not actionable by users
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     handlers = {"train": cmd_train, "config": cmd_config, "bench": cmd_bench, "debug": cmd_debug}

@@ -13,6 +13,7 @@ from verl_ds import cli
 from verl_ds.config import load_config
 from verl_ds.diagnostics import memory as M
 from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.roles.batch import TrainBatch
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def test_autocast_warning_fires_once(ppo_step, monkeypatch):
 
     _, trainer, _ = ppo_step
     ids = torch.randint(4, 20, (2, 6))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "response_mask": torch.ones(2, 2)}
+    batch = TrainBatch(ids, torch.ones_like(ids), torch.ones(2, 2))
     monkeypatch.setattr(base, "_AUTOCAST_WARNED", False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

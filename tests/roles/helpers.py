@@ -5,6 +5,7 @@ import torch
 from verl_ds.config import AlgorithmConfig, read_ds_json
 from verl_ds.ds_config import render_role
 from verl_ds.precision import Hardware, LossScaling, PrecisionConfig, resolve_precision
+from verl_ds.roles.batch import TrainBatch
 
 FP32_CPU = Hardware("cpu")  # `auto` -> fp32: the tests pin every dtype they assert on anyway
 
@@ -40,7 +41,7 @@ def ds_config(role: str, stage: int, dtype: str, micro: int = 2, total: int = 4,
     )
 
 
-def make_batch(vocab: int, b: int = 4, p: int = 5, r: int = 3, seed: int = 0) -> dict:
+def make_batch(vocab: int, b: int = 4, p: int = 5, r: int = 3, seed: int = 0) -> TrainBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (b, p + r), generator=g)
     attn = torch.ones(b, p + r, dtype=torch.long)
@@ -49,10 +50,10 @@ def make_batch(vocab: int, b: int = 4, p: int = 5, r: int = 3, seed: int = 0) ->
     resp = torch.ones(b, r)
     resp[1, -1] = 0  # right padding in the response
     attn[1, -1] = 0
-    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+    return TrainBatch(ids, attn, resp)
 
 
-def make_group_batch(vocab: int, prompt_lens=(2, 5, 4), resp_lens=(1, 3, 2, 3), seed: int = 0) -> dict:
+def make_group_batch(vocab: int, prompt_lens=(2, 5, 4), resp_lens=(1, 3, 2, 3), seed: int = 0) -> TrainBatch:
     """GRPO-shaped rows: each prompt (left-padded) with len(resp_lens) responses (right-padded)."""
     g = torch.Generator().manual_seed(seed)
     P, R, n = max(prompt_lens), max(resp_lens), len(resp_lens)
@@ -65,17 +66,15 @@ def make_group_batch(vocab: int, prompt_lens=(2, 5, 4), resp_lens=(1, 3, 2, 3), 
             i = k * n + j
             ids[i, P - p : P], ids[i, P : P + r] = prompt, torch.randint(3, vocab, (r,), generator=g)
             attn[i, P - p : P + r], resp[i, :r] = 1, 1
-    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+    return TrainBatch(ids, attn, resp)
 
 
-def accumulated_grads(actor, batch: dict) -> dict:
+def accumulated_grads(actor, batch: TrainBatch) -> dict:
     """One mini-batch's gradient, reduced and assembled per parameter (any ZeRO stage), taken after
     `accumulate` and before the optimizer step; `step()` then applies it."""
     from deepspeed.utils import safe_get_full_grad
 
-    actor.accumulate(
-        batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=float(len(batch["input_ids"]))
-    )
+    actor.accumulate(batch, global_tokens=float(batch.loss_mask.sum()), global_seqs=float(len(batch)))
     grads = {n: safe_get_full_grad(p).detach().float().clone() for n, p in actor.module.named_parameters()}
     actor.step()
     return grads
@@ -96,3 +95,10 @@ def assert_same_gradients(got: dict, want: dict) -> None:
         err = float((got[n] - w).abs().max())
         assert scale > 0, f"{n}: no gradient reached it (the test would prove nothing)"
         assert err <= GRAD_RTOL_OF_SCALE * scale, f"{n}: max |diff| {err:.3g} vs scale {scale:.3g}"
+
+
+def update(role, batch: TrainBatch, global_tokens: float, global_seqs: float) -> dict:
+    """One mini-batch's accumulate and optimizer step, as the trainer runs them: the metrics."""
+    metrics = role.accumulate(batch, global_tokens, global_seqs).metrics
+    role.step()
+    return metrics

@@ -29,8 +29,8 @@ def _accumulate(actor: Actor) -> None:
     """One mini-batch's forward/backward up to the boundary: the step is pending."""
     batch = make_batch(actor.module.config.vocab_size)
     g = torch.Generator().manual_seed(0)
-    batch = {**batch, "old_logprobs": torch.zeros(4, 3), "advantages": torch.randn(4, 3, generator=g)}
-    actor.accumulate(batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=4.0)
+    batch = batch.replace(old_logprobs=torch.zeros(4, 3), advantages=torch.randn(4, 3, generator=g))
+    actor.accumulate(batch, global_tokens=float(batch.loss_mask.sum()), global_seqs=4.0)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"zero{s}-{d}" for s, d in CASES])

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from tests.roles.helpers import Cfg, accumulated_grads, assert_same_gradients, ds_config, make_batch, make_group_batch
+from tests.roles.helpers import (
+    Cfg,
+    accumulated_grads,
+    assert_same_gradients,
+    ds_config,
+    make_batch,
+    make_group_batch,
+    update,
+)
 from verl_ds.roles import (
     Actor,
     Critic,
@@ -18,6 +26,7 @@ from verl_ds.roles import (
     load_value_model,
 )
 from verl_ds.roles.base import pack_by_tokens, trim_padding
+from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,13 +34,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def ppo_batch(actor, batch):
     lp = actor.logprobs(batch)
-    return {
-        **batch,
-        "old_logprobs": lp,
-        "advantages": torch.randn_like(lp),
-        "returns": torch.randn_like(lp),
-        "old_values": torch.zeros_like(lp),
-    }
+    return batch.replace(
+        old_logprobs=lp, advantages=torch.randn_like(lp), returns=torch.randn_like(lp), old_values=torch.zeros_like(lp)
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -42,8 +47,8 @@ def test_trained_roles_forward_and_step(tiny_model_dir, stage, dtype):
     batch = ppo_batch(actor, make_batch(actor.module.config.vocab_size))
     assert next(actor.module.parameters()).dtype == DTYPES[dtype]
     before = {n: t.float().clone() for n, t in iter_full_params(actor.engine)}
-    m = actor.update(batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=4.0)
-    v = critic.update(batch, global_tokens=float(batch["response_mask"].sum()), global_seqs=4.0)
+    m = update(actor, batch, global_tokens=float(batch.loss_mask.sum()), global_seqs=4.0)
+    v = update(critic, batch, global_tokens=float(batch.loss_mask.sum()), global_seqs=4.0)
     assert math.isfinite(m["pg_loss"]) and math.isfinite(v["vf_loss"])
     after = dict(iter_full_params(actor.engine))
     assert any(not torch.equal(before[n], after[n].float()) for n in before), "actor did not step"
@@ -82,12 +87,18 @@ def test_fp16_overflow_skips_both_roles_and_follows_hysteresis(tiny_model_dir, s
     actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", stage, "fp16", hysteresis=2), Cfg())
     critic = Critic(load_value_model(tiny_model_dir), ds_config("critic", stage, "fp16", hysteresis=2), Cfg())
     batch = ppo_batch(actor, make_batch(actor.module.config.vocab_size))
-    n_tok = float(batch["response_mask"].sum())
+    n_tok = float(batch.loss_mask.sum())
     scales = []
+    clean = actor.micro_loss
+
+    def overflowing(mb, counts):  # loss x inf: a real fp16 overflow in the actor only
+        loss, metrics, out = clean(mb, counts)
+        return loss * float("inf"), metrics, out
+
     for _ in range(2):
         a0 = {n: t.clone() for n, t in iter_full_params(actor.engine)}
         c0 = {n: t.clone() for n, t in iter_full_params(critic.engine)}
-        actor.force_overflow = True  # loss x inf: a real fp16 overflow in the actor only
+        actor.micro_loss = overflowing
         actor.accumulate(batch, n_tok, 4.0)
         critic.accumulate(batch, n_tok, 4.0)
         assert align_overflow(actor, critic)
@@ -102,7 +113,7 @@ def test_fp16_overflow_skips_both_roles_and_follows_hysteresis(tiny_model_dir, s
     a, c = actor.precision_stats(), critic.precision_stats()
     assert a["skipped_steps"] == 2 and a["overflow"] == 1.0
     assert c["skipped_steps"] == 2 and c["aligned_skips"] == 2
-    actor.force_overflow = False  # a clean step applies again
+    actor.micro_loss = clean  # a clean step applies again
     actor.accumulate(batch, n_tok, 4.0)
     critic.accumulate(batch, n_tok, 4.0)
     assert not align_overflow(actor, critic)
@@ -156,14 +167,14 @@ def test_grad_checkpointing_trains(tiny_model_dir):
     actor = Actor(load_causal_lm(tiny_model_dir, grad_checkpointing=True), ds_config("actor", 3, "fp32"), Cfg())
     assert actor.module.is_gradient_checkpointing
     batch = ppo_batch(actor, make_batch(actor.module.config.vocab_size))
-    m = actor.update(batch, float(batch["response_mask"].sum()), 4.0)
+    m = update(actor, batch, float(batch.loss_mask.sum()), 4.0)
     assert math.isfinite(m["pg_loss"])
 
 
 def test_checkpoint_roundtrip(tiny_model_dir, tmp_path):
     actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 3, "fp32"), Cfg())
     batch = ppo_batch(actor, make_batch(actor.module.config.vocab_size))
-    actor.update(batch, float(batch["response_mask"].sum()), 4.0)
+    update(actor, batch, float(batch.loss_mask.sum()), 4.0)
     actor.save(str(tmp_path), "step1")
     want = dict(iter_full_params(actor.engine))
     other = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 3, "fp32"), Cfg())
@@ -207,7 +218,7 @@ def test_token_budget_micro_batches_give_the_same_gradient(tiny_model_dir, stage
     batch = ppo_batch(actors[0], make_batch(actors[0].module.config.vocab_size, b=8))
     calls = []
     actors[1].module.register_forward_hook(lambda *_: calls.append(1))
-    torch.testing.assert_close(actors[1].logprobs(batch), batch["old_logprobs"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(actors[1].logprobs(batch), batch.old_logprobs, rtol=0, atol=1e-5)
     assert len(calls) == 4
     grads = [accumulated_grads(a, batch) for a in actors]
     assert len(calls) == 8 and actors[1].engine.global_steps == actors[0].engine.global_steps == 1
@@ -232,7 +243,7 @@ def test_padding_removal_runs_each_micro_batch_on_the_columns_it_uses(tiny_model
         ids[i, P - len(p) : P], ids[i, P : P + len(r)] = p, r
         attn[i, P - len(p) : P + len(r)] = 1
         resp[i, : len(r)] = 1
-    batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+    batch = TrainBatch(ids, attn, resp)
     widths = []
     hooks = [
         role.module.register_forward_pre_hook(
@@ -267,7 +278,7 @@ def _padded_rows(vocab: int, lens: list[tuple[int, int]], P: int, R: int) -> dic
         ids[i, P - p : P + r] = torch.randint(3, vocab, (p + r,))
         attn[i, P - p : P + r] = 1
         resp[i, :r] = 1
-    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+    return TrainBatch(ids, attn, resp)
 
 
 @pytest.mark.numerics
@@ -289,7 +300,7 @@ def test_a_token_budget_runs_a_long_tail_without_padding_and_counts_what_ran(tin
     packed_lp = ref.logprobs(batch)
     assert ref.take_token_counts()["score"] == (68.0, 68.0)
     assert [tuple(w) for w in widths] == [(4, 16), (4, 16), (6, 6), (2, 16)]
-    mask = batch["response_mask"].bool()  # past a row's end both paths run padding: not compared
+    mask = batch.loss_mask.bool()  # past a row's end both paths run padding: not compared
     torch.testing.assert_close(packed_lp[mask], rows_lp[mask], rtol=0, atol=1e-5)
 
 
@@ -308,7 +319,7 @@ def test_the_reward_model_runs_only_the_columns_its_rows_use(reward_dir):
     P = 8
     with torch.no_grad():
         for i, (p, r) in enumerate(lens):
-            seq = batch["input_ids"][i, P - p : P + r][None]
+            seq = batch.input_ids[i, P - p : P + r][None]
             alone = rm.module(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[0, 0].float()
             torch.testing.assert_close(scores[i], alone, rtol=0, atol=1e-5)
 
@@ -322,7 +333,7 @@ def test_shared_prompt_logits_and_gradients_equal_the_full_sequences(tiny_model_
     model = load_causal_lm(tiny_model_dir)
     batch = make_group_batch(model.config.vocab_size)
     inputs, r = trim_padding(batch)
-    real = batch["response_mask"].bool()
+    real = batch.loss_mask.bool()
     grads = []
     for run in (
         lambda: model(**inputs, use_cache=False).logits[:, -r - 1 : -1],
@@ -358,8 +369,8 @@ def test_shared_prompt_pass_runs_each_prompt_once_with_the_same_gradient(tiny_mo
     actors[1].module.register_forward_pre_hook(
         lambda _m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
     )
-    real = batch["response_mask"].bool()
-    torch.testing.assert_close(actors[1].logprobs(batch)[real], batch["old_logprobs"][real], rtol=0, atol=1e-5)
+    real = batch.loss_mask.bool()
+    torch.testing.assert_close(actors[1].logprobs(batch)[real], batch.old_logprobs[real], rtol=0, atol=1e-5)
     assert shapes == [(3, 5), (12, 3)]
     grads = [accumulated_grads(a, batch) for a in actors]
     assert actors[1].engine.global_steps == actors[0].engine.global_steps == 1
@@ -381,7 +392,7 @@ def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():
         attn = torch.zeros(n, P + R, dtype=torch.long)
         for i in range(n):
             attn[i, P - plen[i] : P + rlen[i]] = 1
-        groups = pack_by_tokens({"attention_mask": attn, "response_mask": attn[:, P:].float()}, budget, cost=16)
+        groups = pack_by_tokens(TrainBatch(attn, attn, attn[:, P:].float()), budget, cost=16)
         assert sorted(torch.cat(groups).tolist()) == list(range(n))
         for idx in groups:
             assert len(idx) == 1 or int(plen[idx].max() + rlen[idx].max()) * len(idx) <= budget
@@ -401,7 +412,7 @@ def test_pack_by_tokens_keeps_the_row_order_when_that_runs_less():
         for i in range(n):
             ids[i, P - plen[i] : P] = prompt[i] + 3  # rows of one prompt: the same prompt tokens
             attn[i, P - plen[i] : P + rlen[i]] = 1
-        return {"input_ids": ids, "attention_mask": attn, "response_mask": attn[:, P:].float()}
+        return TrainBatch(ids, attn, attn[:, P:].float())
 
     def cut(b, budget, shared=False):
         return [g.tolist() for g in pack_by_tokens(b, budget, shared, cost=128, rows_per_micro=4)]
@@ -424,7 +435,7 @@ def test_pack_by_tokens_cuts_where_the_padding_saved_outweighs_a_micro_batchs_co
     attn = torch.zeros(8, P + R, dtype=torch.long)
     for i in range(8):
         attn[i, : P + rlen[i]] = 1
-    b = {"attention_mask": attn, "response_mask": attn[:, P:].float()}
+    b = TrainBatch(attn, attn, attn[:, P:].float())
     assert [g.tolist() for g in pack_by_tokens(b, 1000, cost=16)] == [list(range(6)), [6, 7]]
     assert [g.tolist() for g in pack_by_tokens(b, 1000, cost=1000)] == [list(range(8))]
     assert [g.tolist() for g in pack_by_tokens(b, 70, cost=1000)] == [list(range(6)), [6, 7]]  # 8 x 35 > 70
@@ -439,14 +450,14 @@ def test_accumulate_keeps_each_rows_logprobs_in_row_order(tiny_model_dir, budget
     actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 0, "fp32"), Cfg())
     actor.max_tokens = budget
     batch = ppo_batch(actor, make_group_batch(actor.module.config.vocab_size))
-    n = batch["input_ids"].shape[0]
+    n = batch.input_ids.shape[0]
     if budget:  # the precondition: packing reorders the rows
         groups = actor.packed(batch)
         assert len(groups) > 1 and not torch.equal(torch.cat(groups), torch.arange(n))
     scored = actor.logprobs(batch)
-    tokens = float(batch["response_mask"].sum())
+    tokens = float(batch.loss_mask.sum())
     acc = actor.accumulate(batch, tokens, float(n), keep=True)
     assert acc.outputs is not None and acc.outputs.shape == scored.shape
-    mask = batch["response_mask"].bool()
+    mask = batch.loss_mask.bool()
     torch.testing.assert_close(acc.outputs[mask], scored[mask], rtol=0, atol=1e-5)
     assert actor.accumulate(batch, tokens, float(n)).outputs is None

@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.roles.helpers import Cfg, ds_config, make_batch, make_group_batch
+from tests.roles.helpers import Cfg, ds_config, make_batch, make_group_batch, update
 from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_min, all_reduce_sum, init_distributed, sum_
 from verl_ds.roles import Actor, iter_full_params, load_causal_lm
 from verl_ds.roles.ds_internals import backward_allreduce, set_backward_allreduce
@@ -35,10 +35,10 @@ def main(model_dir: str, stage: int) -> None:
     assert len(set(everyone)) == 1, f"ZeRO-{stage} gather differs across ranks: {everyone}"
     batch = make_batch(actor.module.config.vocab_size, b=2, seed=rank)  # different data per rank
     lp = actor.logprobs(batch)
-    batch = {**batch, "old_logprobs": lp, "advantages": torch.randn_like(lp)}
-    tokens = torch.tensor([float(batch["response_mask"].sum())])
+    batch = batch.replace(old_logprobs=lp, advantages=torch.randn_like(lp))
+    tokens = torch.tensor([float(batch.loss_mask.sum())])
     dist.all_reduce(tokens)
-    actor.update(batch, global_tokens=tokens.item(), global_seqs=2.0 * world)
+    update(actor, batch, global_tokens=tokens.item(), global_seqs=2.0 * world)
     after = digest(actor.engine)
     dist.all_gather_object(everyone, after)
     assert len(set(everyone)) == 1, f"ranks diverged after a step at ZeRO-{stage}"
@@ -79,7 +79,7 @@ def scoring_passes_match_across_ranks(actor, rank: int) -> None:
     got = actor.logprobs(batch)
     hook.remove()
     actor.max_tokens = 0
-    real = batch["response_mask"] > 0  # masked positions: 0 where padding was removed
+    real = batch.loss_mask > 0  # masked positions: 0 where padding was removed
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
     counts = [None, None]
     dist.all_gather_object(counts, len(calls))
@@ -92,16 +92,16 @@ def shared_prompts_step_in_sync(actor, rank: int, world: int) -> None:
     passes gather the weights with the other rank, forward and backward)."""
     shapes = [((2, 5), (1, 3, 2)), ((6, 3, 4), (2, 2))][rank]
     batch = make_group_batch(actor.module.config.vocab_size, *shapes, seed=30 + rank)
-    real = batch["response_mask"] > 0
+    real = batch.loss_mask > 0
     want = actor.logprobs(batch)
     actor.share_prompts = True
     got = actor.logprobs(batch)
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
-    batch = {**batch, "old_logprobs": got, "advantages": torch.randn_like(got)}
-    tokens = torch.tensor([float(batch["response_mask"].sum()), float(len(got))])
+    batch = batch.replace(old_logprobs=got, advantages=torch.randn_like(got))
+    tokens = torch.tensor([float(batch.loss_mask.sum()), float(len(got))])
     dist.all_reduce(tokens)
     before = digest(actor.engine)
-    actor.update(batch, global_tokens=tokens[0].item(), global_seqs=tokens[1].item())
+    update(actor, batch, global_tokens=tokens[0].item(), global_seqs=tokens[1].item())
     actor.share_prompts = False
     everyone = [None] * world
     dist.all_gather_object(everyone, digest(actor.engine))
@@ -122,11 +122,11 @@ def same_update_as_deepspeed_reduction(model_dir: str, rank: int) -> None:
     batch = make_batch(ours.module.config.vocab_size, b=2, seed=10 + rank)
     lp = ours.logprobs(batch)
     adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(rank))
-    batch = {**batch, "old_logprobs": lp, "advantages": adv}
-    tokens = torch.tensor([float(batch["response_mask"].sum())])
+    batch = batch.replace(old_logprobs=lp, advantages=adv)
+    tokens = torch.tensor([float(batch.loss_mask.sum())])
     dist.all_reduce(tokens)
     for actor in (ours, theirs):
-        actor.update(batch, global_tokens=tokens.item(), global_seqs=4.0)
+        update(actor, batch, global_tokens=tokens.item(), global_seqs=4.0)
     a, b = dict(iter_full_params(ours.engine)), dict(iter_full_params(theirs.engine))
     assert digest(ours.engine) != before, "the step changed nothing"
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]

@@ -8,6 +8,7 @@ from verl_ds.data.chat import ChatCodec
 from verl_ds.data.tiny import CHATML_TEMPLATE, build_chat_tokenizer, load_tokenizer
 from verl_ds.envs import ToolEnv, calculator, tool_schemas
 from verl_ds.errors import ConfigError
+from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch
 from verl_ds.rollout.episodes import TurnLimits, collect
 
@@ -334,7 +335,7 @@ def trainer_logprobs_match_on_model_tokens(ro, model_dir) -> float:
 
     b = ro.batch
     ref = Reference(load_causal_lm(model_dir), ds_config("reference", 0, "fp32", micro=4))
-    lp = ref.logprobs({"input_ids": b.input_ids, "attention_mask": b.attention_mask, "response_mask": b.loss_mask})
+    lp = ref.logprobs(TrainBatch(b.input_ids, b.attention_mask, b.loss_mask))
     model = b.loss_mask.bool()
     assert (b.rollout_logprobs[~model] == 0).all()
     return float((lp - b.rollout_logprobs)[model].abs().max())
@@ -376,20 +377,19 @@ def test_environment_tokens_carry_no_loss_kl_or_entropy(tiny_model_dir, tokenize
     )
     env = (b.response_mask - b.loss_mask).bool()
     g = torch.Generator().manual_seed(0)
-    base = {
-        "input_ids": b.input_ids,
-        "attention_mask": b.attention_mask,
-        "response_mask": b.loss_mask,
-        "old_logprobs": b.rollout_logprobs,
-        "ref_logprobs": b.rollout_logprobs - 0.1,
-        "advantages": torch.randn(b.loss_mask.shape, generator=g),
-    }
-    noisy = {
-        k: (v.masked_fill(env, 7.0) if k in ("old_logprobs", "ref_logprobs", "advantages") else v)
-        for k, v in base.items()
-    }
+    base = TrainBatch(
+        b.input_ids,
+        b.attention_mask,
+        b.loss_mask,
+        old_logprobs=b.rollout_logprobs,
+        ref_logprobs=b.rollout_logprobs - 0.1,
+        advantages=torch.randn(b.loss_mask.shape, generator=g),
+    )
+    noisy = base.replace(
+        **{k: getattr(base, k).masked_fill(env, 7.0) for k in ("old_logprobs", "ref_logprobs", "advantages")}
+    )
     counts = dict(global_tokens=float(b.loss_mask.sum()), global_seqs=float(len(b)))
     with torch.no_grad():
         rows = torch.arange(len(b))
-        (l1, m1, _), (l2, m2, _) = (actor.micro_loss({**x, "rows": rows}, counts) for x in (base, noisy))
+        (l1, m1, _), (l2, m2, _) = (actor.micro_loss(x.replace(rows=rows), counts) for x in (base, noisy))
     assert env.any() and torch.equal(l1, l2) and all(float(m1[k]) == float(m2[k]) for k in m1)

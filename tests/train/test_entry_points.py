@@ -1,4 +1,4 @@
-"""Issue 8's entry points: PPOTrainer, the SFT Trainer, python -m verl_ds.train.ppo, normalize_reward."""
+"""Issue 8's entry points: PPOTrainer, the SFT Trainer, python -m verl_ds.train.ppo."""
 
 import math
 import subprocess
@@ -170,11 +170,3 @@ def test_train_ppo_flags_map_onto_run_config():
         32,
         4,
     )
-
-
-def test_normalize_reward_helper():
-    from verl_ds.data.reward import normalize_reward
-
-    out = normalize_reward([1.0, 2.0, 3.0, 4.0])
-    assert abs(out.mean().item()) < 1e-6 and abs(out.std(unbiased=False).item() - 1) < 1e-3
-    assert normalize_reward(torch.tensor([0.0, 100.0]), clip=0.5).abs().max().item() <= 0.5

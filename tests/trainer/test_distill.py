@@ -79,8 +79,8 @@ def test_a_teacher_equal_to_the_student_gives_exactly_zero(tmp_path, student, mo
     from verl_ds.diagnostics.observers import TrainerObserver
 
     class Spy(TrainerObserver):
-        def on_train_batch(self, trainer, train, first_is_old):
-            seen["adv"], seen["teacher"] = train["advantages"].clone(), train["teacher_logprobs"].clone()
+        def on_train_batch(self, trainer, train):
+            seen["adv"], seen["teacher"] = train.advantages.clone(), train.teacher_logprobs.clone()
 
     cfg = distill_config(tmp_path, student, student, f"algorithm.distill.mode={mode}")
     with RLTrainer(cfg) as trainer:

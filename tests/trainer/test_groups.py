@@ -3,7 +3,7 @@
 import torch
 
 from verl_ds.rollout import RolloutBatch
-from verl_ds.trainer.groups import merge_parts, select_groups, varied_groups
+from verl_ds.trainer.groups import Collected, varied_groups
 
 
 def _batch(groups: int, n: int) -> RolloutBatch:
@@ -22,12 +22,13 @@ def test_varied_select_and_merge():
     b = _batch(3, 2)
     scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # only group 1 varies
     assert varied_groups(scores, b.group_ids, 3) == [1]
-    kept = select_groups(b, ["a", "b", "c"], scores, scores * 2, [1])
-    assert kept[0].group_ids.tolist() == [0, 0] and kept[1] == ["b"] and kept[2].tolist() == [0.0, 1.0]
-    assert kept[0].to_lists()["prompts"] == [[1, 4], [1, 4]]
+    kept = Collected(b, ["a", "b", "c"], scores, scores * 2).select_groups([1])
+    assert kept.batch.group_ids.tolist() == [0, 0] and kept.examples == ["b"] and kept.raw.tolist() == [0.0, 1.0]
+    assert kept.shaped.tolist() == [0.0, 2.0] and kept.batch.to_lists()["prompts"] == [[1, 4], [1, 4]]
     b2 = _batch(2, 2)
-    merged = merge_parts([kept, (b2, ["d", "e"], torch.ones(4), torch.ones(4))])
-    assert merged[0].group_ids.tolist() == [0, 0, 1, 1, 2, 2] and merged[1] == ["b", "d", "e"]
-    assert len(merged[2]) == len(merged[0]) == 6
-    first_two = select_groups(*merged, [0, 1])
-    assert first_two[1] == ["b", "d"] and first_two[0].group_ids.tolist() == [0, 0, 1, 1]
+    merged = Collected.merge([kept, Collected(b2, ["d", "e"], torch.ones(4), torch.ones(4))])
+    assert merged.batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2] and merged.examples == ["b", "d", "e"]
+    assert len(merged.raw) == len(merged.shaped) == len(merged.batch) == 6
+    assert b2.group_ids.tolist() == [0, 0, 1, 1]  # merging offsets a copy, not the part's batch
+    first_two = merged.select_groups([0, 1])
+    assert first_two.examples == ["b", "d"] and first_two.batch.group_ids.tolist() == [0, 0, 1, 1]

@@ -13,6 +13,7 @@ from tests.diagnostics.helpers import tiny_overrides
 from verl_ds.config import load_config
 from verl_ds.diagnostics import memory as M
 from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.ds_internals import full_numel
 from verl_ds.trainer.rl_trainer import RLTrainer
 
@@ -33,11 +34,7 @@ def trained(tmp_path_factory):
     cfg = load_config(None, tiny_overrides(run) + LORA)
     with RLTrainer(cfg) as t:
         t.track_activations = True
-        batch = {
-            "input_ids": torch.randint(3, 15, (4, 9)),
-            "attention_mask": torch.ones(4, 9, dtype=torch.long),
-            "response_mask": torch.ones(4, 3),
-        }
+        batch = TrainBatch(torch.randint(3, 15, (4, 9)), torch.ones(4, 9, dtype=torch.long), torch.ones(4, 3))
         ref0 = t.reference.logprobs(batch)
         metrics = [t.step() for _ in range(3)]
         out = dict(

@@ -71,16 +71,23 @@ def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
     from verl_ds.diagnostics.observers import TrainerObserver
 
     class Spy(TrainerObserver):
-        def on_train_batch(self, trainer, train, first_is_old):
+        def on_train_batch(self, trainer, train):
             seen["separate"] = trainer.actor.logprobs(train, cfg.rollout.temperature).float()
-            seen["train"], seen["first_is_old"] = train, first_is_old
+            seen["on_policy"] = train.on_policy and train.old_logprobs is None
 
     seen = {}
     with RLTrainer(cfg) as trainer:
         trainer.observers.append(Spy())
+        update = trainer._update
+
+        def recorded(*args):  # what the first epoch's forward hands the second as its old policy
+            metrics, first_lp = update(*args)
+            seen["stored"] = trainer._buffered(first_lp)
+            return metrics, first_lp
+
+        trainer._update = recorded
         m = trainer.step()
-    seen["stored"] = seen["train"]["old_logprobs"]  # what the first epoch stored for the second
-    assert seen["first_is_old"] and "timing_s/old_logprob" not in m
+    assert seen["on_policy"] and "timing_s/old_logprob" not in m
     assert seen["stored"].shape == seen["separate"].shape and seen["stored"].shape[0] == 16
     torch.testing.assert_close(seen["stored"], seen["separate"], rtol=0, atol=1e-5)
     assert m["actor/ppo_kl"] != 0.0 and math.isfinite(m["actor/ppo_kl"])  # epoch 2 ran off-policy on them

@@ -1,4 +1,4 @@
-"""Rule rewards, their registry and `normalize_reward`, shared by the data tasks and the reward role.
+"""Rule rewards and their registry, shared by the data tasks and the reward role.
 
 A reward function takes `(response_text, answer)` and returns a float. Users add their own by
 dotted path (`my_pkg.rewards:score` or `my_pkg.rewards.score`) in `data.reward_fn`.
@@ -10,7 +10,6 @@ import importlib
 import re
 from typing import Callable
 
-from verl_ds.algos import normalize_rewards
 from verl_ds.errors import ConfigError
 
 RewardFn = Callable[[str, str], float]
@@ -69,10 +68,6 @@ REWARD_FNS: dict[str, RewardFn] = {
 }
 
 
-def register_reward_fn(name: str, fn: RewardFn) -> None:
-    REWARD_FNS[name] = fn
-
-
 def reasoning_gym_reward(response: str, answer: str) -> float:
     from verl_ds.data.reasoning_gym import reasoning_gym_reward as fn  # the package imports on first use
 
@@ -112,12 +107,3 @@ def get_reward_fn(name: str, key: str = "data.reward_fn") -> RewardFn:
     if not callable(fn):
         raise ConfigError(key, f"'{name}' is not callable")
     return fn
-
-
-def normalize_reward(scores, mode: str = "batch", clip: float | None = None, stats=None):
-    """For user reward functions: (r - mean) / std over the batch or running statistics, optionally
-    clipped. Wraps `verl_ds.algos.normalize_rewards`; `reward_normalization` does the same in the loop."""
-    import torch
-
-    t = scores if torch.is_tensor(scores) else torch.tensor(scores, dtype=torch.float32)
-    return normalize_rewards(t.float(), mode=mode, clip=clip, stats=stats)

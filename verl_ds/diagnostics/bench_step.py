@@ -90,7 +90,7 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
         scores = torch.rand(len(seq), device=_DEV)  # reward cost is not the framework's
         adv = algos.grpo_advantages(scores=scores, response_mask=mask, group_ids=groups)
 
-        inputs = model_inputs({"input_ids": out, "attention_mask": full_attn})
+        inputs = model_inputs(out, full_attn)
 
         def logprobs(model, inputs=inputs, seq=seq):  # prompts shared where verl-ds shares them
             if cfg.model.share_prompt and can_share_prompts(model):

@@ -4,6 +4,7 @@ is optional and runs on the calling rank, inside the step."""
 
 from __future__ import annotations
 
+from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout.episodes import Rollout
 
 
@@ -11,6 +12,6 @@ class TrainerObserver:
     def on_rollout(self, trainer, rollout: Rollout, scores) -> None:
         """After a training rollout is scored (each round of dynamic sampling): its rows and raw scores."""
 
-    def on_train_batch(self, trainer, train: dict, first_is_old: bool) -> None:
+    def on_train_batch(self, trainer, train: TrainBatch) -> None:
         """Before the ppo_epochs over `train` (the rows with advantages, returns, stored logprobs).
-        `first_is_old`: the first epoch's forward provides the old logprobs (stored in `train`)."""
+        `train.on_policy`: the first epoch's forward provides the old logprobs."""

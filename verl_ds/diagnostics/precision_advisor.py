@@ -36,6 +36,7 @@ from verl_ds.errors import ConfigError
 from verl_ds.precision import COMPUTE_DTYPES, POLICY_ROLES, TORCH_DTYPES, detect_hardware, resolve_precision
 from verl_ds.roles import iter_full_params, load_causal_lm, load_reward_model
 from verl_ds.roles.base import RoleObserver
+from verl_ds.roles.batch import TrainBatch
 
 
 def exponent_hist(t: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, int]:
@@ -215,7 +216,7 @@ def scoring_call(probe: RoleProbe, probes: dict, temperature: float) -> tuple:
         return probe.call
     others = [p.call[0] for p in probes.values() if p.call and p.name != "reward"]
     src = others[-1] if others else probe.train_batch
-    data = {k: src[k] for k in ("input_ids", "attention_mask", "response_mask")}
+    data = TrainBatch(src.input_ids, src.attention_mask, src.loss_mask)  # the inputs only
     return (data, temperature) if probe.name in POLICY_ROLES else (data,)
 
 
@@ -226,7 +227,7 @@ def measure_dtypes(probe: RoleProbe, call: tuple, groups, path: str | None = Non
     base = plain_fp32_copy(role, path)
     w_max = {n: float(p.detach().abs().max()) for n, p in base.named_parameters()}
     batch, *args = call
-    mask = batch["response_mask"].float() if role.name != "reward" else None
+    mask = batch.loss_mask.float() if role.name != "reward" else None
     outs, secs = {}, {}
     for dt in ("fp32", "bf16", "fp16"):
         mod = copy.deepcopy(base).to(device=role.device, dtype=TORCH_DTYPES[dt])

@@ -18,32 +18,29 @@ import torch
 from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_sum, init_distributed
 from verl_ds.ds_config import ds_dtype
 from verl_ds.roles import ds_internals as dsi
+from verl_ds.roles.batch import TrainBatch
 
 
-def model_inputs(batch: dict) -> dict:
+def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
     """input_ids/attention_mask/position_ids for a left-padded prompt + right-padded response.
 
     Position ids count real tokens only, so a left-padded sequence sees the same positions vLLM
     gives the unpadded prompt."""
-    mask = batch["attention_mask"]
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": batch["input_ids"], "attention_mask": mask, "position_ids": pos}
+    pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": pos}
 
 
-def trim_padding(batch: dict) -> tuple[dict, int]:
+def trim_padding(batch: TrainBatch) -> tuple[dict, int]:
     """Padding removal for one micro-batch: `model_inputs` without the columns no row uses, and the
     response width kept. Rows are padded to the whole batch's longest prompt and response; a
     micro-batch of shorter ones needs fewer columns (GRPO groups share a prompt length). Exact: a
     dropped column is a masked key for every real token, and positions count real tokens only."""
-    mask = batch["attention_mask"]
-    p = mask.shape[1] - batch["response_mask"].shape[1]
+    mask = batch.attention_mask
+    p = mask.shape[1] - batch.response_width
     used = mask.bool().any(0).cpu()  # one device sync, then index arithmetic on the host
     start = int(used[:p].int().argmax()) if p and bool(used[:p].any()) else p  # first prompt column in use
     keep = int(used[p:].nonzero().max()) + 1 if bool(used[p:].any()) else 1  # last response column in use
-    inputs = model_inputs(
-        {"input_ids": batch["input_ids"][:, start : p + keep], "attention_mask": mask[:, start : p + keep]}
-    )
-    return inputs, keep
+    return model_inputs(batch.input_ids[:, start : p + keep], mask[:, start : p + keep]), keep
 
 
 def pad_response(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
@@ -51,17 +48,17 @@ def pad_response(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
     return x if x is None or x.shape[1] == width else torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
 
-def _row_lengths(batch: dict, shared: bool) -> tuple[list[int], list[int], list[int]]:
+def _row_lengths(batch: TrainBatch, shared: bool) -> tuple[list[int], list[int], list[int]]:
     """Each row's real prompt and response tokens (a response counts 1 at least: the pass never runs
     empty) and the id of the prompt pass it runs in: with `shared` prompts, rows of one prompt share
     one (`shared_prompt_logits`), else each row has its own."""
-    mask = batch["attention_mask"]
-    p = mask.shape[1] - batch["response_mask"].shape[1]
+    mask = batch.attention_mask
+    p = mask.shape[1] - batch.response_width
     plen = mask[:, :p].sum(1).tolist()
     rlen = [max(1, n) for n in mask[:, p:].sum(1).tolist()]
     if not shared:
         return plen, rlen, list(range(len(plen)))
-    _, pid = torch.unique(torch.cat([batch["input_ids"][:, :p], mask[:, :p]], 1), dim=0, return_inverse=True)
+    _, pid = torch.unique(torch.cat([batch.input_ids[:, :p], mask[:, :p]], 1), dim=0, return_inverse=True)
     return plen, rlen, pid.tolist()
 
 
@@ -73,12 +70,12 @@ def _run_tokens(rows: list[int], plen: list[int], rlen: list[int], pid: list[int
     return sum(prompts.values()) + sum(rlen[i] for i in rows), len(prompts) * wp + len(rows) * wr
 
 
-def token_counts(batch: dict, shared: bool = False) -> tuple[float, float]:
+def token_counts(batch: TrainBatch, shared: bool = False) -> tuple[float, float]:
     """(real tokens, tokens its forward runs) of one micro-batch (`_run_tokens`); their ratio is
     `perf/padding_efficiency`. A `pad_row` entry is all waste."""
     plen, rlen, pid = _row_lengths(batch, shared)
     real, run = _run_tokens(list(range(len(plen))), plen, rlen, pid)
-    return (0.0 if batch.get("pad_row") else float(real)), float(run)
+    return (0.0 if batch.pad_row else float(real)), float(run)
 
 
 def _work(rows: list[int], plen: list[int], rlen: list[int], pid: list[int]) -> float:
@@ -95,7 +92,7 @@ MICRO_BATCH_COST = {"cpu": 128, "cuda": 2048}  # CPU measured (docs/BENCHMARKS.m
 
 
 def pack_by_tokens(
-    batch: dict, budget: int, shared: bool = False, cost: float = 0, rows_per_micro: int = 0
+    batch: TrainBatch, budget: int, shared: bool = False, cost: float = 0, rows_per_micro: int = 0
 ) -> list[torch.Tensor]:
     """Row indices of micro-batches under a token budget, counted after padding removal ((longest
     prompt + longest response) x rows fits `budget`, or one row). Two candidates, the one with less
@@ -139,29 +136,15 @@ def _cut(order: list[int], plen: list[int], rlen: list[int], pid: list[int], bud
     return groups[::-1]
 
 
-def select_rows(batch: dict, idx: torch.Tensor) -> dict:
-    """Rows `idx` of a dict of `[B, ...]` tensors (non-tensors whole), their positions in `rows`. No
-    rows: the first row with its response masked out (`pad_row`): a zero loss, but still a backward."""
-    if len(idx) == 0:
-        mb = {k: (v[:1] if torch.is_tensor(v) else v) for k, v in batch.items()}
-        mb["response_mask"] = torch.zeros_like(mb["response_mask"])
-        mb["pad_row"] = True
-    else:
-        mb = {k: (v[idx.to(v.device)] if torch.is_tensor(v) else v) for k, v in batch.items()}
-    mb["rows"] = idx
-    return mb
-
-
 def in_row_order(rows: list[torch.Tensor], parts: list[torch.Tensor]) -> torch.Tensor:
     """Per-micro-batch outputs `parts` (of rows `rows`, together every row once) as one tensor in
     row order."""
     return torch.cat(parts)[torch.cat(rows).argsort().to(parts[0].device)]
 
 
-def split_even(batch: dict, parts: int) -> list[dict]:
+def split_even(batch: TrainBatch, parts: int) -> list[TrainBatch]:
     """`parts` micro-batches of near-equal size, in order (a part left empty gets a `pad_row`)."""
-    n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
-    return [select_rows(batch, idx) for idx in torch.arange(n).tensor_split(parts)]
+    return [batch.select(idx) for idx in torch.arange(len(batch)).tensor_split(parts)]
 
 
 def summarize(sums: dict, n_micro: int, world: int, global_keys: tuple) -> dict:
@@ -198,10 +181,10 @@ class RoleObserver:
     """Hooks a diagnostic or a test attaches to a live role (`role.observers.append(o)`), instead of
     replacing its methods. Every hook is optional; each runs on the calling rank, in the call."""
 
-    def on_score(self, role: Role, batch: dict, args: tuple, out) -> None:
+    def on_score(self, role: Role, batch: TrainBatch, args: tuple, out) -> None:
         """After a scoring pass (`logprobs`, `values`, `score`): its batch, other arguments, result."""
 
-    def on_accumulate(self, role: Role, batch: dict) -> None:
+    def on_accumulate(self, role: Role, batch: TrainBatch) -> None:
         """Before a mini-batch's forward/backward (trained roles)."""
 
     def on_step(self, role: Role) -> None:
@@ -261,9 +244,6 @@ class Role:
     def device(self) -> torch.device:
         return self.engine.device
 
-    def to_device(self, batch: dict) -> dict:
-        return {k: (v.to(self.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
-
     max_tokens = 0  # roles.<role>.max_tokens_per_micro_batch resolved; 0: micro_batch_size rows each
     share_prompts = False  # policy roles: the builder's choice (model.share_prompt and can_share_prompts)
     PASSES = ("score", "update")
@@ -273,12 +253,12 @@ class Role:
         counts, self._tokens = self._tokens, {}
         return {k: counts.get(k, (0.0, 0.0)) for k in self.PASSES}
 
-    def _count_tokens(self, kind: str, mb: dict) -> None:
+    def _count_tokens(self, kind: str, mb: TrainBatch) -> None:
         real, processed = token_counts(mb, self.share_prompts)
         r, p = self._tokens.get(kind, (0.0, 0.0))
         self._tokens[kind] = (r + real, p + processed)
 
-    def packed(self, batch: dict) -> list[torch.Tensor]:
+    def packed(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Under a token budget: `pack_by_tokens`, as many micro-batches on every rank (ZeRO-3 gathers
         in every forward, ZeRO-2/3 reduce in every backward; the ranks' lengths differ): a rank with
         fewer gets empty entries, run as one masked-out row."""
@@ -287,20 +267,20 @@ class Role:
         k = int(all_reduce_max(float(len(groups))))
         return groups + [torch.zeros(0, dtype=torch.long)] * (k - len(groups))
 
-    def micro_indices(self, batch: dict) -> list[torch.Tensor]:
+    def micro_indices(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Row indices of a scoring pass's micro-batches: consecutive `micro_batch_size` rows, or
         `packed` under a token budget."""
         if self.max_tokens:
             return self.packed(batch)
-        return list(torch.arange(batch["input_ids"].shape[0]).split(self.micro_batch_size))
+        return list(torch.arange(len(batch)).split(self.micro_batch_size))
 
-    def map_micro(self, batch: dict, fn):
+    def map_micro(self, batch: TrainBatch, fn):
         """`fn(micro_batch)` over `micro_indices`; each output (a tensor, or a tuple of tensors / None)
         is put back in row order."""
-        batch = self.to_device(batch)
+        batch = batch.to(self.device)
         outs, rows, single = [], [], False
         for idx in self.micro_indices(batch):
-            mb = select_rows(batch, idx)
+            mb = batch.select(idx)
             self._count_tokens("score", mb)
             out = fn(mb)  # an empty entry runs one dropped row
             single = not isinstance(out, tuple)
@@ -311,16 +291,17 @@ class Role:
         return merged[0] if single else merged
 
     # ------------------------------------------------------------ training (trainable roles)
-    force_overflow = False  # tests: multiply the loss by inf to provoke an fp16 overflow
     global_metric_keys: tuple = ()  # metrics normalised by global counts (see `summarize`)
 
-    def micro_loss(self, mb: dict, counts: dict) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    def micro_loss(self, mb: TrainBatch, counts: dict) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
         """(loss, metrics, per-row output) of one micro-batch; `counts` = global_tokens/global_seqs
         for agg_loss. The per-row output (`[b, R]`, detached; the actor: its logprobs) is what
         `accumulate(..., keep=True)` hands back; None where a role has nothing to keep."""
         raise NotImplementedError
 
-    def accumulate(self, batch: dict, global_tokens: float, global_seqs: float, keep: bool = False) -> Accumulated:
+    def accumulate(
+        self, batch: TrainBatch, global_tokens: float, global_seqs: float, keep: bool = False
+    ) -> Accumulated:
         """Forward/backward over one mini-batch (this rank's share), leaving the optimizer step to
         `step()`. Losses use global counts, so the accumulated gradient equals the full mini-batch's.
         `keep`: also return each row's per-row output (in row order), e.g. the actor's logprobs of an
@@ -328,32 +309,25 @@ class Role:
         self.notify("on_accumulate", batch)
         gas = self.engine.gradient_accumulation_steps()
         scale = gas * self.engine.world_size  # undo DeepSpeed's 1/gas and rank averaging
-        batch = self.to_device(batch)
+        batch = batch.to(self.device)
         # `gas` micro-steps: of micro_batch_size rows, or fewer when dynamic sampling shrank the batch.
         # Under a token budget, rows packed by length (`packed`), with the accumulation boundary set
         # by hand (`backward`). Each micro-batch carries its row positions (`rows`).
-        mbs = [select_rows(batch, idx) for idx in self.packed(batch)] if self.max_tokens else split_even(batch, gas)
+        mbs = [batch.select(idx) for idx in self.packed(batch)] if self.max_tokens else split_even(batch, gas)
         counts = dict(global_tokens=global_tokens, global_seqs=global_seqs)
         sums: dict[str, float] = {}
         rows, kept = [], []
         for i, mb in enumerate(mbs):
             self._count_tokens("update", mb)
             loss, metrics, out = self.micro_loss(mb, counts)
-            if self.force_overflow:
-                loss = loss * float("inf")
             self.backward(loss * scale, boundary=i == len(mbs) - 1)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
-            if keep and out is not None and not mb.get("pad_row"):
-                rows.append(mb["rows"])
+            if keep and out is not None and not mb.pad_row:
+                rows.append(mb.rows)
                 kept.append(out)
         metrics = summarize(sums, len(mbs), self.engine.world_size, self.global_metric_keys)
         return Accumulated(metrics, in_row_order(rows, kept) if kept else None)  # packed: out of order
-
-    def update(self, batch: dict, global_tokens: float, global_seqs: float) -> dict:
-        metrics = self.accumulate(batch, global_tokens, global_seqs).metrics
-        self.step()
-        return metrics
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """Backward through the engine; `engine.step()` for all but the boundary micro-batch, whose

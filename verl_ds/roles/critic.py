@@ -7,6 +7,7 @@ import torch
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
 from verl_ds.roles.base import Role, pad_response, trim_padding
+from verl_ds.roles.batch import TrainBatch
 
 
 class ValueModel(torch.nn.Module):
@@ -44,27 +45,28 @@ class Critic(Role):
         super().__init__("critic", model, ds_config, trainable=True)
         self.cfg = loss_cfg
 
-    def forward(self, batch: dict) -> torch.Tensor:
+    def forward(self, batch: TrainBatch) -> torch.Tensor:
         inputs, resp_len = trim_padding(batch)  # only the columns some row uses
         values = self.engine(**inputs)
         # V(state before each response token)
-        return pad_response(values[:, -resp_len - 1 : -1].float(), batch["response_mask"].shape[1])
+        return pad_response(values[:, -resp_len - 1 : -1].float(), batch.response_width)
 
     @torch.no_grad()
-    def values(self, batch: dict) -> torch.Tensor:
+    def values(self, batch: TrainBatch) -> torch.Tensor:
         out = self.map_micro(batch, self.forward)
         self.notify("on_score", batch, (), out)
         return out
 
     global_metric_keys = ("vf_loss",)
 
-    def micro_loss(self, mb: dict, counts: dict):
+    def micro_loss(self, mb: TrainBatch, counts: dict):
         c = self.cfg
+        mb.require("old_values", "returns", needed_by="the critic's loss")
         vf_loss, m = algos.value_loss(
             self.forward(mb),
-            mb["old_values"],
-            mb["returns"],
-            mb["response_mask"],
+            mb.old_values,
+            mb.returns,
+            mb.loss_mask,
             clip=c.vf_clip,
             agg_mode=c.loss_agg_mode,
             **counts,

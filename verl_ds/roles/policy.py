@@ -7,6 +7,7 @@ import torch
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
 from verl_ds.roles.base import Role, pad_response, trim_padding
+from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.quant import quantize_int8
 
 
@@ -83,8 +84,8 @@ class PolicyRole(Role):
     """Log-probabilities of the response tokens: batch tensors are `[B, P + R]` with the response
     in the last R positions; outputs are fp32 `[B, R]`."""
 
-    def forward(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
-        width = batch["response_mask"].shape[1]
+    def forward(self, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False):
+        width = batch.response_width
         inputs, resp_len = trim_padding(batch)  # only the columns some row uses
         if self.share_prompts and inputs["input_ids"].shape[1] > resp_len:
             logits = shared_prompt_logits(self.engine, inputs, resp_len)
@@ -108,7 +109,7 @@ class PolicyRole(Role):
     _entropy_needs_grad = False  # only an entropy bonus needs its gradient
 
     @torch.no_grad()
-    def logprobs(self, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
+    def logprobs(self, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False):
         """Micro-batched, no grad. Returns logprob `[B, R]` (and entropy `[B, R]` if asked)."""
         logprob, entropy = self.map_micro(batch, lambda mb: self.forward(mb, temperature, with_entropy))
         out = (logprob, entropy) if with_entropy else logprob
@@ -142,22 +143,28 @@ class Actor(PolicyRole):
         self.cfg, self.temperature = loss_cfg, temperature
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
         self.policy_loss = algos.get_policy_loss(loss_cfg.policy_loss)
+        # a run with kl_coef > 0 has a reference (`config.active_roles`); use_kl_loss puts its KL here
+        self.kl_loss = loss_cfg.use_kl_loss and loss_cfg.kl_coef > 0
+        self.distill_loss = bool(loss_cfg.distill.coef) and loss_cfg.distill.mode == "loss"
+        # what this loss reads besides the inputs, decided here once (`TrainBatch.require`)
+        self.needs = ("advantages",)
+        self.needs += ("ref_logprobs",) * self.kl_loss + ("teacher_logprobs",) * self.distill_loss
+        self.needs += ("rollout_logprobs",) * bool(loss_cfg.tis_cap)
 
     global_metric_keys = ("pg_loss", "entropy", "kl_loss", "distill_loss")
 
-    def micro_loss(self, mb: dict, counts: dict):
-        """Clipped surrogate (+ entropy bonus, + KL to the reference when it is a loss term)."""
-        c, mask = self.cfg, mb["response_mask"]
+    def micro_loss(self, mb: TrainBatch, counts: dict):
+        """Clipped surrogate (+ entropy bonus, + KL to the reference or the teacher as loss terms)."""
+        c, mask = self.cfg, mb.loss_mask
+        mb.require(*self.needs, *(() if mb.on_policy else ("old_logprobs",)), needed_by="the actor's loss")
         logprob, entropy = self.forward(mb, self.temperature, with_entropy=True)
-        # a batch used once is on-policy: the old policy is this very forward (ratio 1, exact)
-        old = mb["old_logprobs"] if "old_logprobs" in mb else logprob.detach()
-        is_w = None
-        if c.tis_cap and "rollout_logprobs" in mb:
-            is_w = algos.tis_weights(old, mb["rollout_logprobs"], mask, cap=c.tis_cap)
+        # on-policy (one mini-batch, first epoch): the old policy is this very forward (ratio 1, exact)
+        old = logprob.detach() if mb.on_policy else mb.old_logprobs
+        is_w = algos.tis_weights(old, mb.rollout_logprobs, mask, cap=c.tis_cap) if c.tis_cap else None
         pg_loss, m = self.policy_loss(
             old,
             logprob,
-            mb["advantages"],
+            mb.advantages,
             mask,
             clip_low=c.clip_low,
             clip_high=c.clip_high,
@@ -170,16 +177,16 @@ class Actor(PolicyRole):
         ent = algos.agg_loss(entropy, mask, c.loss_agg_mode, **counts)
         if c.entropy_coef:
             loss = loss - c.entropy_coef * ent
-        if c.use_kl_loss and "ref_logprobs" in mb:
+        if self.kl_loss:
             kl = algos.agg_loss(
-                algos.kl_penalty(logprob, mb["ref_logprobs"], c.kl_estimator), mask, c.loss_agg_mode, **counts
+                algos.kl_penalty(logprob, mb.ref_logprobs, c.kl_estimator), mask, c.loss_agg_mode, **counts
             )
             loss = loss + c.kl_coef * kl
             m["kl_loss"] = kl
         d = c.distill
-        if d.coef and d.mode == "loss" and "teacher_logprobs" in mb:  # reverse KL to the teacher
+        if self.distill_loss:  # reverse KL to the teacher
             dl = algos.agg_loss(
-                algos.kl_penalty(logprob, mb["teacher_logprobs"], d.kl_estimator), mask, c.loss_agg_mode, **counts
+                algos.kl_penalty(logprob, mb.teacher_logprobs, d.kl_estimator), mask, c.loss_agg_mode, **counts
             )
             loss = loss + d.coef * dl
             m["distill_loss"] = dl

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from verl_ds.roles.base import Role, trim_padding
+from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.quant import quantize_int8, tensor_bytes
 
 
@@ -32,11 +33,11 @@ class RewardModel(Role):
         return stats
 
     @torch.no_grad()
-    def score(self, batch: dict) -> torch.Tensor:
+    def score(self, batch: TrainBatch) -> torch.Tensor:
         """One fp32 score per sequence `[B]`, read at the last non-pad token (HF's pooling)."""
         pad = self.module.config.pad_token_id
 
-        def scores(mb: dict) -> torch.Tensor:
+        def scores(mb: TrainBatch) -> torch.Tensor:
             # HF pools at the last non-pad token: mark padding with the reward model's own pad id
             # (the policy's may differ), so the score is read at the last real token.
             inputs, _ = trim_padding(mb)  # only the columns some row uses (a token budget counts those)

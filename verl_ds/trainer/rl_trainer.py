@@ -36,11 +36,12 @@ from verl_ds.errors import RunFailure
 from verl_ds.gemm import fp32_gemm
 from verl_ds.precision import TRAINED_ROLES
 from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_params
+from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.params import export_adapter, export_hf
-from verl_ds.rollout import episodes, make_rollout, resolve_engine, sync_distributed
+from verl_ds.rollout import RolloutBatch, episodes, make_rollout, resolve_engine, sync_distributed
 from verl_ds.trainer import builder
 from verl_ds.trainer.checkpoint import last_good, load_checkpoint, pick_resume, probe_writable, save_checkpoint
-from verl_ds.trainer.groups import merge_parts, select_groups, varied_groups
+from verl_ds.trainer.groups import Collected, varied_groups
 
 log = logging.getLogger(__name__)
 
@@ -114,134 +115,121 @@ class RLTrainer:
             return self._step()
 
     def _step(self) -> dict[str, float]:
-        cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
-        distill = a.distill if self.teacher else None
-        # a Timer that, every logging.memory_every steps, also accounts each role's memory per stage
-        every = cfg.logging.memory_every
-        timer = (
-            MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations)
-            if self.track_activations or (every and self.global_step % every == 0)
-            else Timer()
-        )
+        cfg = self.cfg
+        timer = self._timer()
         for role in self.roles.values():
             role.take_token_counts()  # this step's passes only (validation also scores)
         with timer("step"):
-            # 1-3. prompts -> rollout -> rewards (+ overlong shaping); more rounds when dynamic
-            # sampling drops groups whose samples all scored alike
-            batch, examples, raw_scores, shaped, sample_metrics = self._collect(timer)
+            # 1-3. prompts -> rollout -> rewards (+ overlong shaping); with dynamic sampling, more
+            # rounds until enough groups whose samples did not all score alike
+            got = self._collect(timer)
             self.rollout.sleep()  # GPU: hand vLLM's memory to the roles until the sync
             self._wake_roles()  # roles.<role>.sleep: their states come back from the host
-            scores = self._normalize(shaped)
-            # the model's own tokens: multi-turn rows also hold environment tokens, which the model
-            # attends to (attention_mask) but no loss, KL, entropy or metric counts
-            mask = batch.loss_mask
-            truncated = torch.tensor([f == "length" for f in batch.finish_reasons], dtype=mask.dtype)
-            data = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": mask}
-            # 4. old logprobs, reference and teacher logprobs, values — stored in the buffer dtype
-            # one mini-batch per epoch (and KL as a loss): the first epoch's forward runs on the very
-            # weights that generated the batch, so it is the old policy (ratio 1, exact) and no
-            # separate pass runs; later epochs and the metrics below reuse its logprobs. A KL in the
-            # reward, or a distillation reward, needs them before the advantages: a pass of their own
-            n_minis = self._mini_batches(len(batch))
-            distill_reward = distill is not None and distill.mode == "reward"
-            first_is_old = n_minis == 1 and (a.use_kl_loss or not self.reference) and not distill_reward
-            old_lp = None
-            if not first_is_old:
-                with timer("old_logprob", stage="score", role="actor"):
-                    old_lp = self.actor.logprobs(data, r.temperature).cpu()
-            with timer("ref", stage="score", role="reference"):
-                ref_lp = self.reference.logprobs(data, r.temperature).cpu() if self.reference else None
-            with timer("teacher", stage="score", role="teacher"):
-                teacher_lp = self.teacher.logprobs(data, r.temperature).cpu() if self.teacher else None
-            with timer("values", stage="score", role="critic"):
-                values = self.critic.values(data).cpu() if self.critic else None
-            buf = {
-                k: self._buffered(v)
-                for k, v in dict(
-                    old_logprobs=old_lp,
-                    ref_logprobs=ref_lp,
-                    teacher_logprobs=teacher_lp,
-                    old_values=values,
-                    rollout_logprobs=batch.rollout_logprobs,
-                ).items()
-            }
-            # 5. KL: in the reward (classic PPO), or later as a loss term (GRPO style)
-            kl_in_reward = (
-                self._kl(buf["old_logprobs"], buf["ref_logprobs"], mask) * self.kl_ctl.value
-                if not a.use_kl_loss
-                else None
-            )
-            token_rewards = _token_rewards(scores, mask, kl_in_reward)
-            # 6. advantages (fp32)
-            with timer("adv"):
-                adv, returns = self.estimator(
-                    token_rewards=token_rewards,
-                    scores=token_rewards.sum(-1),
-                    values=buf["old_values"],
-                    response_mask=mask,
-                    group_ids=batch.group_ids,
-                    gamma=a.gamma,
-                    lam=a.lam,
-                )
-                if distill is not None:  # distillation alone, or added to the task's advantages
-                    if not distill.with_task_reward:
-                        adv = returns = torch.zeros_like(adv)
-                    if distill_reward:  # each token's reward -coef * (log pi_s - log pi_t)
-                        d_adv = algos.distill_advantages(
-                            buf["old_logprobs"], buf["teacher_logprobs"], mask, distill.coef, distill.discount
-                        )
-                        adv, returns = adv + d_adv, returns + d_adv
-            train = {
-                **data,
-                **{k: v for k, v in buf.items() if v is not None},
-                "advantages": adv.float(),
-                "returns": returns.float(),
-            }
-            if a.mask_truncated:  # samples cut at max_new_tokens teach nothing about endings
-                train["response_mask"] = mask * (1 - truncated)[:, None]
-            # 7. ppo_epochs over mini-batches for the actor and the critic
+            scores = self._normalize(got.shaped)
+            # 4. old, reference and teacher logprobs and values, stored in the buffer dtype
+            n_minis = self._mini_batches(len(got.batch))
+            stored, old_lp = self._score_pass(got.batch, timer, on_policy=self._first_is_old(n_minis))
+            # 5-6. per-token rewards (KL in the reward, or none) and advantages (fp32)
+            train = self._advantages(stored, scores, got.batch, timer)
             for o in self.observers:
-                o.on_train_batch(self, train, first_is_old)
-            update_metrics, first_lp = self._update(train, timer, n_minis, first_is_old)
-            if first_is_old:
-                old_lp, buf["old_logprobs"] = first_lp, train["old_logprobs"]
-            # 8. sync the new actor weights into the rollout engine
+                o.on_train_batch(self, train)
+            # 7. ppo_epochs over mini-batches for the actor and the critic
+            update_metrics, first_lp = self._update(train, timer, n_minis)
+            if train.on_policy:  # the first epoch's forward was the old policy: its logprobs
+                old_lp, stored = first_lp, stored.replace(old_logprobs=self._buffered(first_lp), on_policy=False)
+            # 8. the new actor weights into the rollout engine
             with timer("update_weights", stage="sync", role="actor"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
             self._sleep_roles()  # the next generation gets their device memory
         self.global_step += 1
-        kl = self._kl(buf["old_logprobs"], buf["ref_logprobs"], mask)
-        kl_sum, n_tok, n_seq = all_reduce_sum([float((kl * mask).sum()), float(mask.sum()), float(len(batch))])
-        kl_mean = kl_sum / max(n_tok, 1.0)
-        self.kl_ctl.update(kl_mean, n_steps=int(n_seq))  # same value on every rank
         # 9. metrics (reduced over ranks; rank 0 writes them)
-        metrics = reduce_metrics(
-            {
-                **update_metrics,
-                **sync_metrics,
-                **timer.times,
-                **timer.memory_metrics(),
-                **self._batch_metrics(batch, raw_scores, scores, old_lp, kl_mean, timer.times["timing_s/step"]),
-                **sample_metrics,
-                **self._distill_metrics(buf, mask),
-                "response/truncated_fraction": float(truncated.mean()),
-                **self._precision_metrics(),
-            }
-        )
-        metrics.update(self._padding_metrics())
+        metrics = self._step_metrics(got, stored, scores, old_lp, update_metrics, sync_metrics, timer)
         if self.val_prompts and cfg.trainer.val_every and self.global_step % cfg.trainer.val_every == 0:
             metrics.update(self.validate())
         self.logger.log(metrics, self.global_step)
-        if self.cfg.logging.sample_every and self.global_step % self.cfg.logging.sample_every == 0:
-            self._log_samples(batch, examples, raw_scores)
+        if cfg.logging.sample_every and self.global_step % cfg.logging.sample_every == 0:
+            self._log_samples(got.batch, got.examples, got.raw)
         return metrics
 
     # ------------------------------------------------------------------ phases
-    def _collect(self, timer):
-        """Rollout and rewards for this rank's prompts: (batch, examples, raw scores, shaped scores,
-        metrics). With `algorithm.filter_groups`, groups with zero variance on the chosen metric are
-        dropped and more prompts are drawn until the step has `prompts_per_step` kept groups or
-        `max_rounds` rounds ran; every rank then keeps the same number of groups."""
+    def _timer(self) -> Timer:
+        """A Timer that, every logging.memory_every steps, also accounts each role's memory per stage."""
+        every = self.cfg.logging.memory_every
+        if self.track_activations or (every and self.global_step % every == 0):
+            return MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations)
+        return Timer()
+
+    def _first_is_old(self, n_minis: int) -> bool:
+        """One mini-batch per epoch (and KL as a loss): the first epoch's forward runs on the very
+        weights that generated the batch, so it is the old policy (ratio 1, exact) and no separate
+        pass runs. A KL in the reward, or a distillation reward, needs the old logprobs before the
+        advantages: a pass of their own."""
+        a = self.cfg.algorithm
+        distill_reward = self.teacher is not None and a.distill.mode == "reward"
+        return n_minis == 1 and (a.use_kl_loss or not self.reference) and not distill_reward
+
+    def _score_pass(self, batch: RolloutBatch, timer: Timer, on_policy: bool) -> tuple[TrainBatch, torch.Tensor | None]:
+        """Every frozen view of the batch the update and the advantages read, each stored in the buffer
+        dtype: (the train batch without advantages, the old logprobs in fp32 for the rollout-vs-trainer
+        metrics; None when `on_policy`: the update's first forward computes them)."""
+        data, t = _inputs(batch), self.cfg.rollout.temperature
+        old_lp = None
+        if not on_policy:
+            with timer("old_logprob", stage="score", role="actor"):
+                old_lp = self.actor.logprobs(data, t).cpu()
+        with timer("ref", stage="score", role="reference"):
+            ref_lp = self.reference.logprobs(data, t).cpu() if self.reference else None
+        with timer("teacher", stage="score", role="teacher"):
+            teacher_lp = self.teacher.logprobs(data, t).cpu() if self.teacher else None
+        with timer("values", stage="score", role="critic"):
+            values = self.critic.values(data).cpu() if self.critic else None
+        stored = data.replace(
+            old_logprobs=self._buffered(old_lp),
+            ref_logprobs=self._buffered(ref_lp),
+            teacher_logprobs=self._buffered(teacher_lp),
+            old_values=self._buffered(values),
+            rollout_logprobs=self._buffered(batch.rollout_logprobs),
+            on_policy=on_policy,
+        )
+        return stored, old_lp
+
+    def _advantages(self, stored: TrainBatch, scores: torch.Tensor, batch: RolloutBatch, timer: Timer) -> TrainBatch:
+        """The train batch: `stored` with each token's advantage and return. The score sits on the last
+        model token, minus the KL to the reference when the KL is in the reward (classic PPO; GRPO-style
+        runs put it in the loss); on-policy distillation adds the teacher's per-token reverse KL."""
+        a, mask = self.cfg.algorithm, stored.loss_mask
+        kl_in_reward = None
+        if not a.use_kl_loss:
+            kl_in_reward = self._kl(stored.old_logprobs, stored.ref_logprobs, mask) * self.kl_ctl.value
+        token_rewards = _token_rewards(scores, mask, kl_in_reward)
+        with timer("adv"):
+            adv, returns = self.estimator(
+                token_rewards=token_rewards,
+                scores=token_rewards.sum(-1),
+                values=stored.old_values,
+                response_mask=mask,
+                group_ids=batch.group_ids,
+                gamma=a.gamma,
+                lam=a.lam,
+            )
+            distill = a.distill if self.teacher else None
+            if distill is not None:  # distillation alone, or added to the task's advantages
+                if not distill.with_task_reward:
+                    adv = returns = torch.zeros_like(adv)
+                if distill.mode == "reward":  # each token's reward -coef * (log pi_s - log pi_t)
+                    d_adv = algos.distill_advantages(
+                        stored.old_logprobs, stored.teacher_logprobs, mask, distill.coef, distill.discount
+                    )
+                    adv, returns = adv + d_adv, returns + d_adv
+        if a.mask_truncated:  # samples cut at max_new_tokens teach nothing about endings
+            mask = mask * (1 - _truncated(batch))[:, None]
+        return stored.replace(advantages=adv.float(), returns=returns.float(), loss_mask=mask)
+
+    def _collect(self, timer) -> Collected:
+        """Rollout and rewards for this rank's prompts. With `algorithm.filter_groups`, groups with zero
+        variance on the chosen metric are dropped and more prompts are drawn until the step has
+        `prompts_per_step` kept groups or `max_rounds` rounds ran; every rank then keeps the same
+        number of groups."""
         cfg, r, fg = self.cfg, self.cfg.rollout, self.cfg.algorithm.filter_groups
         parts, rounds, seen, dropped, drawn = [], 0, 0, 0, []
         while True:
@@ -261,42 +249,40 @@ class RLTrainer:
                     round_=rounds,
                     **self.episode_kw,
                 )
-                batch = ro.batch
             with timer("reward", stage="score", role="reward"):
                 raw = self._score(ro, examples)
-                shaped = raw + self._overlong(batch)
+                got = Collected(ro.batch, examples, raw, raw + self._overlong(ro.batch), ro.metrics)
             for o in self.observers:
                 o.on_rollout(self, ro, raw)
             rounds += 1
             if not fg.enabled:
-                return batch, examples, raw, shaped, ro.metrics
-            last = (batch, examples, raw, shaped)
+                return got
             drawn.append(raw)
-            keep = varied_groups(raw if fg.metric == "acc" else shaped, batch.group_ids, len(examples))
+            keep = varied_groups(raw if fg.metric == "acc" else got.shaped, got.batch.group_ids, len(examples))
             seen, dropped = seen + len(examples), dropped + len(examples) - len(keep)
-            parts.append(select_groups(batch, examples, raw, shaped, keep))
-            kept = all_reduce_sum([float(sum(len(p[1]) for p in parts))])[0]
+            parts.append(got.select_groups(keep))
+            kept = all_reduce_sum([float(sum(len(p.examples) for p in parts))])[0]
             if kept >= cfg.trainer.prompts_per_step or rounds >= fg.max_rounds:
                 break
         # the same number of groups on every rank (collectives and micro-batches must match)
-        merged = merge_parts(parts)
-        k = int(all_reduce_min(float(min(len(merged[1]), cfg.trainer.prompts_per_step // self.world))))
+        merged = Collected.merge(parts)
+        k = int(all_reduce_min(float(min(len(merged.examples), cfg.trainer.prompts_per_step // self.world))))
         # nothing varied on some rank: train on the last round as drawn (its advantages are zero)
-        out = select_groups(*merged, list(range(k))) if k else last
+        out = merged.select_groups(list(range(k))) if k else got
         drawn = torch.cat(drawn)
         seen_all, dropped_all, drawn_sum, drawn_n = all_reduce_sum(
             [float(seen), float(dropped), float(drawn.sum()), float(len(drawn))]
         )
-        return (
-            *out,
-            {
+        return replace(
+            out,
+            metrics={
                 **ro.metrics,
                 "filter/kept_groups": float(k * self.world),
                 "filter/rounds": float(rounds),
                 "filter/zero_variance_fraction": dropped_all / max(seen_all, 1.0),
-                "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0),
+                "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0),  # before filtering
             },
-        )  # before filtering
+        )
 
     def validate(self) -> dict[str, float]:
         """Held-out prompts on the rollout engine with the current weights: greedy accuracy (mean
@@ -381,16 +367,7 @@ class RLTrainer:
         its episode's final answer; plus the environment's reward (0 in single-turn jobs)."""
         batch = ro.batch
         if self.reward_model is not None:
-            return (
-                self.reward_model.score(
-                    {
-                        "input_ids": batch.input_ids,
-                        "attention_mask": batch.attention_mask,
-                        "response_mask": batch.response_mask,
-                    }
-                ).cpu()
-                + ro.env_rewards
-            )
+            return self.reward_model.score(_inputs(batch)).cpu() + ro.env_rewards
         texts = self.tokenizer.batch_decode(ro.final_ids, skip_special_tokens=True)
         out = [float(self.reward_fn(t, examples[int(g)]["answer"])) for t, g in zip(texts, batch.group_ids)]
         return torch.tensor(out) + ro.env_rewards
@@ -428,22 +405,22 @@ class RLTrainer:
         different row counts): the most any rank needs for `n` rows of `_mini_rows` each."""
         return max(1, int(all_reduce_max(float(-(-n // max(self._mini_rows(n), 1))))))  # collective: no early exit
 
-    def _update(self, train: dict, timer: Timer, n_minis: int, first_is_old: bool = False):
-        """`ppo_epochs` over `n_minis` mini-batches -> (metrics, the first epoch's fp32 logprobs or
-        None). `first_is_old`: `train` has no old logprobs yet; the first epoch (one mini-batch, in
-        order) computes them and stores them, buffered, in `train` for the later epochs."""
-        n = train["input_ids"].shape[0]
+    def _update(self, train: TrainBatch, timer: Timer, n_minis: int) -> tuple[dict, torch.Tensor | None]:
+        """`ppo_epochs` over `n_minis` mini-batches -> (metrics, the first epoch's fp32 logprobs when
+        `train.on_policy`, else None). On-policy, the first epoch (one mini-batch, in order) computes
+        the old logprobs; the later epochs read them, buffered, from a copy of `train`."""
+        n = len(train)
         mini = self._mini_rows(n)
         sums: dict[str, float] = {}
         count, first_lp = 0, None
-        for epoch in range(self.cfg.algorithm.ppo_epochs):
-            collect = first_is_old and epoch == 0  # one mini-batch: the whole batch, in order
+        for _ in range(self.cfg.algorithm.ppo_epochs):
+            collect = train.on_policy  # one mini-batch: the whole batch, in order
             perm = torch.arange(n) if collect else torch.randperm(n)
             # mini-batches of `mini` rows; a rank with fewer rows than another splits them as evenly
             parts = perm.split(mini) if -(-n // mini) == n_minis else perm.tensor_split(n_minis)
             for rows in parts:
-                mb = {k: v[rows] for k, v in train.items()}
-                tokens, seqs = _global_counts(mb["response_mask"])
+                mb = train.select(rows)
+                tokens, seqs = _global_counts(mb.loss_mask)
                 with timer("update_actor", stage="update", role="actor"):
                     acc = self.actor.accumulate(mb, tokens, seqs, keep=collect)
                 m = acc.metrics
@@ -462,13 +439,35 @@ class RLTrainer:
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
             if collect:
-                train["old_logprobs"] = self._buffered(first_lp)
+                train = train.replace(old_logprobs=self._buffered(first_lp), on_policy=False)
         out = {(k if k.startswith("critic/") else f"actor/{k}"): v / count for k, v in sums.items()}
         if self.critic:
-            out["critic/vf_explained_var"] = _explained_var(
-                train["returns"], train["old_values"], train["response_mask"]
-            )
+            out["critic/vf_explained_var"] = _explained_var(train.returns, train.old_values, train.loss_mask)
         return out, first_lp
+
+    def _step_metrics(
+        self, got: Collected, stored: TrainBatch, scores, old_lp, update_metrics: dict, sync_metrics: dict, timer
+    ) -> dict[str, float]:
+        """The step's metrics, reduced over ranks; the adaptive KL controller takes this step's KL."""
+        batch, mask = got.batch, stored.loss_mask
+        kl = self._kl(stored.old_logprobs, stored.ref_logprobs, mask)
+        kl_sum, n_tok, n_seq = all_reduce_sum([float((kl * mask).sum()), float(mask.sum()), float(len(batch))])
+        kl_mean = kl_sum / max(n_tok, 1.0)
+        self.kl_ctl.update(kl_mean, n_steps=int(n_seq))  # same value on every rank
+        metrics = reduce_metrics(
+            {
+                **update_metrics,
+                **sync_metrics,
+                **timer.times,
+                **timer.memory_metrics(),
+                **self._batch_metrics(batch, got.raw, scores, old_lp, kl_mean, timer.times["timing_s/step"]),
+                **got.metrics,
+                **self._distill_metrics(stored),
+                "response/truncated_fraction": float(_truncated(batch).mean()),
+                **self._precision_metrics(),
+            }
+        )
+        return {**metrics, **self._padding_metrics()}
 
     def _batch_metrics(self, batch, raw_scores, scores, old_lp, kl_mean, step_s) -> dict[str, float]:
         mask = batch.loss_mask
@@ -491,15 +490,14 @@ class RLTrainer:
             **rollout_perf,
         }
 
-    def _distill_metrics(self, buf: dict, mask: torch.Tensor) -> dict[str, float]:
+    def _distill_metrics(self, stored: TrainBatch) -> dict[str, float]:
         """distill/*: the student's per-token reverse KL to the teacher on its own samples (old
         policy, model tokens, mean over every rank's tokens) and the teacher's mean logprob."""
         if self.teacher is None:
             return {}
-        kl = algos.reverse_kl(buf["old_logprobs"], buf["teacher_logprobs"], mask)
-        kl_sum, t_sum, n = all_reduce_sum(
-            [float(kl.sum()), float((buf["teacher_logprobs"] * mask).sum()), float(mask.sum())]
-        )
+        mask, teacher = stored.loss_mask, stored.teacher_logprobs
+        kl = algos.reverse_kl(stored.old_logprobs, teacher, mask)
+        kl_sum, t_sum, n = all_reduce_sum([float(kl.sum()), float((teacher * mask).sum()), float(mask.sum())])
         return {"distill/reverse_kl/mean": kl_sum / max(n, 1.0), "distill/teacher_logprob/mean": t_sum / max(n, 1.0)}
 
     def _precision_metrics(self) -> dict[str, float]:
@@ -653,6 +651,16 @@ def _import_heavy_libraries() -> None:
     at the next collective: the ranks took turns (quickstart start-up: 3-4 s)."""
     import deepspeed  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
+def _inputs(batch: RolloutBatch) -> TrainBatch:
+    """What a scoring pass reads of a rollout: its rows, and the model's tokens as the loss mask."""
+    return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask)
+
+
+def _truncated(batch: RolloutBatch) -> torch.Tensor:
+    """`[B]` 1.0 where the sample was cut at max_new_tokens."""
+    return torch.tensor([f == "length" for f in batch.finish_reasons], dtype=batch.loss_mask.dtype)
 
 
 def _token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
