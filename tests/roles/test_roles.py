@@ -461,3 +461,21 @@ def test_accumulate_keeps_each_rows_logprobs_in_row_order(tiny_model_dir, budget
     mask = batch.loss_mask.bool()
     torch.testing.assert_close(acc.outputs[mask], scored[mask], rtol=0, atol=1e-5)
     assert actor.accumulate(batch, tokens, float(n)).outputs is None
+
+
+def test_a_loss_names_the_fields_it_needs_instead_of_running_another_loss(tiny_model_dir):
+    """A KL loss without reference logprobs, or an off-policy batch without old logprobs, is an error
+    naming the field (a dict's missing key used to mean "no KL" or "on-policy", silently)."""
+    actor = Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 0, "fp32"), Cfg(use_kl_loss=True, kl_coef=0.1))
+    batch = ppo_batch(actor, make_batch(actor.module.config.vocab_size))
+    counts = dict(global_tokens=float(batch.loss_mask.sum()), global_seqs=4.0)
+    with pytest.raises(ValueError, match="^the actor's loss needs ref_logprobs in the train batch$"):
+        actor.micro_loss(batch, counts)
+    with_ref = batch.replace(ref_logprobs=batch.old_logprobs)
+    with pytest.raises(ValueError, match="^the actor's loss needs old_logprobs in the train batch$"):
+        actor.micro_loss(with_ref.replace(old_logprobs=None), counts)
+    loss, metrics, _ = actor.micro_loss(with_ref.replace(old_logprobs=None, on_policy=True), counts)
+    assert math.isfinite(float(loss)) and abs(float(metrics["kl_loss"])) < 1e-6  # the reference is the policy
+    critic = Critic(load_value_model(tiny_model_dir), ds_config("critic", 0, "fp32"), Cfg())
+    with pytest.raises(ValueError, match="^the critic's loss needs old_values in the train batch$"):
+        critic.micro_loss(batch.replace(old_values=None), counts)
