@@ -45,6 +45,11 @@ def test_offload_params_needs_zero3_and_a_frozen_role_has_no_optimizer_to_offloa
         load_config(None, ["roles.reference.offload=optimizer"])
     with pytest.raises(ConfigError, match="roles.actor.sleep"):
         load_config(None, ["roles.actor.zero_stage=0", "roles.actor.sleep=true"])
+    # DeepSpeed's BF16_Optimizer (bf16 + fp32 grad accumulation at stage 1) has no offload_states
+    asleep = ["roles.actor.zero_stage=1", "roles.actor.sleep=true", "precision.actor_dtype=bf16"]
+    with pytest.raises(ConfigError, match="roles.actor.sleep: bf16 with fp32 grad accumulation at ZeRO stage 1"):
+        render_ds_configs(load_config(None, [*asleep, "precision.grad_accum_dtype=fp32"]), 1)
+    assert "grad_accum_dtype" not in render_ds_configs(load_config(None, asleep), 1)["actor"].get("data_types", {})
     cfg = load_config(None, ["roles.reference.ds_config=ref_zero3.json", "roles.reference.offload=params"])
     assert render_ds_configs(cfg, 1)["reference"]["zero_optimization"]["offload_param"]["device"] == "cpu"
 
