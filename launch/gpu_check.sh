@@ -41,8 +41,9 @@ for dtype in bf16 fp16; do
     > "$out/$dtype.log" 2>&1
   echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/$dtype.log" | tail -n 12
 done
-# roles.actor.sleep: the actor's optimizer states, masters and gradients leave the GPU while vLLM
-# generates (DeepSpeed offload_states) and come back before its update: memory/rollout/actor/* shows it
+# roles.actor.sleep at ZeRO-3: the actor's weights, gradients (DeepSpeed offload_states), masters and
+# AdamW states (ds_internals.offload_states) leave the GPU while the rollout generates and come back
+# before its update: memory/rollout/actor/* shows it
 echo "== actor bf16 asleep during generation (roles.actor.sleep), rollout $engine"
 timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RANDOM % 1000)) -- \
   --module verl_ds.cli train --config examples/grpo_cpu_tiny.yaml "${common[@]}" roles.actor.zero_stage=3 \
