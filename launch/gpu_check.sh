@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU check (< 7 min), for a GPU machine without registry access: a few GRPO steps with a bf16
-# actor and with an fp16 actor (dynamic loss scaling), world size 1, NCCL, under the `deepspeed`
-# launcher; prints loss scale / overflow / skipped steps, per-stage CUDA memory and the actor
+# actor and with an fp16 actor (dynamic loss scaling), world size 1, NCCL, under DeepSpeed's per-node
+# launcher (verl_ds.launcher --gpus: the first GPU CUDA_VISIBLE_DEVICES names, else GPU 0); prints loss scale / overflow / skipped steps, per-stage CUDA memory and the actor
 # update's MFU (against the bf16 matmul rate measured here), then `verl-ds bench step` (per-phase
 # time against a plain-PyTorch floor on the same GPU). DeepSpeed (pure Python) and its missing
 # dependencies may travel as wheels in ./.whl (launch/gpu_wheels.sh); vLLM is used when importable,
@@ -21,6 +21,8 @@ fi
 engine=hf
 "$PY" -c "import vllm" 2>/dev/null && engine=vllm
 out=runs/gpu_check
+ranks=(--num_ranks 1)  # GPU_CHECK_SMALL on a CPU machine: one CPU rank
+"$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" && ranks=(--gpus --num_ranks 1)
 rm -rf "$out" && mkdir -p "$out"
 "$PY" -c "import torch, transformers, deepspeed; print('torch', torch.__version__, '| transformers', transformers.__version__,
 '| deepspeed', deepspeed.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
@@ -33,16 +35,17 @@ common=(rollout.engine=$engine "${size[@]}" trainer.steps=$steps logging.wandb.m
         checkpoint.keep_last=1 rollout.gpu_memory_utilization=0.3 precision.rollout_dtype=bf16)
 for dtype in bf16 fp16; do
   echo "== actor $dtype, rollout $engine"
-  timeout 150 "$PY" -m deepspeed.launcher.runner --num_gpus 1 --master_port $((29500 + RANDOM % 1000)) \
+  timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RANDOM % 1000)) -- \
     --module verl_ds.cli train --config examples/grpo_cpu_tiny.yaml "${common[@]}" \
     precision.actor_dtype=$dtype precision.reference_dtype=$dtype trainer.run_dir=$out/$dtype \
     > "$out/$dtype.log" 2>&1
   echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/$dtype.log" | tail -n 12
 done
-# roles.actor.sleep: the actor's optimizer states, masters and gradients leave the GPU while vLLM
-# generates (DeepSpeed offload_states) and come back before its update: memory/rollout/actor/* shows it
+# roles.actor.sleep at ZeRO-3: the actor's weights, gradients (DeepSpeed offload_states), masters and
+# AdamW states (ds_internals.offload_states) leave the GPU while the rollout generates and come back
+# before its update: memory/rollout/actor/* shows it
 echo "== actor bf16 asleep during generation (roles.actor.sleep), rollout $engine"
-timeout 150 "$PY" -m deepspeed.launcher.runner --num_gpus 1 --master_port $((29500 + RANDOM % 1000)) \
+timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RANDOM % 1000)) -- \
   --module verl_ds.cli train --config examples/grpo_cpu_tiny.yaml "${common[@]}" roles.actor.zero_stage=3 \
   roles.actor.sleep=true precision.actor_dtype=bf16 precision.reference_dtype=bf16 trainer.run_dir=$out/sleep \
   > "$out/sleep.log" 2>&1

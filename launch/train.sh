@@ -4,7 +4,7 @@
 #      HOSTFILE (several nodes, through the `deepspeed` runner: pdsh + ssh to each host; the repo at
 #      the same path on every node), MASTER_ADDR (with HOSTFILE; default: the runner asks the first
 #      host's `hostname -I`),
-#      CUDA_VISIBLE_DEVICES (a scheduler's GPUs are kept: --num_gpus would make the launcher drop them).
+#      CUDA_VISIBLE_DEVICES (a scheduler's GPUs, indices or GPU-/MIG- UUIDs, one rank each, as given).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 config="${1:?usage: launch/train.sh CONFIG.yaml [key=value ...]}"; shift
@@ -31,21 +31,19 @@ if [ -n "${HOSTFILE:-}" ]; then
   case "$name" in /*) user_files=("$name") ;; *) user_files=("$HOME/$name" "$name") ;; esac
   for f in "${user_files[@]}"; do if [ -f "$f" ]; then grep '=' "$f" >> "$envfile" || true; fi; done
   export DS_ENV_FILE="$envfile"
-elif [ "$VERL_DS_DEVICE" = gpu ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
-  IFS=, read -ra gpus <<< "$CUDA_VISIBLE_DEVICES"
-  gpus=("${gpus[@]:0:${NUM_RANKS:-${#gpus[@]}}}")
-  args+=(--include "localhost:$(IFS=,; echo "${gpus[*]}")")
-elif [ "$VERL_DS_DEVICE" = gpu ]; then
-  args+=(--num_gpus "${NUM_RANKS:-$(nvidia-smi -L | wc -l)}")
-else
+elif [ "$VERL_DS_DEVICE" = cpu ]; then
   # CPU: one OpenMP thread per rank, so the ranks and the vLLM worker share the cores.
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 # DeepSpeed's CPU shm all-reduce leaves a ~66 MB /dev/shm file per rank; remove this run's on exit.
 trap 'rm -f /dev/shm/deepspeed_allreduce_buffer_*_"$port"_* ${envfile:+"$envfile"} 2>/dev/null || true' EXIT
-if [ "$VERL_DS_DEVICE" = cpu ] && [ -z "${HOSTFILE:-}" ]; then
-  # One CPU node: DeepSpeed's per-node launcher without the `deepspeed` runner in front (3-4 s less).
-  python -m verl_ds.launcher --num_ranks "${NUM_RANKS:-2}" --master_port "$port" -- \
+if [ -z "${HOSTFILE:-}" ]; then
+  # One node: DeepSpeed's per-node launcher without the `deepspeed` runner in front (3-4 s less). GPUs:
+  # one rank per CUDA_VISIBLE_DEVICES entry as given (indices or UUIDs), else per GPU; the runner's
+  # --include/--num_gpus take indices of all the node's GPUs and drop CUDA_VISIBLE_DEVICES.
+  ranks=(--num_ranks "${NUM_RANKS:-2}")
+  if [ "$VERL_DS_DEVICE" = gpu ]; then ranks=(--gpus --num_ranks "${NUM_RANKS:-0}"); fi
+  python -m verl_ds.launcher "${ranks[@]}" --master_port "$port" -- \
     --module verl_ds.cli train --config "$config" "$@"
 else
   deepspeed "${args[@]}" --module verl_ds.cli train --config "$config" "$@"

@@ -109,6 +109,7 @@ _INTERNALS = {
         "averaged_gradients",
         "single_partition_of_fp32_groups",
         "fp32_partitioned_groups_flat",
+        "lp_param_buffer",
         "fp32_groups_flat_partition",
         "cur_scale",
         "enable_backward_allreduce",

@@ -322,7 +322,11 @@ class RolloutConfig:
     block_size: int = opt(0, "KV-cache block in tokens (a multiple of 32); 0: vLLM's (CPU 128)", ge=0)
     bucket_mb: int = opt(256, "weight-sync bucket size in MiB (bounds the extra memory of a sync)", gt=0)
     gpu_memory_utilization: float = opt(0.5, "GPU: the fraction of device memory vLLM may take", gt=0, le=1)
-    sleep: bool = opt(True, "GPU: free vLLM's weights and KV cache while training")
+    sleep: bool = opt(
+        True,
+        "GPU: free vLLM's KV cache and weights while the roles train (the weights are discarded after a step's "
+        "generation, the sync loads new ones; the KV cache comes back only to generate)",
+    )
     multi_turn: MultiTurnConfig = section(MultiTurnConfig)
 
 
@@ -359,15 +363,16 @@ class RoleConfig:
     )
     sleep: bool = opt(
         False,
-        "GPU: move this trained role's optimizer states, gradients (and ZeRO-3 weights) to host memory while the "
-        "rollout generates, back before its update; CPU: a no-op",
+        "GPU: move this trained role's optimizer states, fp32 masters, gradients and weights to host memory from "
+        "the weight sync until the next generation ends (ZeRO >= 1); CPU: a no-op",
     )
 
 
 def offload_stages(offload: str, trained: bool, sleep: bool = False) -> tuple[int, ...]:
     """The ZeRO stages an offload (and `sleep`) setting works at: DeepSpeed offloads optimizer states
     from stage 1 on and parameters at stage 3 only; a frozen role has no optimizer to offload; sleep
-    moves a trained role's ZeRO optimizer states (stage >= 1) while its parameters stay on the device."""
+    moves the states of a trained role's ZeRO optimizer (stage >= 1), which DeepSpeed refuses when its
+    parameters are offloaded."""
     if sleep and (not trained or "params" in offload):
         return ()
     if offload == "none":
@@ -437,7 +442,13 @@ class TrainerConfig:
     seed: int = opt(1, "the run's seed (sampling, shuffling, dropout)")
     run_dir: str = opt("runs/default", "metrics, checkpoints, samples and the final model go here")
     resume: str = opt("none", "none | auto (the newest checkpoint in run_dir) | a checkpoint directory")
-    device: str = opt("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
+    device: str = opt(
+        "auto",
+        "the hardware precision `auto` resolves for: auto (CUDA when available) | cpu | cuda (as auto without "
+        "one); the engines run where DeepSpeed and vLLM find a GPU: to train on the CPU of a GPU host, hide the "
+        "GPUs (CUDA_VISIBLE_DEVICES=)",
+        choices=("auto", "cpu", "cuda"),
+    )
     val_every: int = opt(0, "validate every K steps; 0: never during training", ge=0)
     val_before_train: Optional[bool] = opt(None, "validate before step 1; null: yes when a validation set exists")
     val_n: int = opt(4, "samples per validation prompt (mean@k, pass@k)", gt=0)

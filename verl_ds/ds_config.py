@@ -65,6 +65,7 @@ def render_role(
     optimizer_params: dict | None,
     json_loss_scaling: bool = True,
     offload: str = "none",
+    sleep: bool = False,
 ) -> dict:
     """Merge one role's DeepSpeed JSON with its resolved precision and batch settings.
 
@@ -72,6 +73,7 @@ def render_role(
     fp16 block in the JSON keeps its loss-scaling keys (the role's dtype was `auto`, deferring to
     the file); an explicit dtype takes the PrecisionConfig's loss scaling. `offload`
     (`roles.<role>.offload`): DeepSpeed's offload_optimizer / offload_param blocks, to the CPU, pinned.
+    `sleep` (`roles.<role>.sleep`): refused where DeepSpeed builds an optimizer that cannot move its states.
     """
     ds = copy.deepcopy(base)
     dtype = precision.role(role)
@@ -93,6 +95,12 @@ def render_role(
                     "precision.grad_accum",
                     f"bf16 with fp32 grad accumulation at ZeRO stage 0 is rejected by DeepSpeed ({source}); "
                     "use stage >= 1",
+                )
+            if sleep and dtype == "bf16" and precision.grad_accum == "fp32" and stage == 1:
+                raise ConfigError(
+                    f"roles.{role}.sleep",
+                    "bf16 with fp32 grad accumulation at ZeRO stage 1 runs DeepSpeed's BF16_Optimizer, "
+                    "which cannot move its states to the host; use stage 2 or 3",
                 )
             ds.setdefault("data_types", {})["grad_accum_dtype"] = precision.grad_accum
         comm = getattr(precision, f"{role}_comm")
@@ -188,5 +196,6 @@ def render_ds_configs(
             optimizer_params={"lr": rc.lr, "weight_decay": rc.weight_decay, "betas": list(rc.betas)},
             json_loss_scaling=cfg.precision.role_dtype(role) == "auto",
             offload=rc.offload,
+            sleep=rc.sleep,
         )
     return out

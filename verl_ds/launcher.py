@@ -1,4 +1,4 @@
-"""`python -m verl_ds.launcher --num_ranks N --master_port P -- SCRIPT_ARGS...`: one node, no hostfile.
+"""`python -m verl_ds.launcher [--gpus] [--num_ranks N] --master_port P -- SCRIPT_ARGS...`: one node, no hostfile.
 
 Runs DeepSpeed's per-node launcher (`deepspeed.launcher.launch`: the process that spawns the ranks,
 sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR, forwards SIGINT/SIGTERM and kills the ranks when one
@@ -7,12 +7,18 @@ localhost. On one node the runner only builds that world and starts the launcher
 saves its own import of deepspeed and torch and two interpreter teardowns (~3-4 s a run on 2 CPU
 cores); ending as soon as the ranks have succeeded saves the launcher's final poll and sleep (~1.5 s).
 Multi-node runs (a hostfile) go through the `deepspeed` runner.
+
+`--gpus`: one rank per GPU this node may use (`visible_gpus`), the first N with `--num_ranks`. The
+launcher sets every rank's CUDA_VISIBLE_DEVICES to the world's entries and each rank takes the one at
+its LOCAL_RANK, so a scheduler's entries pass through as given; the runner's `--include` (or
+`--num_gpus`) would take integer indices only, of all the node's GPUs, and drops CUDA_VISIBLE_DEVICES.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -20,18 +26,21 @@ import time
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m verl_ds.launcher")
-    p.add_argument("--num_ranks", type=int, required=True)
+    p.add_argument("--num_ranks", type=int, default=0, help="ranks; with --gpus, 0: one per GPU")
+    p.add_argument("--gpus", action="store_true", help="one rank per GPU this node may use (`visible_gpus`)")
     p.add_argument("--master_port", type=int, required=True)
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- then what follows `deepspeed [opts]`")
     args = p.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
-    if args.num_ranks < 1 or not script:
-        p.error("--num_ranks must be >= 1 and a script (or --module M) must follow --")
+    devices = visible_gpus() if args.gpus else list(range(args.num_ranks))
+    n = args.num_ranks or len(devices)
+    if n < 1 or n > len(devices) or not script:
+        p.error(f"--num_ranks must be 1..{len(devices)} ({devices}) and a script (or --module M) must follow --")
 
     from deepspeed.launcher import launch
     from deepspeed.launcher.runner import encode_world_info
 
-    world = encode_world_info({"localhost": list(range(args.num_ranks))})
+    world = encode_world_info({"localhost": devices[:n]})
     sys.argv = [
         "deepspeed.launcher.launch",
         f"--world_info={world}",
@@ -39,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         f"--master_port={args.master_port}",
         *script,
     ]
-    threading.Thread(target=_end_when_ranks_succeed, args=(args.num_ranks,), daemon=True).start()
+    threading.Thread(target=_end_when_ranks_succeed, args=(n,), daemon=True).start()
     try:
         launch.main()
         rc = 0
@@ -48,6 +57,18 @@ def main(argv: list[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)  # the ranks are gone; skip the ~1 s teardown of an interpreter holding torch
+
+
+def visible_gpus() -> list:
+    """The GPUs this node's ranks may use, in order: CUDA_VISIBLE_DEVICES's entries as given (indices,
+    or GPU-/MIG- UUIDs: a scheduler's choice), else every GPU by index (`nvidia-smi -L` would count
+    each MIG instance as a line too)."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not given:
+        given = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, check=True
+        ).stdout.replace("\n", ",")
+    return [d.strip() for d in given.split(",") if d.strip()]
 
 
 def _end_when_ranks_succeed(n: int) -> None:

@@ -355,22 +355,24 @@ class Role:
 
     # ------------------------------------------------------------ asleep while another uses the device
     asleep = False
+    _reload = None  # what brings the states back (`ds_internals.offload_states`)
 
-    def sleep(self) -> bool:
-        """Move this trained role's optimizer states, masters and gradients (and ZeRO-3 weights) to
-        host memory (DeepSpeed's `offload_states`), so generation gets the device; `wake` brings them
-        back. Only on a GPU with a ZeRO optimizer (a CPU has no device memory to free; a ZeRO-0 torch
-        optimizer has no offload_states). Returns whether anything moved."""
-        if self.asleep or not torch.cuda.is_available() or not hasattr(self.engine.optimizer, "offload_states"):
+    def sleep(self, force: bool = False) -> bool:
+        """Move this trained role's states (optimizer states, masters, gradients, weights) to host
+        memory, so generation gets the device; `wake` brings them back, bitwise. Only where the role
+        runs on a GPU: a CPU has no device memory to free, unless `force` (tests: a host-to-host move
+        through the same DeepSpeed calls and checks). Needs a ZeRO optimizer (stage >= 1; the config
+        refuses `sleep` at stage 0). Returns whether anything moved."""
+        if self.asleep or not (force or self.device.type == "cuda"):
             return False
-        self.engine.offload_states()
+        self._reload = dsi.offload_states(self.engine)
         self.asleep = True
         return True
 
     def wake(self) -> None:
         if self.asleep:
-            self.engine.reload_states()
-            self.asleep = False
+            self._reload()
+            self._reload, self.asleep = None, False
 
     def has_overflow(self) -> bool:
         """Whether the reduced gradients of the pending (boundary) step hold inf/NaN."""

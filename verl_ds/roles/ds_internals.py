@@ -139,6 +139,46 @@ def overflowed(opt) -> bool:
     return bool(getattr(opt, "overflow", False))
 
 
+# ------------------------------------------------------------------ sleep: states to host memory and back
+def offload_states(engine) -> Callable[[], None]:
+    """Move every state of a trained ZeRO (1-3) engine to host memory (pinned on CUDA) and return the
+    function that brings them back, bitwise. DeepSpeed 0.19.8's `engine.offload_states` moves them all
+    at ZeRO-1/2 with any torch optimizer. At ZeRO-3 it asserts its own FusedAdam for two of them
+    (`optim_states`, `hp_params`: stage3.py `offload_states`) although the move does not depend on
+    it; verl-ds steps torch's AdamW, so DeepSpeed moves the other three and those two are moved here
+    the way stage 3 moves them (`.data` swapped: the optimizer's references stay valid). Checked at
+    ZeRO-1/2/3 and every dtype by tests/roles/test_sleep.py."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+    opt = engine.optimizer
+    if not hasattr(opt, "offload_states"):
+        raise TypeError(f"{type(opt).__name__} has no offload_states: sleep needs a ZeRO optimizer (stage >= 1)")
+    if engine.zero_optimization_stage() != 3:
+        engine.offload_states(pin_memory=True)
+        return engine.reload_states
+    # stage 3 may make a master a view of the weights' buffer (same dtype and device); 0.19.8 compares
+    # a torch.device with a string there, so it never does: a master moved apart from the weights
+    # would no longer be the weights it steps
+    lp = opt.lp_param_buffer.untyped_storage().data_ptr()
+    if any(m.untyped_storage().data_ptr() == lp for m in opt.fp32_partitioned_groups_flat):
+        raise NotImplementedError("ZeRO-3 masters that share the weights' buffer: sleep cannot move them apart")
+    engine.offload_states(include=[S.lp_params, S.lp_grads, S.contiguous_grad_buffer], pin_memory=True)
+    own = list(opt.fp32_partitioned_groups_flat)
+    own += [v for s in torch_optimizer(opt).state.values() for v in s.values() if torch.is_tensor(v)]
+    devices = [t.device for t in own]
+    for t in own:
+        host = torch.empty_like(t, device="cpu", pin_memory=t.is_cuda)
+        t.data = host.copy_(t)
+
+    def reload() -> None:
+        engine.reload_states()
+        for t, d in zip(own, devices):
+            # a fresh tensor on CPU too, where `.to(d)` would keep the host copy
+            t.data = torch.empty_like(t, device=d).copy_(t)
+
+    return reload
+
+
 # ------------------------------------------------------------------ engine switches
 def set_backward_allreduce(engine, enabled: bool) -> None:
     """Switch DeepSpeed's gradient all-reduce in `engine.backward` (`engine.enable_backward_allreduce`,

@@ -34,12 +34,13 @@ class RolloutEngine(Protocol):
         """Load the trainer's full weights, `(hf_name, tensor)` pairs, in place; timing metrics."""
         ...
 
-    def sleep(self) -> None:
-        """Free what the engine holds while the roles train (GPU: weights and KV cache)."""
+    def sleep(self, level: int) -> None:
+        """Free what the engine holds while the roles train (GPU: the KV cache and the weights; `level`
+        2 discards the weights, for a sync to replace; 1 keeps them on the host)."""
         ...
 
     def wake_up(self) -> None:
-        """Take back what `sleep` freed, before the next sync or generate."""
+        """Take back what `sleep` freed, before generating (a sync wakes the weights it loads)."""
         ...
 
     def shutdown(self, release: bool = True) -> None:

@@ -178,7 +178,7 @@ class HFRollout:
             "rollout/sync_checked_params": float(len(want)),
         }
 
-    def sleep(self) -> None:  # nothing to free: HF generate holds no cache between calls
+    def sleep(self, level: int) -> None:  # nothing to free: HF generate holds no cache between calls
         pass
 
     def wake_up(self) -> None:  # nothing was freed

@@ -6,7 +6,8 @@ makes vLLM reuse the launcher's ranks; `tensor_parallel_size` consecutive ranks 
 (`skip_tokenizer_init`): the trainer owns the tokenizer. Logprobs are vLLM's *processed* logprobs
 (after temperature / top-p), i.e. the distribution actually sampled. Weights come in as
 `(name, tensor)` pairs on their own device and are loaded in byte-bounded buckets. On GPU the
-engine sleeps while the roles train (weights offloaded, KV cache freed) and wakes for the sync.
+engine sleeps while the roles train (KV cache freed; weights discarded, or kept on the host where no
+sync follows); the sync wakes only the weights, generation the KV cache (`sleep`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class VLLMRollout:
         self.sleeps = sleep and self.cuda
         if sleep and not self.cuda:
             log.info("vLLM sleep mode is unavailable on CPU: the engine keeps its weights and KV cache")
-        self.asleep = False
+        self.weights = "awake"  # | "host" (sleep level 1) | "gone" (level 2: a sync must load them)
+        self.kv_awake = True
         self.last_metrics: dict[str, float] = {}
         kwargs = dict(
             model=self.model_path,
@@ -200,18 +202,31 @@ class VLLMRollout:
         return batch
 
     # ---------------------------------------------------------------- GPU memory hand-off
-    def sleep(self) -> None:
-        """After generation (GPU): offload the weights, free the KV cache, for the roles to train."""
-        if self.sleeps and not self.asleep:
-            self.llm.sleep(level=1)
+    # vLLM sized its KV pool at start-up, before the roles' Adam states existed: the pool comes back
+    # only for generation (`wake_up`), after the roles slept, never in the sync, where every role is
+    # still awake (the sync stage of `diagnostics/memory`'s model: vLLM's weights only).
+    def sleep(self, level: int) -> None:
+        """GPU: free the KV cache and the weights for the roles. `level` 2 discards the weights (a
+        sync loads new ones before the next generation: after a step's generation); 1 keeps a host
+        copy for a generation that comes without a sync (after validation)."""
+        if self.sleeps and (self.weights == "awake" or self.kv_awake):
+            self.llm.sleep(level=level)
             torch.cuda.empty_cache()
-            self.asleep = True
+            self.weights, self.kv_awake = ("host" if level == 1 else "gone"), False
 
     def wake_up(self) -> None:
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])
+        """Before generating: the weights (unless a sync brought them) and the KV cache."""
+        if self.weights == "gone":
+            raise RuntimeError("vLLM's weights were discarded (sleep level 2): sync weights before generating")
+        self._wake_weights()
+        if not self.kv_awake:
             self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
+            self.kv_awake = True
+
+    def _wake_weights(self) -> None:
+        if self.weights != "awake":
+            self.llm.wake_up(tags=["weights"])
+            self.weights = "awake"
 
     # ---------------------------------------------------------------- weight sync
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -220,13 +235,12 @@ class VLLMRollout:
         bucket, and missing names before the last bucket is loaded: a model that fits one bucket is
         fully validated before the engine is touched. A ValueError after some buckets were loaded
         (models larger than one bucket) leaves a mix of old and new weights until the next sync.
-        On GPU the weights wake first and the KV cache only after the load (peak memory).
+        On GPU only the weights wake (the KV cache waits for `generate`, after the roles slept).
         Then the check that it happened: the `checked` parameters' fingerprints read back from the
         serving model must equal those of what was sent, and the engine must have loaded this very
         sync; a RunFailure names the parameter otherwise (`timing_s/sync_check`: its cost)."""
         t0 = time.perf_counter()
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])
+        self._wake_weights()
         dt = TORCH_DTYPES[self.dtype]
         self.version += 1
         want, check_s = {}, 0.0
@@ -255,9 +269,6 @@ class VLLMRollout:
         if bucket:
             self._load(bucket)
             n_buckets += 1
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         t = time.perf_counter()
         got_version, got = self.llm.collective_rpc("fingerprints", args=(list(want),))[0]

@@ -59,6 +59,11 @@ class RLTrainer:
         # rank 0 logs at logging.level; other ranks only warnings
         logging.getLogger("verl_ds").setLevel(cfg.logging.level if self.rank == 0 else logging.WARNING)
         self.precision = resolve(cfg)  # the one place `auto` meets the hardware
+        if cfg.trainer.device == "cpu" and torch.cuda.is_available():
+            log.warning(
+                "trainer.device: cpu sets the precision rule only; the engines run on the GPU "
+                "(hide it to train on the CPU: CUDA_VISIBLE_DEVICES=)"
+            )
         self.run_dir = Path(cfg.trainer.run_dir)
         self.model_path = builder.resolve_model_path(cfg)
         # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
@@ -123,7 +128,9 @@ class RLTrainer:
             # 1-3. prompts -> rollout -> rewards (+ overlong shaping); with dynamic sampling, more
             # rounds until enough groups whose samples did not all score alike
             got = self._collect(timer)
-            self.rollout.sleep()  # GPU: hand vLLM's memory to the roles until the sync
+            # GPU: vLLM's memory to the roles; the sync replaces the weights, so they are discarded
+            # (level 2), not copied to the host and back
+            self.rollout.sleep(level=2)
             self._wake_roles()  # roles.<role>.sleep: their states come back from the host
             scores = self._normalize(got.shaped)
             # 4. old, reference and teacher logprobs and values, stored in the buffer dtype
@@ -322,7 +329,9 @@ class RLTrainer:
             round_=1,
             **self.episode_kw,
         )
-        self.rollout.sleep()
+        # the next generation comes without a sync (the weights stay, on the host) and a checkpoint or
+        # the export may wake the roles first
+        self.rollout.sleep(level=1)
         acc = _per_episode(self._score(greedy, mine), greedy.episode)
         scores = (
             _per_episode(self._score(sampled, mine), sampled.episode).view(len(mine), k) if mine else torch.zeros(0, k)

@@ -241,8 +241,9 @@ def rollout_memory(
     weights_bytes: float,
 ) -> dict[str, dict[str, float]]:
     """The generation engine: full weights (TP=1) + KV cache, resident in every stage for vLLM (its
-    pool is reserved at start and not released; on GPU, weights + pool = gpu_memory_utilization x
-    the GPU), only during `rollout` for HF generate (then the whole batch's cache)."""
+    pool is reserved at start; on GPU, weights + pool = gpu_memory_utilization x the GPU) unless it
+    sleeps (GPU `rollout.sleep`: nothing while the roles score and train, only the weights in the
+    sync: `VLLMRollout.sleep`), only during `rollout` for HF generate (then the whole batch's cache)."""
     b = BYTES[dtype]
     kv_need = 2 * shape.layers * shape.kv_heads * shape.head_dim * b * w.gen_batch * w.seq_len
     buffer = w.gen_batch * w.seq_len * (8 + 4 + 4 + 4) + w.gen_batch * shape.vocab * 4  # ids, masks, logprobs
@@ -251,7 +252,7 @@ def rollout_memory(
         pool = (rcfg.gpu_memory_utilization * gpu_gib * GIB - weights_bytes) if gpu_gib else rcfg.kv_cache_gb * GIB
         base = {**weights, "kv_cache": max(pool, 0.0)}
         stages = {s: dict(base) for s in STAGES}
-        if gpu_gib and rcfg.sleep:  # asleep (level 1) while the roles score and train; the sync wakes weights
+        if gpu_gib and rcfg.sleep:  # asleep while the roles score and train; the sync wakes the weights only
             stages["score"], stages["update"] = {}, {}
             stages["sync"] = dict(weights)
     else:

@@ -14,7 +14,8 @@ The cost model (seconds per step, from bytes moved and work added; constants bel
 - PCIe: an offloaded optimizer sends the 16-bit gradient partition down and the updated 16-bit
   parameters up once per optimizer step, and DeepSpeedCPUAdam touches the 16 bytes/param of masters
   and moments on the host; offloaded parameters come up once per forward and per backward pass; a
-  sleeping role's device states go down and come back once per step; vLLM's weights likewise.
+  sleeping role's device states go down and come back once per step. vLLM's weights do not cross:
+  they are discarded after generation (sleep level 2) and the sync loads them from the actor's.
 - Collectives (ring): ZeRO-0 all-reduces the gradients, ZeRO-1/2 reduce-scatter them and all-gather
   the parameters, ZeRO-3 reduce-scatters them and gathers the parameters for every forward and
   backward pass; at the intra-node rate on one node, the inter-node rate across nodes.
@@ -150,7 +151,6 @@ def plan_cost(
                 out["recompute"] += 2 * psi * tokens / GPU_FLOPS
         if "params" in p.offload:
             out["pcie"] += fwd_bwd * psi * b / world / PCIE_BYTES_S
-    out["pcie"] += 2 * shapes["actor"].params("lm") * 2 / PCIE_BYTES_S  # vLLM's weights, asleep and back
     return out
 
 
