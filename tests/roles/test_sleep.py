@@ -5,7 +5,7 @@ DeepSpeed calls and checks (ZeRO-3's optimizer assertion included) as a host-to-
 import pytest
 import torch
 
-from tests.roles.helpers import Cfg, ds_config, make_batch
+from tests.roles.helpers import Cfg, ds_config, make_batch, update
 from verl_ds.roles import Actor, iter_full_params, load_causal_lm
 from verl_ds.roles import ds_internals as dsi
 
@@ -39,8 +39,8 @@ def test_a_role_asleep_comes_back_bitwise_and_trains_as_one_that_never_slept(tin
     batch = make_batch(awake.module.config.vocab_size)
     g = torch.Generator().manual_seed(0)
     lp = awake.logprobs(batch)
-    batch = {**batch, "old_logprobs": lp, "advantages": torch.randn(lp.shape, generator=g)}
-    counts = float(batch["response_mask"].sum()), float(len(batch["input_ids"]))
+    batch = batch.replace(old_logprobs=lp, advantages=torch.randn(lp.shape, generator=g))
+    counts = float(batch.loss_mask.sum()), float(len(batch))
     assert not slept.sleep(), "on CPU only a forced sleep moves anything"
     for step in range(3):  # the first step creates the optimizer states the sleep then moves
         if step == 1:
@@ -59,7 +59,7 @@ def test_a_role_asleep_comes_back_bitwise_and_trains_as_one_that_never_slept(tin
             assert before.keys() == after.keys()
             for k, v in before.items():
                 assert torch.equal(v, after[k]), k
-        losses = [role.update(batch, *counts)["pg_loss"] for role in (awake, slept)]
+        losses = [update(role, batch, *counts)["pg_loss"] for role in (awake, slept)]
         assert losses[0] == losses[1], (step, losses)
     want = dict(iter_full_params(awake.engine))
     for n, t in iter_full_params(slept.engine):
