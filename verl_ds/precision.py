@@ -73,7 +73,7 @@ class PrecisionConfig:
     teacher_dtype: str = opt(
         "auto", f"the distillation teacher's dtype: {_ROLE_DTYPE}, or int8 (weight-only)", choices=DTYPES
     )
-    teacher_activation_dtype: str = opt("auto", "an int8 teacher's activations (GPU; CPU: fp32)", choices=DTYPES)
+    teacher_activation_dtype: str = opt("auto", "an int8 teacher's activations", choices=DTYPES)
     rollout_dtype: str = opt("auto", "the rollout engine's weights; auto: the actor's", choices=DTYPES)
     buffer_dtype: str = opt("bf16", "what the rollout buffer stores logprobs and values in", choices=DTYPES)
     grad_accum_dtype: Optional[str] = opt(
