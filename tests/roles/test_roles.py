@@ -140,13 +140,17 @@ def reward_dir(tiny_model_dir, tmp_path_factory):
 def test_int8_reward_close_to_fp32_smaller_and_really_int8(reward_dir, monkeypatch, activation):
     """An int8 reward model built as a run builds it: `deepspeed.initialize`, which moves every weight
     to the device and broadcasts it viewed as uint8 bytes (gloo, on CPU too), then torchao's int8
-    weight-only Linear (quantized first, the engine fails at the move). Scores close to fp32; every
-    Linear weight stored as int8 with a scale and zero point per output row, and the reported bytes
-    are those of that storage."""
+    weight-only Linear (quantized first, the engine fails at the move); scored after a ZeRO-3 role
+    has rebound `torch.nn.functional.linear` for the whole process, as a run's actor does. Scores
+    close to fp32; every Linear weight stored as int8 with a scale and zero point per output row,
+    and the reported bytes are those of that storage."""
     import deepspeed.comm
 
     from verl_ds.roles.ds_internals import storage_tensors
+    from verl_ds.roles.quant import Int8Linear
 
+    Reference(load_causal_lm(reward_dir), ds_config("reference", 3, "fp32"))
+    assert torch.nn.functional.linear is not torch._C._nn.linear  # DeepSpeed's ZeRO-3 linear, from now on
     batch = make_batch(20)
     fp32 = RewardModel(load_reward_model(reward_dir), ds_config("reward", 0, "fp32"))
     broadcast, real = [], deepspeed.comm.broadcast
@@ -157,8 +161,8 @@ def test_int8_reward_close_to_fp32_smaller_and_really_int8(reward_dir, monkeypat
     err = (s32 - s8).abs().max().item()
     print(f"int8 ({activation} activations) vs fp32 reward max |diff| = {err:.4g} (scores std {s32.std():.4g})")
     assert err <= 0.10 * s32.abs().max().item()  # stated tolerance: 10% of the score scale
-    linears = [m for m in int8.module.modules() if type(m) is torch.nn.Linear]
-    assert linears and all(
+    linears = [m for m in int8.module.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == sum(type(m) is torch.nn.Linear for m in fp32.module.modules()) and all(
         [(t.dtype, t.shape) for t in storage_tensors(m.weight)]
         == [(torch.int8, m.weight.shape), (torch.float32, (m.weight.shape[0], 1)), (torch.int8, (m.weight.shape[0], 1))]
         for m in linears

@@ -196,3 +196,11 @@ def storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
         return [t]
     names, _ = t.__tensor_flatten__()
     return [inner for name in names for inner in storage_tensors(getattr(t, name))]
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch's own linear op (`torch._C._nn.linear`, what `torch.nn.functional.linear` is in torch
+    2.13). DeepSpeed 0.19.8's ZeRO-3 (`memory_efficient_linear`, on by default) rebinds
+    `torch.nn.functional.linear` process-wide once any ZeRO-3 engine is built, to a wrapper that
+    computes `input.matmul(weight.t())`: every `nn.Linear` of the process then goes through it."""
+    return torch._C._nn.linear(x, weight, bias)
