@@ -30,7 +30,7 @@ CPU_GEMM_MODES = ("auto", "fp32", "native")  # precision.cpu_gemm (verl_ds/gemm.
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The project's name of a torch dtype (fp32, bf16, fp16, int8), else torch's own name."""
-    if dtype in (torch.int8, torch.qint8):
+    if dtype == torch.int8:
         return "int8"
     return next((k for k, v in TORCH_DTYPES.items() if v == dtype), str(dtype).removeprefix("torch."))
 
