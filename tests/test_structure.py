@@ -115,8 +115,6 @@ _INTERNALS = {
         "enable_backward_allreduce",
         "is_fp16_supported",
         "supported_dtypes",
-        "_packed_params",
-        "_weight_bias",
         "_release_process_group_references",
     },
     "rollout/vllm_internals.py": {

@@ -301,6 +301,11 @@ def _log_to_console() -> None:
     caches) stays off the console: the root logger is at WARNING, only verl_ds's at INFO."""
     logging.basicConfig(level=logging.WARNING, format="[verl-ds] %(message)s", stream=sys.stdout)
     logging.getLogger("verl_ds").setLevel(logging.INFO)
+    # torchao (int8 roles; transformers imports it whenever installed) warns on every import that its
+    # CUDA kernels do not load on a CPU machine and that it uses a deprecated torch pytree call: not
+    # actionable by users
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ CPU_GEMM_MODES = ("auto", "fp32", "native")  # precision.cpu_gemm (verl_ds/gemm.
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The project's name of a torch dtype (fp32, bf16, fp16, int8), else torch's own name."""
-    if dtype in (torch.int8, torch.qint8):
+    if dtype == torch.int8:
         return "int8"
     return next((k for k, v in TORCH_DTYPES.items() if v == dtype), str(dtype).removeprefix("torch."))
 
@@ -75,7 +75,7 @@ class PrecisionConfig:
     teacher_dtype: str = opt(
         "auto", f"the distillation teacher's dtype: {_ROLE_DTYPE}, or int8 (weight-only)", choices=DTYPES
     )
-    teacher_activation_dtype: str = opt("auto", "an int8 teacher's activations (GPU; CPU: fp32)", choices=DTYPES)
+    teacher_activation_dtype: str = opt("auto", "an int8 teacher's activations", choices=DTYPES)
     rollout_dtype: str = opt("auto", "the rollout engine's weights; auto: the actor's", choices=DTYPES)
     buffer_dtype: str = opt("bf16", "what the rollout buffer stores logprobs and values in", choices=DTYPES)
     grad_accum_dtype: Optional[str] = opt(

@@ -180,9 +180,20 @@ def test_iter_gathered_whole_and_drop():
     assert dropped == {"0.1": ["weight", "bias"], "1": ["weight", "bias"]}
 
 
-def test_packed_weight_bias():
-    """torch.ao's dynamically quantized Linear keeps its int8 weight outside `parameters()`."""
-    q = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(torch.nn.Linear(8, 4)), {torch.nn.Linear})
-    w, b = dsi.packed_weight_bias(q[0])
-    assert w.dtype == torch.qint8 and tuple(w.shape) == (4, 8) and tuple(b.shape) == (4,)
-    assert dsi.packed_weight_bias(torch.nn.Linear(8, 4)) is None
+def test_storage_tensors():
+    """torchao's int8 weight-only Linear weight is a wrapper subclass: its storage is an int8 [out, in]
+    tensor plus one scale and zero point per output row, not the fp32 its `dtype` names."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    q = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    quantize_(q, Int8WeightOnlyConfig())
+    inner = dsi.storage_tensors(q[0].weight)
+    assert q[0].weight.dtype == torch.float32 and q[0].weight.element_size() == 4
+    assert [(t.dtype, tuple(t.shape)) for t in inner] == [
+        (torch.int8, (4, 8)),
+        (torch.float32, (4, 1)),
+        (torch.int8, (4, 1)),
+    ]
+    assert all(type(t) is torch.Tensor for t in inner)
+    plain = torch.nn.Linear(8, 4).weight
+    assert dsi.storage_tensors(plain) == [plain]

@@ -35,6 +35,19 @@ def test_auto_counts_the_checkpoints_parameters_and_builds_hf_generate_for_a_tin
     assert isinstance(rollout, HFRollout)
 
 
+def test_vllm_missing_falls_back_to_hf_generate_in_one_warning(tiny_model_dir, monkeypatch, caplog):
+    """Asked for vLLM where it does not import, the run samples with HF generate and says so once."""
+    import logging
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with caplog.at_level(logging.INFO, logger="verl_ds.rollout"):
+        assert resolve_engine(RolloutConfig(engine="vllm"), str(tiny_model_dir)) == "hf"
+    said = [r for r in caplog.records if "vllm" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
+    assert "falling back to HF generate" in said[0].getMessage()
+
+
 def test_a_trainer_resolves_auto_before_building_and_a_bad_engine_names_the_choices(tmp_path):
     from tests.diagnostics.helpers import tiny_overrides
     from verl_ds.trainer.rl_trainer import RLTrainer

@@ -28,6 +28,37 @@ def test_logprobs_match_manual_forward(hf, model_pair, temperature):
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("temperature,top_p,seeded", [(0.0, 1.0, True), (0.7, 0.9, True), (1.0, 0.8, False)])
+def test_logprobs_equal_the_full_logits_computation_without_keeping_the_logits(
+    hf, monkeypatch, temperature, top_p, seeded
+):
+    """`generate` is not asked for every step's [B, V] logits (O(B·T·V) on the device), yet each
+    response token's logprob equals, bit for bit at fp32, the straightforward computation from those
+    full logits: `processed_logprobs` of the stacked logits, gathered at the sampled tokens. Greedy,
+    per-prompt streams with top-p, and `generate`'s own sampling; rows that stop early included."""
+    real, seen = hf.model.generate, {}
+
+    def generate_keeping_logits(**kw):  # the oracle: the same call, with HF's own full-logits output
+        assert not kw.get("output_logits") and not kw.get("output_scores") and not kw.get("return_dict_in_generate")
+        torch.manual_seed(0)  # the unseeded path samples from the global RNG: same draws in both runs
+        seen["out"] = real(**kw, output_logits=True, return_dict_in_generate=True)
+        return seen["out"].sequences
+
+    monkeypatch.setattr(hf.model, "generate", generate_keeping_logits)
+    seeds = prompt_seeds(1, 5, range(len(PROMPTS))) if seeded else None
+    batch = hf.generate(PROMPTS, n=3, temperature=temperature, top_p=top_p, max_new_tokens=8, seeds=seeds)
+    out = seen["out"]
+    seq = out.sequences[:, -len(out.logits) :]
+    full = processed_logprobs(torch.stack(out.logits, dim=1), temperature, top_p)  # [B, T, V]
+    want = full.gather(-1, seq.unsqueeze(-1)).squeeze(-1)
+    rows = batch.to_lists()
+    assert {"stop", "length"} <= set(batch.finish_reasons) or temperature == 0  # early stops are covered
+    for i, (resp, lp) in enumerate(zip(rows["responses"], rows["logprobs"])):
+        assert resp == seq[i, : len(resp)].tolist()
+        assert lp == want[i, : len(resp)].tolist(), i  # bitwise: the same fp32 values
+
+
+@pytest.mark.numerics
 def test_sync_and_bad_sync(hf, model_pair):
     new = load_hf(model_pair[1])
     assert hf.sync_weights(new.named_parameters())["timing_s/update_weights"] > 0

@@ -166,7 +166,7 @@ def plain_fp32_copy(role, path: str | None = None) -> torch.nn.Module:
     LoRA actor: its merged weights in the base architecture). `path`: an int8 role's checkpoint."""
     if getattr(role, "int8", False):  # quantized weights (reward model, teacher): the fp32 checkpoint instead
         if role.name == "reward":
-            return load_reward_model(path, "fp32", "fp32").eval()
+            return load_reward_model(path).eval()
         return load_causal_lm(path, lm_head_fp32=isinstance(role.module.get_output_embeddings(), FP32LMHead)).eval()
     module = role.module.get_base_model() if hasattr(role.module, "peft_config") else role.module
     sd = {n: t.detach().float().cpu() for n, t in iter_full_params(role.engine)}

@@ -17,8 +17,10 @@ import torch
 
 from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_sum, init_distributed
 from verl_ds.ds_config import ds_dtype
+from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles import ds_internals as dsi
 from verl_ds.roles.batch import TrainBatch
+from verl_ds.roles.quant import quantize_int8
 
 
 def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
@@ -204,22 +206,38 @@ class Role:
     """A model role backed by a DeepSpeed engine. `trainable` roles get the config's optimizer
     (or the torch `optimizer` given)."""
 
-    def __init__(self, name: str, model: torch.nn.Module, ds_config: dict, trainable: bool, optimizer=None):
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        ds_config: dict,
+        trainable: bool,
+        optimizer=None,
+        int8_activation: str | None = None,
+    ):
+        """`int8_activation`: a frozen role whose Linear weights become int8 (`quantize_int8`), the
+        dtype of everything else; None: the role runs in `ds_config`'s dtype."""
         init_distributed()
         import deepspeed
 
         self.name, self.ds_config, self.trainable = name, ds_config, trainable
         self.dtype = ds_dtype(ds_config)
+        self.int8 = int8_activation is not None
         if self.dtype == "fp16":
             dsi.enable_cpu_fp16()
         if not trainable:
             model.requires_grad_(False)
             model.eval()
+        if self.int8:
+            assert not trainable, f"{name}: int8 weights are for frozen roles"
+            model = model.to(TORCH_DTYPES[int8_activation])  # the engine places the smaller copy
         # a user's torch optimizer replaces the config's optimizer block
         params = [p for p in model.parameters() if p.requires_grad] if trainable and optimizer is None else None
         self.engine, *_ = deepspeed.initialize(
             model=model, model_parameters=params, optimizer=optimizer, config=ds_config
         )
+        if self.int8:  # after the engine's broadcast of plain weights, which an int8 tensor cannot take
+            quantize_int8(self.engine.module, name)
         self.engine.register_forward_pre_hook(warn_if_autocast)
         self.micro_batch_size = int(ds_config["train_micro_batch_size_per_gpu"])
         self.aligned_skips = 0  # steps skipped because the partner role overflowed
@@ -417,8 +435,6 @@ class Role:
         return zeros / total if total else float("nan")
 
     # ------------------------------------------------------------ diagnostics
-    int8 = False  # a frozen role whose Linear weights are int8 (roles/quant.py): reward model, teacher
-
     def precision_stats(self) -> dict:
         """Dtypes (strings) and loss-scale/overflow/skip/grad-norm numbers for this role."""
         param = next(self.module.parameters())

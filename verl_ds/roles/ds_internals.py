@@ -1,4 +1,4 @@
-"""Every DeepSpeed (and torch.ao) internal the project reads, each behind one named function.
+"""Every DeepSpeed (and torch tensor-subclass) internal the project reads, each behind one named function.
 
 Written against DeepSpeed 0.19.8 (`DEEPSPEED_VERSION`; compare `deepspeed.__version__`) and torch
 2.13. Nothing outside this module (and `rollout/vllm_internals.py` for vLLM) touches these
@@ -224,11 +224,23 @@ def forget_destroyed_world() -> None:
     groups._release_process_group_references(group=None)
 
 
-# ------------------------------------------------------------------ torch.ao quantized modules
-def packed_weight_bias(mod: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(int8 weight, bias) of a torch.ao dynamically quantized Linear (`mod._packed_params._weight_bias()`,
-    torch 2.13), whose weights live outside `parameters()`; None for any other module."""
-    packed = getattr(mod, "_packed_params", None)
-    if packed is None or not hasattr(packed, "_weight_bias"):
-        return None
-    return packed._weight_bias()
+# ------------------------------------------------------------------ quantized weights
+def storage_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `t`'s data: a wrapper tensor subclass gives its inner tensors,
+    recursively (torchao 0.18's `Int8Tensor`: the int8 `qdata`, its `scale` and `zero_point`), through
+    torch 2.13's protocol for them (`is_traceable_wrapper_subclass`, `__tensor_flatten__`); a plain
+    tensor is itself. Its own `numel() * element_size()` counts a quantized weight at its logical dtype."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names for inner in storage_tensors(getattr(t, name))]
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch's own linear op (`torch._C._nn.linear`, what `torch.nn.functional.linear` is in torch
+    2.13). DeepSpeed 0.19.8's ZeRO-3 (`memory_efficient_linear`, on by default) rebinds
+    `torch.nn.functional.linear` process-wide once any ZeRO-3 engine is built, to a wrapper that
+    computes `input.matmul(weight.t())`: every `nn.Linear` of the process then goes through it."""
+    return torch._C._nn.linear(x, weight, bias)

@@ -8,7 +8,6 @@ from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
 from verl_ds.roles.base import Role, pad_response, trim_padding
 from verl_ds.roles.batch import TrainBatch
-from verl_ds.roles.quant import quantize_int8
 
 
 def load_causal_lm(
@@ -24,15 +23,6 @@ def load_causal_lm(
         model.config.use_cache = False
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
-
-
-def load_teacher(
-    path: str, dtype: str, activation_dtype: str, trust_remote_code: bool = False, lm_head_fp32: bool = False
-):
-    """The distillation teacher: a causal LM as the reference loads it, its Linear weights int8 when
-    `dtype` is int8 (16-bit dtypes are DeepSpeed's cast, from the rendered JSON)."""
-    model = load_causal_lm(path, trust_remote_code, lm_head_fp32=lm_head_fp32)
-    return quantize_int8(model.eval(), activation_dtype, "teacher") if dtype == "int8" else model
 
 
 def _contiguous_head_input(model) -> None:
@@ -125,9 +115,8 @@ class Reference(PolicyRole):
 class Teacher(PolicyRole):
     """Scores the student's samples for on-policy distillation (`logprobs`, as the reference)."""
 
-    def __init__(self, model, ds_config: dict, int8: bool = False):
-        super().__init__("teacher", model, ds_config, trainable=False)
-        self.int8 = int8
+    def __init__(self, model, ds_config: dict, int8_activation: str | None = None):
+        super().__init__("teacher", model, ds_config, trainable=False, int8_activation=int8_activation)
 
 
 class Actor(PolicyRole):

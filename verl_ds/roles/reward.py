@@ -1,4 +1,4 @@
-"""Reward model role: an HF sequence classifier (num_labels=1), optionally with int8 weights."""
+"""Reward model role: an HF sequence classifier (num_labels=1), optionally with int8 weights (`Role`)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import torch
 
 from verl_ds.roles.base import Role, trim_padding
 from verl_ds.roles.batch import TrainBatch
-from verl_ds.roles.quant import quantize_int8, tensor_bytes
+from verl_ds.roles.quant import tensor_bytes
 
 
-def load_reward_model(path: str, dtype: str, activation_dtype: str, trust_remote_code: bool = False):
+def load_reward_model(path: str, trust_remote_code: bool = False):
+    """The fp32 checkpoint as a scorer; the role casts it (DeepSpeed's dtype, or int8 weights)."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(
@@ -17,15 +18,12 @@ def load_reward_model(path: str, dtype: str, activation_dtype: str, trust_remote
     )
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
-    if dtype == "int8":
-        model = quantize_int8(model.eval(), activation_dtype, "reward")
     return model
 
 
 class RewardModel(Role):
-    def __init__(self, model, ds_config: dict, int8: bool = False):
-        super().__init__("reward", model, ds_config, trainable=False)
-        self.int8 = int8
+    def __init__(self, model, ds_config: dict, int8_activation: str | None = None):
+        super().__init__("reward", model, ds_config, trainable=False, int8_activation=int8_activation)
 
     def precision_stats(self) -> dict:
         stats = super().precision_stats()

@@ -39,18 +39,53 @@ def inverse_cdf_sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.minimum(tok, (cdf < cdf[:, -1:]).sum(-1))  # rounding at u ~ 1: the last nonzero token
 
 
-class _PromptStreams:
-    """A `generate` logits processor that samples every row from its prompt's own random stream:
+class _SampledLogprobs:
+    """A `generate` logits processor, first in the custom list, that keeps per generated token only
+    the processed logprob (`processed_logprobs`) of the token `generate` picked: O(B·T) memory, where
+    `output_logits` held every step's [B, V] logits. The token picked at step t is only known at step
+    t + 1 (the last column of its `input_ids`), so one step's [B, V] log-probs wait for it; `finish`
+    takes the last step's token from the returned sequences. It reads the scores as they reach the
+    custom processors: the model's logits (after any processor the model's generation_config adds,
+    such as a repetition penalty), before the sampling ones (HF's temperature/top-p, `_PromptStreams`)."""
+
+    def __init__(self, temperature: float, top_p: float):
+        self.temperature, self.top_p = temperature, top_p
+        self.pending: torch.Tensor | None = None  # [B, V] the latest step's log-probs, its token not yet known
+        self.taken: list[torch.Tensor] = []  # [B] per step whose token is known
+
+    def record(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.taken.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.pending = processed_logprobs(scores, self.temperature, self.top_p)
+        return self.pending
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.record(input_ids, scores)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, T] logprobs of `new_tokens` [B, T], the generated columns of `sequences` (a `generate`
+        that ran a step past the end, as its deferred stop check may, recorded more: cut to T)."""
+        t = new_tokens.shape[1]
+        if len(self.taken) < t:
+            self.taken.append(self.pending.gather(1, new_tokens[:, -1:]).squeeze(1))
+        self.pending = None
+        return torch.stack(self.taken[:t], dim=1)
+
+
+class _PromptStreams(_SampledLogprobs):
+    """`_SampledLogprobs` that also samples every row from its prompt's own random stream:
     `uniforms` [B, T] holds row b's draw for each new token t (drawn up front, per prompt, from that
     prompt's seed), so a prompt's samples do not depend on the other prompts of the call, the
     rank that drew them or the batch order (vLLM's per-request seeds give the same property). It
     returns the chosen token as the only finite score: `generate` runs greedy and takes it."""
 
     def __init__(self, uniforms: torch.Tensor, temperature: float, top_p: float):
-        self.u, self.temperature, self.top_p, self.t = uniforms, temperature, top_p, 0
+        super().__init__(temperature, top_p)
+        self.u, self.t = uniforms, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        tok = inverse_cdf_sample(processed_logprobs(scores, self.temperature, self.top_p), self.u[:, self.t])
+        tok = inverse_cdf_sample(self.record(input_ids, scores), self.u[:, self.t])
         self.t += 1
         return torch.full_like(scores, float("-inf")).scatter_(1, tok.unsqueeze(-1), 0.0)
 
@@ -108,35 +143,30 @@ class HFRollout:
             prompts, [[]] * len(prompts), [[]] * len(prompts), [""] * len(prompts), groups, pad_id=self.pad_id
         )
         t0 = time.perf_counter()
-        if temperature <= 0:
-            sample_kw = {"do_sample": False}
-        elif seeds is None:
+        sample_kw, record = {"do_sample": False}, _SampledLogprobs(temperature, top_p)  # greedy
+        if temperature > 0 and seeds is None:
             sample_kw = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-        else:
+        elif temperature > 0:
             u = torch.cat(
                 [
                     torch.rand(n, max_new_tokens, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
                     for s in seeds
                 ]
             )
-            sample_kw = {
-                "do_sample": False,
-                "logits_processor": LogitsProcessorList([_PromptStreams(u.to(self.device), temperature, top_p)]),
-            }
+            record = _PromptStreams(u.to(self.device), temperature, top_p)
         out = self.model.generate(
             input_ids=padded.prompt_ids.to(self.device),
             attention_mask=padded.attention_mask.to(self.device),
             max_new_tokens=max_new_tokens,
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([record]),
             **sample_kw,
         )
         dt = time.perf_counter() - t0
-        seq = out.sequences[:, padded.prompt_ids.shape[1] :].cpu()  # [B, T]
-        logits = torch.stack(out.logits, dim=1).cpu()  # [B, T, V] raw
-        lp = processed_logprobs(logits, temperature, top_p).gather(-1, seq.unsqueeze(-1)).squeeze(-1)
+        new_tokens = out[:, padded.prompt_ids.shape[1] :]  # [B, T]
+        lp = record.finish(new_tokens).cpu()
+        seq = new_tokens.cpu()
         responses, logprobs, reasons = [], [], []
         eos = torch.as_tensor(self.eos_ids)
         for i in range(len(prompts)):

@@ -26,7 +26,6 @@ from verl_ds.roles import (
     Teacher,
     load_causal_lm,
     load_reward_model,
-    load_teacher,
     load_value_model,
 )
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
@@ -181,16 +180,17 @@ def build_roles(cfg: RunConfig, model_path: str, precision: ResolvedPrecision) -
             load_causal_lm(model_path, m.trust_remote_code, lm_head_fp32=fp32_head), ds["reference"]
         )
     if "reward" in ds:
-        dtype = precision.reward
         roles["reward"] = RewardModel(
-            load_reward_model(m.reward_path, dtype, precision.reward_activation, m.trust_remote_code),
+            load_reward_model(m.reward_path, m.trust_remote_code),
             ds["reward"],
-            int8=dtype == "int8",
+            int8_activation=precision.reward_activation if precision.reward == "int8" else None,
         )
     if "teacher" in ds:
-        dtype = precision.teacher
-        teacher = load_teacher(m.teacher_path, dtype, precision.teacher_activation, m.trust_remote_code, fp32_head)
-        roles["teacher"] = Teacher(teacher, ds["teacher"], int8=dtype == "int8")
+        roles["teacher"] = Teacher(
+            load_causal_lm(m.teacher_path, m.trust_remote_code, lm_head_fp32=fp32_head),
+            ds["teacher"],
+            int8_activation=precision.teacher_activation if precision.teacher == "int8" else None,
+        )
     for name, role in roles.items():
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = token_budget(cfg, name)

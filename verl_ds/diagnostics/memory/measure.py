@@ -12,8 +12,7 @@ from contextlib import contextmanager, nullcontext
 from verl_ds.diagnostics.memory.estimate import MIB
 from verl_ds.diagnostics.metrics import Timer
 from verl_ds.precision import dtype_name
-from verl_ds.roles.ds_internals import local_tensor, torch_optimizer
-from verl_ds.roles.quant import tensor_bytes
+from verl_ds.roles.ds_internals import local_tensor, storage_tensors, torch_optimizer
 
 
 def _nbytes(t) -> int:
@@ -47,12 +46,8 @@ def account_role(role) -> dict[str, float]:
 
     params = list(module.parameters())
     for p in params:
-        t = local_tensor(p)
-        add(f"weights_{_dtype_name(t)}", t)
-
-    packed = tensor_bytes(module) - sum(_nbytes(p) for p in params) - sum(_nbytes(b) for b in module.buffers())
-    if packed > 0:
-        out["weights_int8"] = out.get("weights_int8", 0.0) + packed
+        for t in storage_tensors(local_tensor(p)):  # a quantized weight: its int8 data and its scales
+            add(f"weights_{_dtype_name(t)}", t)
     engine = getattr(role, "engine", None)
     opt = getattr(engine, "optimizer", None) if getattr(role, "trainable", False) else None
     if opt is not None:
