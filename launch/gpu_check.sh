@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One-GPU check (< 7 min), for a GPU machine without registry access: a few GRPO steps with a bf16
-# actor and with an fp16 actor (dynamic loss scaling), world size 1, NCCL, under DeepSpeed's per-node
+# One-GPU check (< 8 min), for a GPU machine without registry access: a few GRPO steps with a bf16
+# actor, an fp16 actor (dynamic loss scaling), a ZeRO-3 actor asleep while vLLM generates and an int8
+# reward model, each weight sync read back (one `CHECK PASS|FAIL` line each), world size 1, NCCL, under DeepSpeed's per-node
 # launcher (verl_ds.launcher --gpus: the first GPU CUDA_VISIBLE_DEVICES names, else GPU 0); prints loss scale / overflow / skipped steps, per-stage CUDA memory and the actor
 # update's MFU (against the bf16 matmul rate measured here), then `verl-ds bench step` (per-phase
 # time against a plain-PyTorch floor on the same GPU). DeepSpeed (pure Python) and its missing
@@ -50,6 +51,14 @@ timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RAN
   roles.actor.sleep=true precision.actor_dtype=bf16 precision.reference_dtype=bf16 trainer.run_dir=$out/sleep \
   > "$out/sleep.log" 2>&1
 echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/sleep.log" | tail -n 6
+# an int8 reward model (torchao weight-only, its own ZeRO-0 engine) scoring next to the bf16 actor: the
+# bf16 run's random-init model as a sequence classifier
+echo "== int8 reward model, actor bf16, rollout $engine"
+timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RANDOM % 1000)) -- \
+  --module verl_ds.cli train --config examples/grpo_cpu_tiny.yaml "${common[@]}" model.reward_path=$out/bf16/init_model \
+  precision.reward_dtype=int8 roles.reward.ds_config=reward_zero0.json precision.actor_dtype=bf16 \
+  precision.reference_dtype=bf16 trainer.run_dir=$out/int8_reward > "$out/int8_reward.log" 2>&1
+echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/int8_reward.log" | tail -n 6
 echo "== bench step (bf16 actor, rollout $engine)"
 timeout 110 "$PY" -m verl_ds.cli bench step --config examples/grpo_cpu_tiny.yaml --steps 3 "${common[@]}" \
   precision.actor_dtype=bf16 precision.reference_dtype=bf16 trainer.run_dir=$out/bench > "$out/bench.log" 2>&1
@@ -80,6 +89,32 @@ for dtype in ("bf16", "fp16"):
           f"rollout gap max {last.get('rollout_corr/logprob_abs_diff_max', float('nan')):.2e}")
     print("  timings:", {k[9:]: round(v, 3) for k, v in last.items() if k.startswith("timing_s/")})
     print("  process memory MiB:", {k[7:]: round(v) for k, v in last.items() if k.startswith("memory/") and "/process/" in k})
+# one verdict line per check: what the first GPU run must show
+def rows_of(run):
+    try:
+        return [r for r in map(json.loads, open(f"{out}/{run}/metrics.jsonl")) if "reward/mean" in r]
+    except FileNotFoundError:
+        return []
+def verdict(name, ok, detail):
+    print(f"CHECK {'PASS' if ok else 'FAIL'} {name}: {detail}")
+for run, what in (("bf16", "bf16 actor"), ("fp16", "fp16 actor, dynamic loss scaling"), ("sleep", "ZeRO-3 actor asleep"),
+                  ("int8_reward", "int8 reward model")):
+    rows = rows_of(run)
+    last = rows[-1] if rows else {}
+    finite = all(v == v for k, v in last.items() if isinstance(v, float) and not k.startswith("val/"))
+    checked = last.get("rollout/sync_checked_params", 0)
+    ok = len(rows) > 0 and finite and checked > 0
+    extra = ""
+    if run == "fp16":
+        ok = ok and last.get("precision/actor/loss_scale", 0) >= 1
+        extra = f", loss_scale {last.get('precision/actor/loss_scale')}"
+    if run == "sleep" and torch.cuda.is_available():
+        asleep = last.get("memory/rollout/actor/total_mib", float("nan")) < last.get("memory/update/actor/total_mib", 0)
+        ok, extra = ok and asleep, f", actor MiB rollout/update {last.get('memory/rollout/actor/total_mib')}/" \
+            f"{last.get('memory/update/actor/total_mib')}"
+    if run == "int8_reward":
+        extra = f", reward weight bytes {last.get('precision/reward/weight_bytes')}"
+    verdict(what, ok, f"{len(rows)} steps, all metrics finite: {finite}, sync read back {checked:.0f} params{extra}")
 for run in ("bf16", "sleep"):  # the actor's device memory per stage, awake vs asleep during generation
     try:
         last = [r for r in map(json.loads, open(f"{out}/{run}/metrics.jsonl")) if "reward/mean" in r][-1]
