@@ -46,10 +46,10 @@ INT8_ROLES = ("reward", "teacher")  # frozen roles that may hold int8 (weight-on
 class LossScaling:
     """DeepSpeed's fp16 dynamic loss scaling for one role (used only when the role is fp16)."""
 
-    # The bounds: fp16's largest value is about 2**16, so a scale past 2**32 overflows every gradient
-    # (a fixed one forever; a dynamic one skips a step per power while it halves back down).
-    loss_scale: float = opt(0.0, "a fixed loss scale; 0: dynamic", ge=0, le=2.0**32)
-    initial_scale_power: int = opt(11, "the dynamic scale starts at 2**initial_scale_power", ge=0, le=32)
+    # The bounds: the scale multiplies the loss in fp32, whose largest power of two is 2**127 (tiny
+    # gradients can need powers far above fp16's 2**16: `debug precision` recommends them).
+    loss_scale: float = opt(0.0, "a fixed loss scale; 0: dynamic", ge=0, le=2.0**127)
+    initial_scale_power: int = opt(11, "the dynamic scale starts at 2**initial_scale_power", ge=0, le=127)
     loss_scale_window: int = opt(1000, "steps without overflow before the scale doubles", gt=0)
     hysteresis: int = opt(2, "overflows tolerated before the scale halves", gt=0)
     consecutive_hysteresis: bool = opt(False, "hysteresis counts consecutive overflows only")

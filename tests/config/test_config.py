@@ -300,7 +300,7 @@ BAD_INPUTS = {
     "scale_power_overflows": (
         "precision: {actor_loss_scaling: {initial_scale_power: 400}}\n",
         [],
-        "precision.actor_loss_scaling.initial_scale_power: must be <= 32, got 400",
+        "precision.actor_loss_scaling.initial_scale_power: must be <= 127, got 400",
     ),
     "min_scale_above_start": (
         "precision: {critic_loss_scaling: {initial_scale_power: 2, min_loss_scale: 8}}\n",
