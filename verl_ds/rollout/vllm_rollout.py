@@ -228,6 +228,13 @@ class VLLMRollout:
             self.llm.wake_up(tags=["weights"])
             self.weights = "awake"
 
+    def memory_bytes(self) -> dict[str, float]:
+        """What the engine holds now (`memory/<stage>/rollout/*`): its weights by dtype and its KV cache
+        pool, each only while awake (asleep, vLLM has released that memory)."""
+        held = self.llm.collective_rpc("memory_bytes")[0]
+        awake = {k: self.kv_awake if k == "kv_cache" else self.weights == "awake" for k in held}
+        return {k: v for k, v in held.items() if awake[k]}
+
     # ---------------------------------------------------------------- weight sync
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Load new weights in place, in buckets of ~bucket_mb (split only between layers), each

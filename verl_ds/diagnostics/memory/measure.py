@@ -29,9 +29,11 @@ def account_role(role) -> dict[str, float]:
     only device tensors count (an offloaded optimizer, a role asleep: on the host)."""
     import torch
 
+    if hasattr(role, "memory_bytes"):  # an in-process vLLM engine: what it says it holds
+        return role.memory_bytes()
     module = getattr(role, "module", None) or getattr(role, "model", None)
     if not isinstance(module, torch.nn.Module):
-        return {}  # e.g. a vLLM engine in another process
+        return {}
     seen: set = set()
     out: dict[str, float] = {}
     device_only = torch.cuda.is_available()  # GPU memory per GPU: offloaded or asleep states are on the host
@@ -111,13 +113,17 @@ class _Held:
 
 
 def process_memory() -> dict[str, float]:
-    """Process-level numbers: CUDA allocated/peak on GPU, RSS on CPU (bytes)."""
+    """Process-level numbers (bytes): on a GPU, torch's allocated peak and reserved pool, and the
+    device's own used bytes (`mem_get_info`: vLLM's pool, which torch's allocator does not see, and
+    any other process's too); RSS on CPU."""
     import torch
 
     if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
         return {
             "cuda_peak": float(torch.cuda.max_memory_allocated()),
             "cuda_reserved": float(torch.cuda.memory_reserved()),
+            "device_used": float(total - free),
         }
     import psutil
 
