@@ -11,6 +11,7 @@ from contextlib import contextmanager, nullcontext
 
 from verl_ds.diagnostics.memory.estimate import MIB
 from verl_ds.diagnostics.metrics import Timer
+from verl_ds.dist import on_gpu
 from verl_ds.precision import dtype_name
 from verl_ds.roles.ds_internals import local_tensor, storage_tensors, torch_optimizer
 
@@ -36,7 +37,7 @@ def account_role(role) -> dict[str, float]:
         return {}
     seen: set = set()
     out: dict[str, float] = {}
-    device_only = torch.cuda.is_available()  # GPU memory per GPU: offloaded or asleep states are on the host
+    device_only = on_gpu()  # GPU memory per GPU: offloaded or asleep states are on the host
 
     def add(key, t):
         if t is None or not torch.is_tensor(t) or t.numel() == 0 or (t.data_ptr(), t.numel()) in seen:
@@ -118,7 +119,7 @@ def process_memory() -> dict[str, float]:
     any other process's too); RSS on CPU."""
     import torch
 
-    if torch.cuda.is_available():
+    if on_gpu():
         free, total = torch.cuda.mem_get_info()
         return {
             "cuda_peak": float(torch.cuda.max_memory_allocated()),
@@ -150,7 +151,7 @@ class MemoryTimer(Timer):
             return
         import torch
 
-        if torch.cuda.is_available():
+        if on_gpu():
             torch.cuda.reset_peak_memory_stats()
         saved, logits, hooks = _SavedTensors(), [0], []
         tracked = self.track and active in self.roles
