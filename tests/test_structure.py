@@ -97,6 +97,12 @@ def test_only_precision_knows_cpu_flags():
     assert users == ["precision.py"], {u: _flag_uses(PKG / u) for u in users}
 
 
+def test_only_dist_decides_the_device():
+    """One home for "CUDA or CPU": `dist.on_gpu`; no other module asks torch whether a GPU is there."""
+    users = sorted(p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py") if "cuda.is_available" in p.read_text())
+    assert users == ["dist.py"], users
+
+
 # DeepSpeed / vLLM / torch internals the project reads, each name with its one home (the adapters:
 # roles/ds_internals.py, rollout/vllm_internals.py; process.py holds the process-wide compile switch).
 _INTERNALS = {

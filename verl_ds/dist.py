@@ -19,6 +19,13 @@ from verl_ds.process import remove_deepspeed_shm_at_exit, remove_orphaned_deepsp
 log = logging.getLogger(__name__)
 
 
+def on_gpu() -> bool:
+    """The one place the device is decided: CUDA wherever torch sees a GPU (the process group, every
+    role, the rollout engine and memory accounting follow it). To run on the CPU of a GPU machine,
+    hide the GPUs: `CUDA_VISIBLE_DEVICES=`."""
+    return torch.cuda.is_available()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,13 +46,13 @@ def init_distributed(timeout_s: float | None = None) -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    if torch.cuda.is_available():  # one GPU per local rank, before NCCL picks cuda:0 for everyone
+    if on_gpu():  # one GPU per local rank, before NCCL picks cuda:0 for everyone
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     elif os.environ.get("LOCAL_RANK", "0") == "0":
         remove_orphaned_deepspeed_shm()
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo", **timeout)
-    if not torch.cuda.is_available():
+    deepspeed.init_distributed("nccl" if on_gpu() else "gloo", **timeout)
+    if not on_gpu():
         remove_deepspeed_shm_at_exit()  # DeepSpeed's CPU all-reduce buffer in /dev/shm
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from verl_ds.dist import on_gpu
 from verl_ds.errors import ConfigError
 from verl_ds.schema import opt, section
 
@@ -154,7 +155,7 @@ class Hardware:
 
 def detect_hardware(device: str = "auto") -> Hardware:
     """This machine's facts; `device` is `trainer.device` (auto | cpu | cuda)."""
-    if device in ("auto", "cuda") and torch.cuda.is_available():
+    if device in ("auto", "cuda") and on_gpu():
         return Hardware("cuda", tuple(torch.cuda.get_device_capability()))
     flags = frozenset(_cpu_flags())
     return Hardware("cpu", cpu_flags=flags - _BF16_FLAGS if _aten_below_avx512() else flags)

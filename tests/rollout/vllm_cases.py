@@ -170,3 +170,19 @@ def test_the_sync_is_read_back_and_a_dropped_bucket_stops_the_run_naming_its_par
     assert (
         engine.sync_weights(new.named_parameters())["rollout/sync_checked_params"] == m["rollout/sync_checked_params"]
     )
+
+
+def test_the_engine_says_what_it_holds(engine, model_pair):
+    """`memory/<stage>/rollout/*` for the in-process engine, from the worker's own tensors: its weights
+    (at least the checkpoint's embeddings and norms, which it serves as they are) and the KV cache
+    pool `kv_cache_gb` asked for."""
+    from verl_ds.diagnostics.memory import account_role
+    from verl_ds.rollout.weights import checkpoint_shapes
+
+    held = account_role(engine)
+    print({k: round(v / 2**20, 2) for k, v in held.items()})
+    plain = sum(
+        4 * torch.Size(s).numel() for n, s in checkpoint_shapes(model_pair[0]).items() if "embed" in n or "norm" in n
+    )
+    assert set(held) == {"weights_fp32", "kv_cache"} and held["weights_fp32"] >= plain
+    assert 0.5 * 0.05 * 2**30 <= held["kv_cache"] <= 0.05 * 2**30

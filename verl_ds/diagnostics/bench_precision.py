@@ -28,6 +28,7 @@ from pathlib import Path
 from verl_ds.config import load_config
 from verl_ds.diagnostics.memory import md_table
 from verl_ds.diagnostics.plots import save_panels
+from verl_ds.dist import on_gpu
 from verl_ds.errors import ConfigError
 from verl_ds.precision import COMPUTE_DTYPES, detect_hardware
 
@@ -225,11 +226,10 @@ def bench_precision(
 ) -> dict:
     """Run `steps` steps per cell (`cells`, or the (trainer, rollout) pairs of `only`); write
     bench_precision.{md,json,png} into `out_dir`."""
-    import torch
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    base = [] if torch.cuda.is_available() else ["rollout.engine=hf"]
+    base = [] if on_gpu() else ["rollout.engine=hf"]
     hw = detect_hardware()
     results = []
     for trainer, rollout in only or cells(dtypes, matrix):

@@ -22,12 +22,13 @@ import time
 import torch
 
 from verl_ds import algos
+from verl_ds.dist import on_gpu
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles.base import model_inputs
 from verl_ds.roles.ds_internals import full_numel
 from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 
-_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+_DEV = "cuda" if on_gpu() else "cpu"
 
 
 def _now() -> float:

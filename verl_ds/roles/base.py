@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_sum, init_distributed
+from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_sum, init_distributed, on_gpu
 from verl_ds.ds_config import ds_dtype
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles import ds_internals as dsi
@@ -167,7 +167,7 @@ def warn_if_autocast(*_hook_args) -> None:
     """Forward pre-hook on every role's engine: warn once per process when a role runs inside a
     user-opened `torch.autocast`; the framework owns each role's precision (DeepSpeed's config)."""
     global _AUTOCAST_WARNED
-    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    devices = ("cpu", "cuda") if on_gpu() else ("cpu",)
     if not _AUTOCAST_WARNED and any(torch.is_autocast_enabled(d) for d in devices):
         _AUTOCAST_WARNED = True
         warnings.warn(

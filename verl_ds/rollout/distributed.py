@@ -15,6 +15,7 @@ from typing import Iterable
 import torch
 
 from verl_ds import dist as vdist
+from verl_ds.dist import on_gpu
 
 from .batch import RolloutBatch
 from .engine import RolloutEngine
@@ -52,7 +53,7 @@ def resolve_engine(rollout_cfg, model_path: str) -> str:
     params = 0
     if rollout_cfg.engine == "auto":
         params = sum(math.prod(s) for s in checkpoint_shapes(model_path).values())
-    engine, why = choose_engine(rollout_cfg.engine, params, torch.cuda.is_available())
+    engine, why = choose_engine(rollout_cfg.engine, params, on_gpu())
     if rollout_cfg.engine == "auto":
         log.info("rollout.engine auto -> %s (%s)", engine, why)
     if engine == "vllm":
@@ -73,7 +74,7 @@ def make_rollout(
     if rollout_cfg.engine not in ("vllm", "hf"):
         raise ValueError(f"rollout.engine {rollout_cfg.engine!r}: resolve it first (resolve_engine)")
     if rollout_cfg.engine == "hf":
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        device = f"cuda:{torch.cuda.current_device()}" if on_gpu() else "cpu"
         return HFRollout(
             model_path, dtype, device=device, trust_remote_code=trust_remote_code, lm_head_fp32=lm_head_fp32
         )

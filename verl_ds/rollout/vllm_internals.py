@@ -77,6 +77,12 @@ def live_model(worker) -> torch.nn.Module:
     return worker.get_model()
 
 
+def kv_cache_tensors(worker) -> list:
+    """The KV cache pool the worker allocated at start (`worker.model_runner.kv_caches`, one tensor per
+    attention layer, vLLM 0.32's GPU and CPU model runners)."""
+    return [t for t in getattr(worker.model_runner, "kv_caches", []) if torch.is_tensor(t)]
+
+
 def reload_weights(worker, named: list) -> None:
     """Load `(hf_name, tensor)` pairs into the running model in place: the worker's
     `reload_weights(weights_iterator=..., is_checkpoint_format=True)` (vLLM 0.32's Worker, which hands

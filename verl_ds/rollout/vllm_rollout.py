@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from verl_ds.dist import init_distributed, rank
+from verl_ds.dist import init_distributed, on_gpu, rank
 from verl_ds.errors import ConfigError, RunFailure
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.process import setup_process
@@ -68,7 +68,7 @@ class VLLMRollout:
         self.checker = ParamChecker(model_path)  # names/shapes read once from the headers
         self.eos_ids = eos_token_ids(model_path)
         self.pad_id = pad_token_id(model_path)
-        self.cuda = torch.cuda.is_available()
+        self.cuda = on_gpu()
         self.sleeps = sleep and self.cuda
         if sleep and not self.cuda:
             log.info("vLLM sleep mode is unavailable on CPU: the engine keeps its weights and KV cache")
@@ -227,6 +227,13 @@ class VLLMRollout:
         if self.weights != "awake":
             self.llm.wake_up(tags=["weights"])
             self.weights = "awake"
+
+    def memory_bytes(self) -> dict[str, float]:
+        """What the engine holds now (`memory/<stage>/rollout/*`): its weights by dtype and its KV cache
+        pool, each only while awake (asleep, vLLM has released that memory)."""
+        held = self.llm.collective_rpc("memory_bytes")[0]
+        awake = {k: self.kv_awake if k == "kv_cache" else self.weights == "awake" for k in held}
+        return {k: v for k, v in held.items() if awake[k]}
 
     # ---------------------------------------------------------------- weight sync
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:

@@ -11,7 +11,7 @@ from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import load_examples, tokenize_prompts
 from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
 from verl_ds.diagnostics.memory import choose_zero_stages, estimate_memory, load_shape, role_shapes, workload
-from verl_ds.dist import barrier, rank, world_size
+from verl_ds.dist import barrier, on_gpu, rank, world_size
 from verl_ds.ds_config import render_ds_configs
 from verl_ds.envs import load_env_factory, tool_schemas
 from verl_ds.errors import ConfigError
@@ -104,7 +104,7 @@ def rank_budget(cfg: RunConfig, world: int) -> float:
     train), or this node's RAM over the ranks on it."""
     import torch
 
-    if torch.cuda.is_available():
+    if on_gpu():
         budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         if not cfg.rollout.sleep and cfg.rollout.engine == "vllm":
             budget *= 1 - cfg.rollout.gpu_memory_utilization  # vLLM keeps its share while training
@@ -120,9 +120,8 @@ def check_batch_fits(cfg: RunConfig, model_path: str, precision: ResolvedPrecisi
     """Refuse, before any engine, a rollout batch whose own buffers (the `debug memory` estimate of its
     ids, masks and logprobs, and HF generate's cache) exceed this rank's memory whatever the ZeRO
     stage: `rollout.n: 1000000000` is one line now, not a MemoryError or the OOM killer later."""
-    import torch
 
-    gpu_gib = rank_budget(cfg, world) / 2**30 if torch.cuda.is_available() else None
+    gpu_gib = rank_budget(cfg, world) / 2**30 if on_gpu() else None
     est = estimate_memory(
         cfg, load_shape(model_path), render_ds_configs(cfg, world, precision), world, precision.rollout, gpu_gib
     )

@@ -27,6 +27,7 @@ from verl_ds.dist import (
     all_reduce_min,
     all_reduce_sum,
     init_distributed,
+    on_gpu,
     rank,
     world_size,
 )
@@ -59,7 +60,7 @@ class RLTrainer:
         # rank 0 logs at logging.level; other ranks only warnings
         logging.getLogger("verl_ds").setLevel(cfg.logging.level if self.rank == 0 else logging.WARNING)
         self.precision = resolve(cfg)  # the one place `auto` meets the hardware
-        if cfg.trainer.device == "cpu" and torch.cuda.is_available():
+        if cfg.trainer.device == "cpu" and on_gpu():
             log.warning(
                 "trainer.device: cpu sets the precision rule only; the engines run on the GPU "
                 "(hide it to train on the CPU: CUDA_VISIBLE_DEVICES=)"
@@ -83,7 +84,7 @@ class RLTrainer:
         self.roles = builder.build_roles(cfg, self.model_path, self.precision)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
         sleepers = [n for n in self._trained_roles() if getattr(cfg.roles, n).sleep]
-        if sleepers and not torch.cuda.is_available():
+        if sleepers and not on_gpu():
             log.info("roles.{%s}.sleep: a no-op on CPU (no device memory to hand to the rollout)", ",".join(sleepers))
         self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")
         self.teacher = self.roles.get("teacher")  # on-policy distillation (algorithm.distill)

@@ -11,6 +11,7 @@ from contextlib import contextmanager, nullcontext
 
 from verl_ds.diagnostics.memory.estimate import MIB
 from verl_ds.diagnostics.metrics import Timer
+from verl_ds.dist import on_gpu
 from verl_ds.precision import dtype_name
 from verl_ds.roles.ds_internals import local_tensor, storage_tensors, torch_optimizer
 
@@ -29,12 +30,14 @@ def account_role(role) -> dict[str, float]:
     only device tensors count (an offloaded optimizer, a role asleep: on the host)."""
     import torch
 
+    if hasattr(role, "memory_bytes"):  # an in-process vLLM engine: what it says it holds
+        return role.memory_bytes()
     module = getattr(role, "module", None) or getattr(role, "model", None)
     if not isinstance(module, torch.nn.Module):
-        return {}  # e.g. a vLLM engine in another process
+        return {}
     seen: set = set()
     out: dict[str, float] = {}
-    device_only = torch.cuda.is_available()  # GPU memory per GPU: offloaded or asleep states are on the host
+    device_only = on_gpu()  # GPU memory per GPU: offloaded or asleep states are on the host
 
     def add(key, t):
         if t is None or not torch.is_tensor(t) or t.numel() == 0 or (t.data_ptr(), t.numel()) in seen:
@@ -111,13 +114,17 @@ class _Held:
 
 
 def process_memory() -> dict[str, float]:
-    """Process-level numbers: CUDA allocated/peak on GPU, RSS on CPU (bytes)."""
+    """Process-level numbers (bytes): on a GPU, torch's allocated peak and reserved pool, and the
+    device's own used bytes (`mem_get_info`: vLLM's pool, which torch's allocator does not see, and
+    any other process's too); RSS on CPU."""
     import torch
 
-    if torch.cuda.is_available():
+    if on_gpu():
+        free, total = torch.cuda.mem_get_info()
         return {
             "cuda_peak": float(torch.cuda.max_memory_allocated()),
             "cuda_reserved": float(torch.cuda.memory_reserved()),
+            "device_used": float(total - free),
         }
     import psutil
 
@@ -144,7 +151,7 @@ class MemoryTimer(Timer):
             return
         import torch
 
-        if torch.cuda.is_available():
+        if on_gpu():
             torch.cuda.reset_peak_memory_stats()
         saved, logits, hooks = _SavedTensors(), [0], []
         tracked = self.track and active in self.roles
