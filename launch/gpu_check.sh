@@ -67,7 +67,7 @@ echo "exit $?"; grep -E "^\||tokens/s|floor|params" "$out/bench.log" || tail -n 
 import json, sys
 import torch
 from safetensors.torch import load_file
-from verl_ds.diagnostics.bench_step import matmul_rate
+from verl_ds.programs.bench_step import matmul_rate
 out = sys.argv[1]
 peak = matmul_rate("bf16", reps=20)
 print(f"bf16 matmul (measured): {peak / 1e12:.1f} TFLOP/s on "

@@ -171,16 +171,15 @@ def cmd_bench(args) -> int:
     if args.bench_command == "precision":
         return cmd_bench_precision(args)
     if args.bench_command == "step":
-        from verl_ds.diagnostics.bench_step import bench_step
-        from verl_ds.trainer.rl_trainer import RLTrainer
+        from verl_ds.programs.bench_step import bench_step
 
         cfg = load_config(
             args.config,
             args.overrides + ["logging.wandb.mode=disabled", "trainer.val_every=0", "trainer.val_before_train=false"],
         )
-        bench_step(cfg, RLTrainer, args.steps)
+        bench_step(cfg, args.steps)
         return 0
-    from verl_ds.diagnostics.bench import bench_rollout
+    from verl_ds.programs.bench import bench_rollout
 
     bench_rollout(load_config(args.config, args.overrides))
     return 0
@@ -190,15 +189,12 @@ def cmd_bench_precision(args) -> int:
     from pathlib import Path
 
     from verl_ds.config import load_config
-    from verl_ds.diagnostics.bench_precision import bench_precision, parse_cells, parse_dtypes
-    from verl_ds.trainer.rl_trainer import RLTrainer
+    from verl_ds.programs.bench_precision import bench_precision, parse_cells, parse_dtypes
 
     dtypes = parse_dtypes(args.dtypes)
     only = parse_cells(args.cells) if args.cells is not None else None
     out = args.out or str(Path(load_config(args.config, args.overrides).trainer.run_dir) / "bench_precision")
-    res = bench_precision(
-        args.config, args.overrides, dtypes, args.steps, out, RLTrainer, matrix=args.matrix, only=only
-    )
+    res = bench_precision(args.config, args.overrides, dtypes, args.steps, out, matrix=args.matrix, only=only)
     print(res["table"])
     print(f"\nwrote {out}/bench_precision.md, .json, .png")
     return 0
@@ -249,12 +245,10 @@ def cmd_debug(args) -> int:
             args.overrides
             + ["logging.wandb.mode=disabled", f"trainer.run_dir={Path(cfg.trainer.run_dir) / 'debug_memory'}"],
         )
-        from verl_ds.trainer.rl_trainer import RLTrainer
+        from verl_ds.programs.debug_memory import measure_step
 
-        with RLTrainer(cfg) as trainer:
-            trainer.track_activations = True
-            measured = memory.stages_from_metrics(trainer.step())
-        world = args.world_size or trainer.world
+        measured, ran_world = measure_step(cfg)
+        world = args.world_size or ran_world
     print(memory.report(cfg, shape_of(cfg), world, args.stage, measured, args.gpu_memory_gb))
     return 0
 
@@ -288,10 +282,9 @@ def _debug_memory_plan(args, world: int) -> int:
 
 def cmd_debug_precision(args) -> int:
     """`debug precision`: N real steps with every role probed; table, recommendations, precision.yaml."""
-    from verl_ds.diagnostics.precision_advisor import debug_precision
-    from verl_ds.trainer.rl_trainer import RLTrainer
+    from verl_ds.programs.precision_advisor import debug_precision
 
-    res = debug_precision(args.config, args.overrides, args.steps, args.out, RLTrainer)
+    res = debug_precision(args.config, args.overrides, args.steps, args.out)
     print(res["report"])
     return 0
 

@@ -1,5 +1,5 @@
 """Verdicts, tables and the `precision:` YAML block of `verl-ds debug precision` (pure: numbers in,
-text out). Measurements come from `precision_advisor.py`.
+text out). Measurements come from `programs/precision_advisor.py`.
 
 A role is flagged when bf16 or fp16 would damage its numbers: output relative error above
 `REL_TOL`; reward score differences within a group erased above `VANISH_TOL`; values, weights or

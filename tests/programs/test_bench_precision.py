@@ -6,7 +6,7 @@ import pytest
 
 from tests.diagnostics.helpers import parse_md_tables, tiny_overrides
 from verl_ds import cli
-from verl_ds.diagnostics.bench_precision import parse_cells
+from verl_ds.programs.bench_precision import parse_cells
 
 
 def test_bench_precision_two_steps_per_dtype(tmp_path, capsys):

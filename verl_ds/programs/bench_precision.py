@@ -14,8 +14,6 @@ On CPU the rollout defaults to HF generate (`rollout.engine=hf`; pass `rollout.e
 override): three vLLM engine starts would dominate the benchmark. fp16 on CPU runs through the
 roles' DeepSpeed fp16 shim; on a CPU without 16-bit kernels the roles' GEMMs run as fp32 products
 of the 16-bit operands (`precision.cpu_gemm`, verl_ds/gemm.py).
-
-The trainer is passed in (`make_trainer`, e.g. `RLTrainer`): diagnostics sit below the trainer layer.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from verl_ds.diagnostics.plots import save_panels
 from verl_ds.dist import on_gpu
 from verl_ds.errors import ConfigError
 from verl_ds.precision import COMPUTE_DTYPES, detect_hardware
+from verl_ds.trainer.rl_trainer import RLTrainer
 
 log = logging.getLogger(__name__)
 PRECISION_KEYS = ("actor_dtype", "critic_dtype", "reference_dtype", "rollout_dtype")
@@ -209,8 +208,8 @@ def _finite(x):
     return x
 
 
-def run_steps(make_trainer, cfg, steps: int) -> list[dict]:
-    with make_trainer(cfg) as trainer:
+def run_steps(cfg, steps: int) -> list[dict]:
+    with RLTrainer(cfg) as trainer:
         return [trainer.step() for _ in range(steps)]
 
 
@@ -220,7 +219,6 @@ def bench_precision(
     dtypes: list[str],
     steps: int,
     out_dir: str | Path,
-    make_trainer,
     matrix: bool = False,
     only: list[tuple[str, str]] | None = None,
 ) -> dict:
@@ -243,7 +241,7 @@ def bench_precision(
         )
         log.info("bench precision: trainer %s, rollout %s, %d steps", trainer, rollout, steps)
         emulated = sorted({d for d in (trainer, rollout) if hw.emulates(d)})
-        results.append(summarize((trainer, rollout), run_steps(make_trainer, cfg, steps), emulated))
+        results.append(summarize((trainer, rollout), run_steps(cfg, steps), emulated))
     table = markdown(results)
     what = "cell (trainer dtype x rollout dtype)" if matrix or only else "dtype"
     (out / "bench_precision.md").write_text(f"# bench precision ({steps} steps per {what}, {hw.device})\n\n{table}\n")

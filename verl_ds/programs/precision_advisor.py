@@ -1,7 +1,7 @@
 """`verl-ds debug precision`: run N real steps of the configured job and measure, per active role,
 what fp32, bf16 and fp16 would do to its numbers; then recommend one dtype per role.
 
-Measured in the same run (the trainer class is passed in: diagnostics sit below the trainer layer):
+Measured in the same run:
 - ranges: weights (per tensor, `iter_full_params`), decoder-layer outputs and the output head
   (forward hooks), gradients at every optimizer step (a histogram of binary exponents of the
   nonzero elements, unscaled by the role's current loss scale, read through `Role.grad_partitions`
@@ -26,7 +26,6 @@ import torch
 from verl_ds.algos import FP32LMHead
 from verl_ds.config import load_config
 from verl_ds.diagnostics import precision_report as R
-from verl_ds.diagnostics.bench_precision import _finite
 from verl_ds.diagnostics.memory import estimate_memory, load_shape, role_shapes
 from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.precision_report import EXP_BINS, EXP_OFFSET
@@ -34,9 +33,11 @@ from verl_ds.dist import rank
 from verl_ds.ds_config import json_dtypes, render_ds_configs
 from verl_ds.errors import ConfigError
 from verl_ds.precision import COMPUTE_DTYPES, POLICY_ROLES, TORCH_DTYPES, detect_hardware, resolve_precision
+from verl_ds.programs.bench_precision import _finite
 from verl_ds.roles import iter_full_params, load_causal_lm, load_reward_model
 from verl_ds.roles.base import RoleObserver
 from verl_ds.roles.batch import TrainBatch
+from verl_ds.trainer.rl_trainer import RLTrainer
 
 
 def exponent_hist(t: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, int]:
@@ -263,9 +264,14 @@ def weight_memory(cfg, role: str, shape, world: int, hw, shapes: dict | None = N
 
 
 def debug_precision(
-    config_path: str | None, overrides: list[str], steps: int, out_dir: str | Path | None, make_trainer
+    config_path: str | None,
+    overrides: list[str],
+    steps: int,
+    out_dir: str | Path | None,
+    trainer_cls: type[RLTrainer] = RLTrainer,
 ) -> dict:
-    """Run `steps` steps with every role probed; print-ready report, `precision.yaml` in `out_dir`."""
+    """Run `steps` steps with every role probed; print-ready report, `precision.yaml` in `out_dir`.
+    `trainer_cls`: a subclass of `RLTrainer` (a test plants a fault in one role's loss)."""
     if steps <= 0:
         raise ConfigError("--steps", f"must be > 0, got {steps}")
     t0 = time.perf_counter()
@@ -277,7 +283,7 @@ def debug_precision(
         + ["logging.wandb.mode=disabled", "trainer.resume=none", f"trainer.steps={steps}", f"trainer.run_dir={out}"],
     )
     rows, groups = [], {}
-    with make_trainer(cfg) as trainer:
+    with trainer_cls(cfg) as trainer:
         # a role without its own engine (a LoRA actor's adapters-off reference) is the actor's numbers
         probes = {name: RoleProbe(name, role) for name, role in trainer.roles.items() if hasattr(role, "engine")}
         watch = GroupIds(groups)  # the rollout's group ids, for the reward model's score differences

@@ -124,8 +124,8 @@ def test_planted_tiny_actor_gradients_flag_actor_fp16_underflow(tmp_path, capsys
     fp16's smallest normal at the default loss scale 2^11. Only the actor is flagged; the reward
     model here is an ordinary one. Where `auto` means fp16 (CUDA < 8.0) the advice is fp16 with the
     largest initial scale that does not overflow, and that block renders too."""
-    from verl_ds.diagnostics.precision_advisor import debug_precision
     from verl_ds.diagnostics.precision_report import advise, precision_block, safe_scale_power
+    from verl_ds.programs.precision_advisor import debug_precision
     from verl_ds.trainer.rl_trainer import RLTrainer
 
     class TinyActorLoss(RLTrainer):
@@ -183,7 +183,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
 @pytest.mark.numerics
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_vanish_fraction_counts_erased_differences(dtype):
-    from verl_ds.diagnostics.precision_advisor import vanish_fraction
+    from verl_ds.programs.precision_advisor import vanish_fraction
 
     scores = torch.tensor([100.0, 100.01, 100.02, 1.0, 2.0])
     groups = torch.tensor([0, 0, 0, 1, 1])

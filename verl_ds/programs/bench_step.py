@@ -10,7 +10,7 @@ Measured in one run, in this process's world (1 rank; under the launcher, this r
   each prompt run once for its n responses where verl-ds does), no DeepSpeed, no vLLM, no
   bookkeeping; under the launcher each rank's floor trains alone (no gradient all-reduce). Its
   steps alternate with verl-ds's.
-Printed as ratios. The trainer class is passed in (diagnostics sit below the trainer layer).
+Printed as ratios.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles.base import model_inputs
 from verl_ds.roles.ds_internals import full_numel
 from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
+from verl_ds.trainer.rl_trainer import RLTrainer
 
 _DEV = "cuda" if on_gpu() else "cpu"
 
@@ -131,10 +132,10 @@ PHASE_PASS = {
 }
 
 
-def bench_step(cfg, make_trainer, steps: int = 5) -> dict[str, float]:
+def bench_step(cfg, steps: int = 5) -> dict[str, float]:
     """Run `steps` (+1 warm-up) verl-ds steps and as many plain-PyTorch floor steps, alternating (a
     shared host's speed drifts: back to back, one side could get the slow minutes); print ratios."""
-    with make_trainer(cfg) as trainer:
+    with RLTrainer(cfg) as trainer:
         dtype = trainer.precision.actor
         prompts = [e["prompt_ids"] for e in trainer.prompts[: cfg.trainer.prompts_per_step // trainer.world]]
         model_path, pad = trainer.model_path, trainer.tokenizer.pad_token_id
