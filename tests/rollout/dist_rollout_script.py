@@ -78,7 +78,7 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
     from tests.rollout.test_episodes import Nag
     from verl_ds.data.chat import ChatCodec
     from verl_ds.data.tiny import load_tokenizer
-    from verl_ds.rollout.episodes import TurnLimits, collect
+    from verl_ds.rollout.episodes import EpisodeSpec, Sampling, SeedKey, TurnLimits, collect
 
     codec = ChatCodec(load_tokenizer(trained_path), False)
     turns = 3 if r == 0 else 1
@@ -86,15 +86,9 @@ def main(tp: int, trained_path: str, start_path: str, out_dir: str) -> None:
         rollout,
         [{"prompt": "", "answer": ""}] * 2,
         PROMPTS[r],
-        2,
-        1.0,
-        1.0,
-        4,
-        run_seed=0,
-        step=9,
-        env_factory=lambda: Nag("#", turns),
-        codec=codec,
-        limits=TurnLimits(3, 0, 0, 128),
+        Sampling(2, 1.0, 1.0, 4),
+        SeedKey(0, 9),
+        EpisodeSpec(lambda: Nag("#", turns), codec, TurnLimits(3, 0, 0, 128)),
     )
     worst = 0.0
     for row in range(len(ro.batch)):

@@ -10,7 +10,7 @@ from verl_ds.envs import ToolEnv, calculator, tool_schemas
 from verl_ds.errors import ConfigError
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch
-from verl_ds.rollout.episodes import TurnLimits, collect
+from verl_ds.rollout.episodes import EpisodeSpec, Sampling, SeedKey, TurnLimits, collect
 
 
 class ScriptedEngine:
@@ -82,15 +82,9 @@ def _tool_episode(tok):
         engine,
         examples,
         [prompt],
-        2,
-        1.0,
-        1.0,
-        128,
-        run_seed=0,
-        step=0,
-        env_factory=lambda: ToolEnv([calculator]),
-        codec=codec,
-        limits=TurnLimits(4, 0, 0, 4096),
+        Sampling(2, 1.0, 1.0, 128),
+        SeedKey(0, 0),
+        EpisodeSpec(lambda: ToolEnv([calculator]), codec, TurnLimits(4, 0, 0, 4096)),
     )
     return codec, engine, ro, prompt, script
 
@@ -155,15 +149,9 @@ def test_a_template_that_rewrites_history_forks_a_new_row(chat_tok):
         engine,
         examples,
         [prompt],
-        1,
-        1.0,
-        1.0,
-        128,
-        run_seed=0,
-        step=0,
-        env_factory=lambda: ToolEnv([calculator]),
-        codec=codec,
-        limits=TurnLimits(4, 0, 0, 4096),
+        Sampling(1, 1.0, 1.0, 128),
+        SeedKey(0, 0),
+        EpisodeSpec(lambda: ToolEnv([calculator]), codec, TurnLimits(4, 0, 0, 4096)),
     )
     lists = ro.batch.to_lists()
     assert (
@@ -203,7 +191,7 @@ def test_limits_cut_observations_and_end_long_episodes(chat_tok):
     engine = ScriptedEngine(chat_tok, ["abc"], chat_tok.eos_token_id, 1)
     ex = [{"prompt": "q", "answer": ""}]
     run = lambda limits, text="0123456789": collect(
-        engine, ex, [prompt], 1, 1.0, 1.0, 8, 0, 0, env_factory=lambda: Nag(text, 3), codec=codec, limits=limits
+        engine, ex, [prompt], Sampling(1, 1.0, 1.0, 8), SeedKey(0, 0), EpisodeSpec(lambda: Nag(text, 3), codec, limits)
     )
     ro = run(TurnLimits(3, 4, 0, 4096))  # observations cut to 4 tokens, 3 turns, reward summed
     assert [m["content"] for m in ro.episodes[0].seg.messages if m["role"] == "user"][1:] == ["0123"] * 2
@@ -253,7 +241,7 @@ def _episodes(chat_tok, factory, n=1, limits=THREE_TURNS):
     prompt = chat_tok(codec.prompt_texts(["q"])[0], add_special_tokens=False)["input_ids"]
     engine = ScriptedEngine(chat_tok, ["abc"], chat_tok.eos_token_id, 1)
     ex = [{"prompt": "q", "answer": ""}]
-    return collect(engine, ex, [prompt], n, 1.0, 1.0, 8, 0, 0, env_factory=factory, codec=codec, limits=limits)
+    return collect(engine, ex, [prompt], Sampling(n, 1.0, 1.0, 8), SeedKey(0, 0), EpisodeSpec(factory, codec, limits))
 
 
 def test_gym_shaped_environments_are_accepted_as_documented_variants(chat_tok):
@@ -300,7 +288,9 @@ def test_an_exception_inside_an_environment_ends_its_episode_counted_and_too_man
 
 def test_without_an_environment_the_engine_batch_is_the_rollout(tokenizer):
     engine = ScriptedEngine(tokenizer, ["7"], tokenizer.eos_token_id)
-    ro = collect(engine, [{"prompt": "3+4=", "answer": "7"}], [[1, 6, 15, 7, 17]], 4, 1.0, 1.0, 3, 0, 0)
+    ro = collect(
+        engine, [{"prompt": "3+4=", "answer": "7"}], [[1, 6, 15, 7, 17]], Sampling(4, 1.0, 1.0, 3), SeedKey(0, 0)
+    )
     assert len(engine.calls) == 1 and len(ro.batch) == 4 and ro.batch.loss_mask is ro.batch.response_mask
     seven = tokenizer("7", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert not ro.batch.multi_turn and ro.final_ids == [seven] * 4 and ro.env_rewards.tolist() == [0.0] * 4
@@ -315,15 +305,9 @@ def three_turn_episodes(engine, tokenizer, prompts, n=2, seed=0, step=0):
         engine,
         examples,
         prompts,
-        n,
-        1.0,
-        1.0,
-        4,
-        run_seed=seed,
-        step=step,
-        env_factory=lambda: Nag("#", 3),
-        codec=codec,
-        limits=TurnLimits(3, 0, 0, 256),
+        Sampling(n, 1.0, 1.0, 4),
+        SeedKey(seed, step),
+        EpisodeSpec(lambda: Nag("#", 3), codec, TurnLimits(3, 0, 0, 256)),
     )
 
 

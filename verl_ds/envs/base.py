@@ -14,7 +14,10 @@ Observation = Union[str, list, None]
 
 
 class Environment(Protocol):
-    """What the episode loop calls: `reset` once, then `step` after every model turn until done."""
+    """What the episode loop calls: `reset` once, then `step` after every model turn until done.
+    An optional class attribute `observation_role` (default "user") is the role a string
+    observation is sent as. The loop's own view of this contract is `rollout.episodes.Environment`
+    (rollout and envs are independent layers: neither imports the other)."""
 
     def reset(self, example: dict) -> Observation: ...
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
@@ -37,6 +37,46 @@ from .seeding import turn_seed
 
 log = logging.getLogger(__name__)
 
+DEFAULT_OBSERVATION_ROLE = "user"
+
+
+class Environment(Protocol):
+    """What the loop calls on an environment: `reset` once, then `step` after every model turn until
+    done (envs/base.py's `Environment` is the same contract for its authors; rollout imports no envs).
+    What they return is checked where it enters verl-ds: `env_reset`, `env_step`.
+
+    Optional class attribute `observation_role: str`: the chat role a string observation is sent
+    as. An environment that does not declare it gets "user" (`observation_role(env)`); it is not a
+    Protocol member, since a Protocol cannot declare an attribute that may be absent."""
+
+    def reset(self, example: dict) -> Any: ...
+
+    def step(self, action: str) -> Any: ...
+
+
+def observation_role(env: Environment) -> str:
+    """The role a string observation of `env` is sent as: its `observation_role`, else "user"."""
+    return getattr(env, "observation_role", DEFAULT_OBSERVATION_ROLE)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each episode's turns are sampled: `n` episodes per prompt, up to `max_new_tokens` a turn."""
+
+    n: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
+class SeedKey(NamedTuple):
+    """What a call's seeds derive from (`seeding.py`): the run's seed, the step (a string for
+    validation, apart from every training step's) and the dynamic-sampling round."""
+
+    run_seed: int
+    step: int | str
+    round_: int = 0
+
 
 @dataclass(frozen=True)
 class TurnLimits:
@@ -47,6 +87,18 @@ class TurnLimits:
     max_total_tokens: int = 0  # model + environment tokens of a row (0: only max_model_len bounds it)
     max_model_len: int = 256  # prompt + response; an episode that would pass it ends truncated
     max_failure_fraction: float = 0.1  # of a call's episodes whose environment may raise before the run stops
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """A multi-turn job's episodes, built once (`trainer.builder.build_episodes`); a single-turn job
+    has none. `codec` is `data.chat.ChatCodec` (prompts and observations as ids; rollout imports no
+    data); `strict`: check each row's ids against the one-shot template (`tokenization_check`)."""
+
+    env_factory: Callable[[], Environment]
+    codec: Any
+    limits: TurnLimits = TurnLimits()
+    strict: bool = True
 
 
 @dataclass
@@ -69,7 +121,7 @@ class Segment:
 class Episode:
     group: int  # the prompt's index in this call
     sample: int  # 0 .. n-1
-    env: object
+    env: Environment
     segments: list[Segment] = field(default_factory=list)
     reward: float = 0.0  # the sum of the environment's step rewards
     turns: int = 0
@@ -102,25 +154,22 @@ def collect(
     rollout: RolloutEngine,
     examples: list[dict],
     prompt_ids: list[list[int]],
-    n: int,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    run_seed: int,
-    step: int | str,
-    round_: int = 0,
-    env_factory=None,
-    codec=None,
-    limits: TurnLimits = TurnLimits(),
-    strict: bool = True,
+    sampling: Sampling,
+    seed: SeedKey,
+    spec: EpisodeSpec | None = None,
 ) -> Rollout:
-    """`n` episodes per prompt on this rank. Without an environment every episode is one turn: the
+    """`sampling.n` episodes per prompt on this rank. Without a `spec` every episode is one turn: the
     engine's batch is the rows, as it always was. Collective within a tensor-parallel group."""
-    if env_factory is None:
-        batch = generate_distributed(rollout, prompt_ids, n, temperature, top_p, max_new_tokens, run_seed, step, round_)
+    n, max_new_tokens = sampling.n, sampling.max_new_tokens
+    run_seed, step, round_ = seed
+    if spec is None:
+        batch = generate_distributed(
+            rollout, prompt_ids, n, sampling.temperature, sampling.top_p, max_new_tokens, run_seed, step, round_
+        )
         final = [row[: int(k)] for row, k in zip(batch.response_ids.tolist(), batch.response_mask.sum(1).tolist())]
         return Rollout(batch, final, torch.zeros(len(batch)), torch.arange(len(batch)))
-    episodes = [Episode(group=g, sample=j, env=env_factory()) for g in range(len(prompt_ids)) for j in range(n)]
+    codec, limits = spec.codec, spec.limits
+    episodes = [Episode(group=g, sample=j, env=spec.env_factory()) for g in range(len(prompt_ids)) for j in range(n)]
     batched = True
     for ep in episodes:
         ex = examples[ep.group]
@@ -137,7 +186,7 @@ def collect(
             )
             batched = False
     positions = prompt_positions(len(prompt_ids), round_)
-    sampling = dict(temperature=temperature, top_p=top_p, run_seed=run_seed, step=step)
+    sampling_kw = dict(temperature=sampling.temperature, top_p=sampling.top_p, run_seed=run_seed, step=step)
     turn, tp = 0, rollout.tp
     if tp > 1:  # a tensor-parallel group's members must send the same kind of request
         batched = vdist.all_reduce_min(float(batched)) > 0
@@ -150,7 +199,9 @@ def collect(
             break
         budgets = [_budget(ep, max_new_tokens, limits) for ep in live]
         if turn == 0 and batched:
-            out = generate_distributed(rollout, prompt_ids, n, max_new_tokens=max_new_tokens, round_=round_, **sampling)
+            out = generate_distributed(
+                rollout, prompt_ids, n, max_new_tokens=max_new_tokens, round_=round_, **sampling_kw
+            )
         else:
             seeds = [turn_seed(run_seed, step, positions[ep.group], ep.sample, turn) for ep in live]
             new_tokens = max(budgets, default=1)
@@ -162,7 +213,7 @@ def collect(
                 1,
                 max_new_tokens=new_tokens,
                 seeds=seeds,
-                **sampling,
+                **sampling_kw,
             )
         rows = out.to_lists()
         for ep, budget, ids, lps, reason in zip(
@@ -173,7 +224,7 @@ def collect(
             _act(ep, ids, lps, reason, codec, limits)
         turn += 1
     check_failures(episodes, limits)
-    return _assemble(episodes, codec, rollout.pad_id, strict)
+    return _assemble(episodes, codec, rollout.pad_id, spec.strict)
 
 
 # ---------------------------------------------------------------- the environment contract, checked where it is crossed
@@ -286,7 +337,7 @@ def _act(ep: Episode, ids: list[int], lps: list[float], reason: str, codec, limi
     if done or obs is None or ep.turns >= limits.max_turns:
         ep.live = False
         return
-    msgs = _messages(obs, getattr(ep.env, "observation_role", "user"))  # a string: one message of that role
+    msgs = _messages(obs, observation_role(ep.env))  # a string: one message of that role
     if limits.max_env_tokens:
         for m in msgs:
             ids_ = codec.content_ids(m["content"])

@@ -30,7 +30,7 @@ from verl_ds.roles import (
 )
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.policy import can_share_prompts
-from verl_ds.rollout.episodes import TurnLimits
+from verl_ds.rollout.episodes import EpisodeSpec, TurnLimits
 from verl_ds.rollout.weights import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -71,16 +71,16 @@ def build_codec(cfg: RunConfig, tokenizer, model_path: str, tools: list) -> Chat
     return codec
 
 
-def build_episodes(cfg: RunConfig, codec: ChatCodec, tools: list) -> dict:
-    """`episodes.collect`'s keyword arguments: the environment factory (None: single-turn), the
-    codec and the limits."""
+def build_episodes(cfg: RunConfig, codec: ChatCodec, tools: list) -> EpisodeSpec | None:
+    """A multi-turn job's `EpisodeSpec` for `episodes.collect`: the environment factory, the codec,
+    the limits, the tokenization check. None: single-turn (no `rollout.multi_turn.env`)."""
     mt = cfg.rollout.multi_turn
     if not mt.env:
-        return {}
+        return None
     limits = TurnLimits(
         mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len, mt.max_env_failure_fraction
     )
-    return dict(
+    return EpisodeSpec(
         env_factory=load_env_factory(mt.env, mt.env_kwargs, tools or None),
         codec=codec,
         limits=limits,

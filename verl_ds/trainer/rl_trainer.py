@@ -40,6 +40,7 @@ from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_para
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import RolloutBatch, episodes, make_rollout, resolve_engine, sync_distributed
+from verl_ds.rollout.episodes import Sampling, SeedKey
 from verl_ds.trainer import builder
 from verl_ds.trainer.checkpoint import last_good, load_checkpoint, pick_resume, probe_writable, save_checkpoint
 from verl_ds.trainer.groups import Collected, varied_groups
@@ -72,7 +73,7 @@ class RLTrainer:
         self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
         tools = load_tools(cfg.data.tools)  # the functions episodes call (validation resolved the names)
         self.codec = builder.build_codec(cfg, self.tokenizer, self.model_path, tools)
-        self.episode_kw = builder.build_episodes(cfg, self.codec, tools)  # {}: single-turn
+        self.episode_spec = builder.build_episodes(cfg, self.codec, tools)  # None: single-turn
         self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer, self.codec)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
         self.reward_fn = reward_fn or task_reward_fn(cfg.data)
@@ -239,6 +240,7 @@ class RLTrainer:
         `prompts_per_step` kept groups or `max_rounds` rounds ran; every rank then keeps the same
         number of groups."""
         cfg, r, fg = self.cfg, self.cfg.rollout, self.cfg.algorithm.filter_groups
+        sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
         parts, rounds, seen, dropped, drawn = [], 0, 0, 0, []
         while True:
             idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank :: self.world]
@@ -248,14 +250,9 @@ class RLTrainer:
                     self.rollout,
                     examples,
                     [e["prompt_ids"] for e in examples],
-                    r.n,
-                    r.temperature,
-                    r.top_p,
-                    r.max_new_tokens,
-                    run_seed=cfg.trainer.seed,
-                    step=self.global_step,
-                    round_=rounds,
-                    **self.episode_kw,
+                    sampling,
+                    SeedKey(cfg.trainer.seed, self.global_step, rounds),
+                    self.episode_spec,
                 )
             with timer("reward", stage="score", role="reward"):
                 raw = self._score(ro, examples)
@@ -309,26 +306,17 @@ class RLTrainer:
             self.rollout,
             mine,
             ids,
-            1,
-            0.0,
-            1.0,
-            r.max_new_tokens,
-            run_seed=cfg.trainer.seed,
-            step=tag,
-            **self.episode_kw,
+            Sampling(1, 0.0, 1.0, r.max_new_tokens),
+            SeedKey(cfg.trainer.seed, tag),
+            self.episode_spec,
         )
         sampled = episodes.collect(
             self.rollout,
             mine,
             ids,
-            k,
-            r.temperature,
-            r.top_p,
-            r.max_new_tokens,
-            run_seed=cfg.trainer.seed,
-            step=tag,
-            round_=1,
-            **self.episode_kw,
+            Sampling(k, r.temperature, r.top_p, r.max_new_tokens),
+            SeedKey(cfg.trainer.seed, tag, round_=1),
+            self.episode_spec,
         )
         # the next generation comes without a sync (the weights stay, on the host) and a checkpoint or
         # the export may wake the roles first
