@@ -19,10 +19,11 @@ export TMPDIR="$ROOT/.cache/tmp"
 mkdir -p "$VLLM_CACHE_ROOT" "$TMPDIR"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export WANDB_SILENT=true
+export HF_HUB_DISABLE_PROGRESS_BARS=1  # transformers' per-load "Loading weights" bars: not the run's progress
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"   # vLLM logs every prefix-cache reset at INFO
 if [ "$VERL_DS_DEVICE" = cpu ]; then
   export DS_ACCELERATOR=cpu
 fi
 # What this file sets, for launch/train.sh to hand to the other nodes of a HOSTFILE run.
 VERL_DS_EXPORTS=(PATH VLLM_CACHE_ROOT TMPDIR HF_HUB_OFFLINE TRANSFORMERS_OFFLINE HF_DATASETS_OFFLINE WANDB_SILENT
-  VLLM_LOGGING_LEVEL DS_ACCELERATOR)
+  HF_HUB_DISABLE_PROGRESS_BARS VLLM_LOGGING_LEVEL DS_ACCELERATOR)

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         f"--world_info={world}",
         "--master_addr=127.0.0.1",
         f"--master_port={args.master_port}",
+        # its INFO lines (the world dict, "Setting CUDA_VISIBLE_DEVICES=0,1" even on a CPU, each rank's
+        # command line) are its bookkeeping, not the run's; its warnings and errors still show
+        "--log_level=warning",
         *script,
     ]
     threading.Thread(target=_end_when_ranks_succeed, args=(n,), daemon=True).start()
