@@ -36,6 +36,9 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
+from fastapi.responses import JSONResponse
+
 from .engine import RolloutEngine
 from .episodes import Episode, Rollout, Segment, _assemble
 from .seeding import turn_seed
@@ -203,9 +206,6 @@ class AgentServer:
 
     # ------------------------------------------------------------------ HTTP
     def _app(self):
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
-
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
         def error(status: int, message: str) -> JSONResponse:
@@ -274,7 +274,12 @@ class AgentServer:
             "verl_ds": {
                 "overridden": overridden,
                 "ignored": [k for k in _IGNORED if body.get(k) is not None],
-                "sampling": {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": job.budget},
+                "sampling": {
+                    "temperature": self.temperature,
+                    "top_p": self.top_p,
+                    "max_tokens": job.budget,
+                    "seed": job.seed,
+                },
                 "continues_row": job.continues,
             },
         }
@@ -459,6 +464,20 @@ def run_agents(
         return asyncio.run(arun_agents(agent_fn, examples, n, server, run_seed, step, timeout_s))
 
 
+def _matches_one_shot(codec, seg: Segment, finish: str) -> bool:
+    """A row's ids equal the one-shot rendering of its conversation, up to what the model did not
+    generate at the end: the separator after its eos, or, for a turn cut at the budget, the
+    template's end-of-turn too (earlier cut turns are closed by environment tokens in the row)."""
+    ours = seg.prompt_ids + seg.ids
+    ref = codec.render_ids(seg.messages)
+    rest = ref[len(ours) :]
+    if ref[: len(ours)] != ours:
+        return False
+    if finish == "length" and rest and rest[0] in codec.eos_ids:
+        rest = rest[1:]
+    return rest == codec._separator
+
+
 def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> Rollout:
     # calls of agents that were cancelled may still be queued: wait until the engine thread took them
     while True:
@@ -485,7 +504,14 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
                 failure=failure,
             )
         )
-    ro = _assemble(episodes, server.codec, server.engine.pad_id, strict=True)
+    ro = _assemble(episodes, server.codec, server.engine.pad_id, strict=False)
+    checked = [
+        (seg, ep.finish if k == len(ep.segments) - 1 else "stop")
+        for ep in episodes
+        for k, seg in enumerate(ep.segments)
+    ]
+    mismatched = sum(not _matches_one_shot(server.codec, seg, finish) for seg, finish in checked)
+    ro.metrics["multi_turn/token_mismatch_fraction"] = mismatched / max(len(checked), 1)
     failures = ro.metrics.pop("env/failures")
     for key in ("tools/call_frequency", "tools/failure_frequency"):  # the agent's tools are not seen here
         ro.metrics.pop(key)
