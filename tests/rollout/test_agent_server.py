@@ -70,9 +70,8 @@ def test_an_agents_calls_are_one_token_exact_row(chat_model):
     nl, eos = tok("\n", add_special_tokens=False)["input_ids"], tok.eos_token_id
     finishes = []
     rows_checked = 0
-    for i, (p, r, lp, m) in enumerate(
-        zip(lists["prompts"], lists["responses"], lists["logprobs"], lists["loss_masks"])
-    ):
+    masks = [ro.batch.loss_mask[i, : len(r)].tolist() for i, r in enumerate(lists["responses"])]
+    for i, (p, r, lp, m) in enumerate(zip(lists["prompts"], lists["responses"], lists["logprobs"], masks)):
         # the agent whose sampled ids are exactly this row's model tokens
         model_ids = [t for t, k in zip(r, m) if k == 1.0]
         match = [c for c in seen if sum((x[1].model_extra["generation_token_ids"] for x in c), []) == model_ids]
