@@ -199,6 +199,15 @@ class AgentServer:
             self.tracks = {e: _Track(index=i) for i, e in enumerate(episode_ids)}
             self.engine_calls = []
 
+    def settle(self) -> None:
+        """Wait until every call taken has been generated and recorded (an agent cancelled at its
+        timeout may leave its last call queued: its row must not change after it is assembled)."""
+        while True:
+            with self._lock:
+                if all(t.pending == 0 for t in self.tracks.values()):
+                    return
+            time.sleep(0.01)
+
     def take(self) -> dict[str, _Track]:
         with self._lock:
             tracks, self.tracks = self.tracks, {}
@@ -475,16 +484,11 @@ def _matches_one_shot(codec, seg: Segment, finish: str) -> bool:
         return False
     if finish == "length" and rest and rest[0] in codec.eos_ids:
         rest = rest[1:]
-    return rest == codec._separator
+    return rest == codec.separator
 
 
 def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> Rollout:
-    # calls of agents that were cancelled may still be queued: wait until the engine thread took them
-    while True:
-        with server._lock:
-            if all(t.pending == 0 for t in server.tracks.values()):
-                break
-        time.sleep(0.01)
+    server.settle()
     calls_per_engine_call = list(server.engine_calls)
     tracks = server.take()
     episodes = []
