@@ -12,6 +12,7 @@ import torch
 
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.tiny import build_chat_tokenizer, build_tiny_llama, load_tokenizer
+from verl_ds.errors import ConfigError
 from verl_ds.rollout import HFRollout
 from verl_ds.rollout.agent_server import EPISODE_HEADER, AgentServer, run_agents
 
@@ -205,3 +206,16 @@ def test_an_agent_that_raises_or_hangs_is_counted_and_the_others_return(chat_mod
     assert ro.env_rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert ro.episodes[1].failure.startswith("RuntimeError") and "timed out" in ro.episodes[2].failure
     assert len(ro.batch) == 4  # the failed episodes' calls are rows too, with reward 0
+
+
+def test_an_agent_that_is_not_an_async_function_is_one_line_before_anything_runs(chat_model):
+    def sync_agent(client, example):
+        return 1.0
+
+    async def no_example(client):
+        return 1.0
+
+    with pytest.raises(ConfigError, match="sync_agent.*is not an `async def agent"):
+        _run(chat_model, sync_agent, [{"prompt": "x"}], 1)
+    with pytest.raises(ConfigError, match="must take"):
+        _run(chat_model, no_example, [{"prompt": "x"}], 1)

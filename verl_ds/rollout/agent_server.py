@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
 import queue
 import secrets
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
 from fastapi.responses import JSONResponse
+
+from verl_ds.errors import ConfigError, shown
 
 from .engine import RolloutEngine
 from .episodes import Episode, Rollout, Segment, _assemble
@@ -438,6 +441,7 @@ async def arun_agents(
     """`n` episodes of `agent_fn` per example on a started `server`, concurrently: the rows their
     calls built, each episode's reward (an agent that raises or times out: 0, counted in
     `agent/failures`) as `env_rewards`, group = the example's index."""
+    check_agent(agent_fn)
     ids = [f"{step}-{g}-{j}" for g in range(len(examples)) for j in range(n)]
     server.begin(run_seed, step, ids)
     results = await asyncio.gather(
@@ -447,7 +451,20 @@ async def arun_agents(
             for j in range(n)
         ]
     )
+    await asyncio.to_thread(server.settle)  # calls of agents cancelled at their timeout may still be queued
     return _rollout(server, ids, results, n)
+
+
+def check_agent(agent_fn, where: str = "agent") -> None:
+    """An agent is `async def agent(client, example) -> float`: anything else is one line now, not a
+    failure counted in every episode."""
+    name = getattr(agent_fn, "__name__", None) or shown(agent_fn)
+    if not inspect.iscoroutinefunction(agent_fn):
+        raise ConfigError(where, f"{name} is not an `async def agent(client, example)` function")
+    try:
+        inspect.signature(agent_fn).bind(None, None)
+    except TypeError:
+        raise ConfigError(where, f"{name} must take (client, example)") from None
 
 
 def run_agents(
@@ -469,6 +486,7 @@ def run_agents(
     dict) -> float` `n` times per example concurrently, stop the endpoint, return the `Rollout`.
     Synchronous: call it outside a running event loop (inside one, use `arun_agents`)."""
     server = AgentServer(engine, codec, temperature, top_p, max_new_tokens, max_model_len, batch_window_s)
+    check_agent(agent_fn)
     with server:
         return asyncio.run(arun_agents(agent_fn, examples, n, server, run_seed, step, timeout_s))
 
@@ -488,7 +506,6 @@ def _matches_one_shot(codec, seg: Segment, finish: str) -> bool:
 
 
 def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> Rollout:
-    server.settle()
     calls_per_engine_call = list(server.engine_calls)
     tracks = server.take()
     episodes = []
@@ -530,4 +547,4 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
     return ro
 
 
-__all__ = ["AgentServer", "run_agents", "arun_agents", "EPISODE_HEADER"]
+__all__ = ["AgentServer", "run_agents", "arun_agents", "check_agent", "EPISODE_HEADER"]
