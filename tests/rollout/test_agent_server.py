@@ -219,3 +219,26 @@ def test_an_agent_that_is_not_an_async_function_is_one_line_before_anything_runs
         _run(chat_model, sync_agent, [{"prompt": "x"}], 1)
     with pytest.raises(ConfigError, match="must take"):
         _run(chat_model, no_example, [{"prompt": "x"}], 1)
+
+
+@pytest.mark.numerics
+def test_the_trainer_scores_an_agents_rows_as_the_engine_sampled_them(chat_model):
+    """The rows are trainable as they are: a real Reference engine scoring them (environment tokens
+    attended to, not scored) gives the rollout's logprobs on every model token."""
+    from tests.rollout.test_episodes import trainer_logprobs_match_on_model_tokens
+
+    engine = chat_model[0]
+
+    async def agent(client, example):
+        messages = [{"role": "user", "content": example["prompt"]}]
+        for _ in range(3):
+            r = await client.chat.completions.create(model="p", messages=messages)
+            messages += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": "more"},
+            ]
+        return 1.0
+
+    ro = _run(chat_model, agent, [{"prompt": "abc"}, {"prompt": "xyz"}], 2)
+    assert ro.batch.multi_turn and len(ro.batch) == 4 and ro.metrics["multi_turn/forks"] == 0.0
+    assert trainer_logprobs_match_on_model_tokens(ro, engine.model_path) <= 1e-5
