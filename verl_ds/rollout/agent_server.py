@@ -1,0 +1,550 @@
+"""Agents as they are: an OpenAI-compatible `/v1/chat/completions` endpoint that records tokens.
+
+An agent written against the `openai` client talks to `AgentServer` (FastAPI under uvicorn, in a
+background thread, bound to 127.0.0.1 on a free port, every request carrying the run's secret as
+`Authorization: Bearer <key>`). Each request names its episode in the `X-Episode-Id` header. The
+server renders the messages with the model's chat template (the `ChatCodec`), generates with the
+rollout engine, and answers in OpenAI's shape plus the ids it fed and sampled
+(`prompt_token_ids`, `generation_token_ids`, `generation_log_probs`).
+
+Token-exact rows, as the environment path (`episodes.py`) builds them: a call whose conversation
+continues the episode's previous call (its messages, then the assistant reply the server sent, then
+new messages) is fed the previous call's ids + the reply's sampled ids + the new messages' ids
+(`ChatCodec.observation_ids`), so the model's tokens are never re-tokenized from text; the ids in
+between are environment tokens (loss mask 0), the completion is the model's (mask 1, its rollout
+logprobs). A call whose one-shot rendering extends the previous call's ids as ids also continues.
+Any other call (the agent edited or dropped history) starts a new row: a fork.
+
+The trainer owns sampling: temperature, top_p, the token budget and the seed are the server's;
+a client's differing values are listed in the response's `verl_ds.overridden`. Requests that
+arrive together are generated in one engine call: one worker thread takes the queue, waits
+`batch_window_s` for more, and sends them all (each with its own seed and budget; the call runs to
+the largest budget and each completion is cut to its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import queue
+import secrets
+import socket
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
+from fastapi.responses import JSONResponse
+
+from verl_ds.errors import ConfigError, shown
+
+from .engine import RolloutEngine
+from .episodes import Episode, Rollout, Segment, _assemble
+from .seeding import turn_seed
+
+log = logging.getLogger(__name__)
+
+EPISODE_HEADER = "X-Episode-Id"
+# client parameters the trainer owns: its value is used, the client's (when it differs) reported
+_OWNED = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "n")
+# accepted and not applied yet (reported in `verl_ds.ignored`)
+_IGNORED = ("stop", "tools", "tool_choice", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty")
+
+
+class RequestError(Exception):
+    """A request the server cannot serve: answered with `status` and the message, never raised out."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Call:
+    prompt_ids: list[int]
+    messages: list[dict]  # the request's conversation, the assistant reply appended once generated
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = "stop"
+
+
+@dataclass
+class _Track:
+    """One episode's calls and the rows they built."""
+
+    index: int  # seeds: the episode's position in the run
+    segments: list[Segment] = field(default_factory=list)
+    last: _Call | None = None  # the previous finished call, what the next may continue
+    calls: int = 0
+    pending: int = 0  # calls taken, not yet generated (a concurrent call cannot continue them)
+    finish: str = "stop"
+    last_action: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    track: _Track
+    call: _Call
+    seed: int
+    budget: int
+    future: concurrent.futures.Future
+    continues: bool  # extends the track's last segment (False: a new row)
+
+
+def _text(content) -> str:
+    """A message's content as text: a string, or OpenAI's list of parts (text parts only)."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise RequestError(400, "only text message content is supported")
+
+
+def _messages(raw) -> list[dict]:
+    if not isinstance(raw, list) or not raw:
+        raise RequestError(400, "`messages` must be a non-empty list")
+    out = []
+    for m in raw:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(400, "each message needs a `role`")
+        if m.get("tool_calls"):
+            raise RequestError(400, "assistant `tool_calls` messages are not supported yet")
+        out.append({"role": m["role"], "content": _text(m.get("content"))})
+    return out
+
+
+class AgentServer:
+    """The endpoint over `engine` (a `RolloutEngine`) and `codec` (a `ChatCodec` with a chat
+    template). `start()` binds 127.0.0.1 on a free port; `base_url` and `api_key` are what a client
+    needs. `begin(run_seed, step)` opens a round of episodes, `take()` hands back their records."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        codec,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 64,
+        max_model_len: int = 256,
+        batch_window_s: float = 0.02,
+        max_batch: int = 64,
+        api_key: str | None = None,
+    ):
+        if not codec.use_template:
+            raise ValueError("the agent endpoint renders chat messages: the codec needs a chat template")
+        codec.check_turns()
+        self.engine, self.codec = engine, codec
+        self.temperature, self.top_p = temperature, top_p
+        self.max_new_tokens, self.max_model_len = max_new_tokens, max_model_len
+        self.batch_window_s, self.max_batch = batch_window_s, max_batch
+        self.api_key = api_key or secrets.token_urlsafe(32)
+        self.run_seed, self.step = 0, 0
+        self.tracks: dict[str, _Track] = {}
+        self.engine_calls: list[int] = []  # requests per engine call (how well calls were batched)
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._server = self._thread = self._worker = None
+        self.host, self.port = "127.0.0.1", 0
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self) -> AgentServer:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))  # loopback only: the endpoint serves this machine's agents
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._worker = threading.Thread(target=self._work, name="agent-server-engine", daemon=True)
+        self._worker.start()
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="agent-server-http", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agent endpoint did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; requests already queued are generated and recorded first."""
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join()
+            self._queue.put(None)
+            self._worker.join()
+            self._server = None
+
+    def __enter__(self) -> AgentServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def begin(self, run_seed: int = 0, step: int | str = 0, episode_ids: list[str] = ()) -> None:
+        """A new round: earlier episodes are dropped; `episode_ids` get positions (seeds) in order,
+        an unknown id one from its hash."""
+        with self._lock:
+            self.run_seed, self.step = run_seed, step
+            self.tracks = {e: _Track(index=i) for i, e in enumerate(episode_ids)}
+            self.engine_calls = []
+
+    def settle(self) -> None:
+        """Wait until every call taken has been generated and recorded (an agent cancelled at its
+        timeout may leave its last call queued: its row must not change after it is assembled)."""
+        while True:
+            with self._lock:
+                if all(t.pending == 0 for t in self.tracks.values()):
+                    return
+            time.sleep(0.01)
+
+    def take(self) -> dict[str, _Track]:
+        with self._lock:
+            tracks, self.tracks = self.tracks, {}
+        return tracks
+
+    # ------------------------------------------------------------------ HTTP
+    def _app(self):
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+        def error(status: int, message: str) -> JSONResponse:
+            kind = "authentication_error" if status == 401 else "invalid_request_error"
+            return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            auth = request.headers.get("authorization", "")
+            if not secrets.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
+                return error(401, "a valid `Authorization: Bearer <key>` is required")
+            try:
+                body = await request.json()
+            except ValueError:
+                return error(400, "the body is not JSON")
+            try:
+                if not isinstance(body, dict):
+                    raise RequestError(400, "the body must be a JSON object")
+                if body.get("stream"):
+                    raise RequestError(400, "streaming is not supported")
+                episode = request.headers.get(EPISODE_HEADER) or f"anonymous-{uuid.uuid4().hex}"
+                job = self._submit(episode, _messages(body.get("messages")))
+            except RequestError as e:
+                return error(e.status, str(e))
+            try:
+                await asyncio.wrap_future(job.future)
+            except Exception as e:  # the engine failed: this request fails, the server keeps serving
+                log.warning("agent endpoint: generation failed", exc_info=e)
+                return error(500, f"generation failed: {type(e).__name__}: {e}")
+            return JSONResponse(self._response(job, body))
+
+        return app
+
+    def _response(self, job: _Job, body: dict) -> dict:
+        call = job.call
+        owned = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": job.budget,
+            "max_completion_tokens": job.budget,
+            "seed": job.seed,
+            "n": 1,
+        }
+        overridden = [k for k in _OWNED if body.get(k) is not None and body[k] != owned[k]]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or "verl-ds-policy",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": call.messages[-1]["content"]},
+                    "finish_reason": call.finish,
+                    "logprobs": None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(call.prompt_ids),
+                "completion_tokens": len(call.ids),
+                "total_tokens": len(call.prompt_ids) + len(call.ids),
+            },
+            "prompt_token_ids": call.prompt_ids,
+            "generation_token_ids": call.ids,
+            "generation_log_probs": call.logprobs,
+            "verl_ds": {
+                "overridden": overridden,
+                "ignored": [k for k in _IGNORED if body.get(k) is not None],
+                "sampling": {
+                    "temperature": self.temperature,
+                    "top_p": self.top_p,
+                    "max_tokens": job.budget,
+                    "seed": job.seed,
+                },
+                "continues_row": job.continues,
+            },
+        }
+
+    # ------------------------------------------------------------------ calls -> ids
+    def _submit(self, episode: str, messages: list[dict]) -> _Job:
+        """Decide the call's ids (continue the episode's row, or fork one) and queue it."""
+        codec = self.codec
+        with self._lock:
+            track = self.tracks.get(episode)
+            if track is None:
+                track = self.tracks[episode] = _Track(index=(1 << 31) + zlib.crc32(episode.encode()))
+            prev = track.last if track.pending == 0 else None  # a concurrent call of one episode forks
+            prompt, continues = None, False
+            if prev is not None:
+                prev_ids = prev.prompt_ids + prev.ids
+                n = len(prev.messages)
+                if (
+                    prev.finish == "stop"
+                    and len(messages) > n
+                    and messages[:n] == prev.messages
+                    and codec.extends(prev.messages, messages)
+                ):  # the conversation as the server left it, then new messages: ids, not re-rendered text
+                    prompt, continues = prev_ids + codec.observation_ids(messages[n:]), True
+                else:
+                    rendered = codec.render_ids(messages, add_generation_prompt=True)
+                    if len(rendered) > len(prev_ids) and rendered[: len(prev_ids)] == prev_ids:
+                        prompt, continues = rendered, True
+            if prompt is None:
+                prompt = codec.render_ids(messages, add_generation_prompt=True)
+            budget = min(self.max_new_tokens, self.max_model_len - len(prompt))
+            if budget < 1:
+                raise RequestError(
+                    400,
+                    f"the conversation is {len(prompt)} tokens: no room left under max_model_len {self.max_model_len}",
+                )
+            seed = turn_seed(self.run_seed, self.step, track.index, 0, track.calls)
+            track.calls += 1
+            track.pending += 1
+            job = _Job(track, _Call(prompt, list(messages)), seed, budget, concurrent.futures.Future(), continues)
+        self._queue.put(job)
+        return job
+
+    def _work(self) -> None:
+        """The engine's one thread: take what is queued (waiting `batch_window_s` for more), one
+        engine call for all of it."""
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            jobs, stop = [first], False
+            deadline = time.monotonic() + self.batch_window_s
+            while len(jobs) < self.max_batch:
+                try:
+                    job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if job is None:
+                    stop = True
+                    break
+                jobs.append(job)
+            self._generate(jobs)
+            if stop:
+                return
+
+    def _generate(self, jobs: list[_Job]) -> None:
+        try:
+            out = self.engine.generate(
+                [j.call.prompt_ids for j in jobs],
+                1,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_new_tokens=max(j.budget for j in jobs),
+                seeds=[j.seed for j in jobs],
+            )
+            rows = out.to_lists()
+        except Exception as e:
+            with self._lock:
+                for j in jobs:
+                    j.track.pending -= 1
+            for j in jobs:
+                j.future.set_exception(e)
+            return
+        self.engine_calls.append(len(jobs))
+        with self._lock:
+            for j, ids, lps, reason in zip(jobs, rows["responses"], rows["logprobs"], rows["finish_reasons"]):
+                if len(ids) > j.budget:  # this call's own budget (the engine ran to the largest one)
+                    ids, lps, reason = ids[: j.budget], lps[: j.budget], "length"
+                self._record(j, ids, lps, reason)
+        for j in jobs:
+            j.future.set_result(None)
+
+    def _record(self, job: _Job, ids: list[int], lps: list[float], reason: str) -> None:
+        call, track = job.call, job.track
+        call.ids, call.logprobs, call.finish = list(ids), list(lps), reason
+        call.messages.append({"role": "assistant", "content": self.codec.action_text(ids)})
+        if job.continues and track.segments:
+            seg = track.segments[-1]
+            seg.add(call.prompt_ids[len(seg.prompt_ids) + len(seg.ids) :], model=False)
+        else:
+            seg = Segment(list(call.prompt_ids), [])
+            track.segments.append(seg)
+        seg.add(call.ids, model=True, logprobs=call.logprobs)
+        seg.messages = list(call.messages)
+        track.last, track.finish, track.last_action = call, reason, call.ids
+        track.pending -= 1
+
+
+# ---------------------------------------------------------------------------- the runner
+
+
+async def _run_one(agent_fn, server: AgentServer, episode: str, example: dict, timeout_s: float):
+    """One agent with its own client; (reward, failure message)."""
+    import httpx
+    import openai
+
+    http = httpx.AsyncClient(trust_env=False, timeout=timeout_s)  # loopback: never through a proxy
+    client = openai.AsyncOpenAI(
+        base_url=server.base_url,
+        api_key=server.api_key,
+        default_headers={EPISODE_HEADER: episode},
+        max_retries=0,
+        http_client=http,
+    )
+    try:
+        reward = await asyncio.wait_for(agent_fn(client, example), timeout=timeout_s)
+        return float(reward), ""
+    except asyncio.TimeoutError:
+        return 0.0, f"timed out after {timeout_s}s"
+    except Exception as e:  # the agent's own mistake ends only its episode, counted
+        log.warning("agent failure (reward 0, counted in agent/failures): %s", e, exc_info=e)
+        return 0.0, f"{type(e).__name__}: {e}"
+    finally:
+        await client.close()
+        await http.aclose()
+
+
+async def arun_agents(
+    agent_fn,
+    examples: list[dict],
+    n: int,
+    server: AgentServer,
+    run_seed: int = 0,
+    step: int | str = 0,
+    timeout_s: float = 300.0,
+) -> Rollout:
+    """`n` episodes of `agent_fn` per example on a started `server`, concurrently: the rows their
+    calls built, each episode's reward (an agent that raises or times out: 0, counted in
+    `agent/failures`) as `env_rewards`, group = the example's index."""
+    check_agent(agent_fn)
+    ids = [f"{step}-{g}-{j}" for g in range(len(examples)) for j in range(n)]
+    server.begin(run_seed, step, ids)
+    results = await asyncio.gather(
+        *[
+            _run_one(agent_fn, server, ids[g * n + j], examples[g], timeout_s)
+            for g in range(len(examples))
+            for j in range(n)
+        ]
+    )
+    await asyncio.to_thread(server.settle)  # calls of agents cancelled at their timeout may still be queued
+    return _rollout(server, ids, results, n)
+
+
+def check_agent(agent_fn, where: str = "agent") -> None:
+    """An agent is `async def agent(client, example) -> float`: anything else is one line now, not a
+    failure counted in every episode."""
+    name = getattr(agent_fn, "__name__", None) or shown(agent_fn)
+    if not inspect.iscoroutinefunction(agent_fn):
+        raise ConfigError(where, f"{name} is not an `async def agent(client, example)` function")
+    try:
+        inspect.signature(agent_fn).bind(None, None)
+    except TypeError:
+        raise ConfigError(where, f"{name} must take (client, example)") from None
+
+
+def run_agents(
+    agent_fn,
+    examples: list[dict],
+    n: int,
+    engine: RolloutEngine,
+    codec,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 64,
+    max_model_len: int = 256,
+    run_seed: int = 0,
+    step: int | str = 0,
+    timeout_s: float = 300.0,
+    batch_window_s: float = 0.02,
+) -> Rollout:
+    """Start an endpoint over `engine`, run `async def agent_fn(client: openai.AsyncOpenAI, example:
+    dict) -> float` `n` times per example concurrently, stop the endpoint, return the `Rollout`.
+    Synchronous: call it outside a running event loop (inside one, use `arun_agents`)."""
+    server = AgentServer(engine, codec, temperature, top_p, max_new_tokens, max_model_len, batch_window_s)
+    check_agent(agent_fn)
+    with server:
+        return asyncio.run(arun_agents(agent_fn, examples, n, server, run_seed, step, timeout_s))
+
+
+def _matches_one_shot(codec, seg: Segment, finish: str) -> bool:
+    """A row's ids equal the one-shot rendering of its conversation, up to what the model did not
+    generate at the end: the separator after its eos, or, for a turn cut at the budget, the
+    template's end-of-turn too (earlier cut turns are closed by environment tokens in the row)."""
+    ours = seg.prompt_ids + seg.ids
+    ref = codec.render_ids(seg.messages)
+    rest = ref[len(ours) :]
+    if ref[: len(ours)] != ours:
+        return False
+    if finish == "length" and rest and rest[0] in codec.eos_ids:
+        rest = rest[1:]
+    return rest == codec.separator
+
+
+def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> Rollout:
+    calls_per_engine_call = list(server.engine_calls)
+    tracks = server.take()
+    episodes = []
+    for k, (eid, (reward, failure)) in enumerate(zip(ids, results)):
+        t = tracks.get(eid) or _Track(index=k)
+        episodes.append(
+            Episode(
+                group=k // n,
+                sample=k % n,
+                env=None,
+                segments=t.segments,
+                reward=reward,
+                turns=t.calls,
+                finish=t.finish,
+                last_action=list(t.last_action),
+                live=False,
+                failure=failure,
+            )
+        )
+    ro = _assemble(episodes, server.codec, server.engine.pad_id, strict=False)
+    checked = [
+        (seg, ep.finish if k == len(ep.segments) - 1 else "stop")
+        for ep in episodes
+        for k, seg in enumerate(ep.segments)
+    ]
+    mismatched = sum(not _matches_one_shot(server.codec, seg, finish) for seg, finish in checked)
+    ro.metrics["multi_turn/token_mismatch_fraction"] = mismatched / max(len(checked), 1)
+    failures = ro.metrics.pop("env/failures")
+    for key in ("tools/call_frequency", "tools/failure_frequency"):  # the agent's tools are not seen here
+        ro.metrics.pop(key)
+    ro.metrics.update(
+        {
+            "agent/failures": failures,
+            "agent/calls/mean": sum(ep.turns for ep in episodes) / max(len(episodes), 1),
+            "agent/episodes_without_calls": float(sum(not ep.segments for ep in episodes)),
+            "agent/requests_per_engine_call/mean": sum(calls_per_engine_call) / max(len(calls_per_engine_call), 1),
+        }
+    )
+    return ro
+
+
+__all__ = ["AgentServer", "run_agents", "arun_agents", "check_agent", "EPISODE_HEADER"]
