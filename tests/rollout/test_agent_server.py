@@ -15,6 +15,7 @@ from verl_ds.data.tiny import build_chat_tokenizer, build_tiny_llama, load_token
 from verl_ds.errors import ConfigError
 from verl_ds.rollout import HFRollout
 from verl_ds.rollout.agent_server import EPISODE_HEADER, AgentServer, run_agents
+from verl_ds.rollout.episodes import Sampling, SeedKey
 
 MAX_NEW = 24  # the random tiny model ends some turns with eos and runs others to the budget
 
@@ -29,9 +30,8 @@ def chat_model(tmp_path_factory):
 
 def _run(chat_model, agent, examples, n, **kw):
     engine, _, codec = chat_model
-    kw.setdefault("max_new_tokens", MAX_NEW)
-    kw.setdefault("max_model_len", 512)
-    return run_agents(agent, examples, n, engine, codec, run_seed=3, step=1, **kw)
+    sampling = Sampling(n=n, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW)
+    return run_agents(agent, examples, engine, codec, sampling, max_model_len=512, seed=SeedKey(3, 1), **kw)
 
 
 def test_an_agents_calls_are_one_token_exact_row(chat_model):
@@ -157,7 +157,7 @@ def test_an_agent_that_edits_history_forks_a_new_row(chat_model):
 
 def test_the_key_is_required_and_only_loopback_is_bound(chat_model):
     engine, _, codec = chat_model
-    with AgentServer(engine, codec, max_new_tokens=4, max_model_len=512) as server:
+    with AgentServer(engine, codec, Sampling(n=1, temperature=1.0, top_p=1.0, max_new_tokens=4), 512) as server:
         assert server.host == "127.0.0.1"
         bound = [s.getsockname()[0] for srv in server._server.servers for s in srv.sockets]
         assert bound == ["127.0.0.1"]

@@ -43,7 +43,7 @@ from fastapi.responses import JSONResponse
 from verl_ds.errors import ConfigError, shown
 
 from .engine import RolloutEngine
-from .episodes import Episode, Rollout, Segment, _assemble
+from .episodes import Episode, Rollout, Sampling, SeedKey, Segment, _assemble
 from .seeding import turn_seed
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,10 @@ def _messages(raw) -> list[dict]:
     return out
 
 
+ONE_SAMPLE = Sampling(n=1, temperature=1.0, top_p=1.0, max_new_tokens=64)
+FIRST_STEP = SeedKey(run_seed=0, step=0)
+
+
 class AgentServer:
     """The endpoint over `engine` (a `RolloutEngine`) and `codec` (a `ChatCodec` with a chat
     template). `start()` binds 127.0.0.1 on a free port; `base_url` and `api_key` are what a client
@@ -128,9 +132,7 @@ class AgentServer:
         self,
         engine: RolloutEngine,
         codec,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 64,
+        sampling: Sampling = ONE_SAMPLE,
         max_model_len: int = 256,
         batch_window_s: float = 0.02,
         max_batch: int = 64,
@@ -140,8 +142,7 @@ class AgentServer:
             raise ValueError("the agent endpoint renders chat messages: the codec needs a chat template")
         codec.check_turns()
         self.engine, self.codec = engine, codec
-        self.temperature, self.top_p = temperature, top_p
-        self.max_new_tokens, self.max_model_len = max_new_tokens, max_model_len
+        self.sampling, self.max_model_len = sampling, max_model_len  # `sampling.n`: episodes per example
         self.batch_window_s, self.max_batch = batch_window_s, max_batch
         self.api_key = api_key or secrets.token_urlsafe(32)
         self.run_seed, self.step = 0, 0
@@ -254,8 +255,8 @@ class AgentServer:
     def _response(self, job: _Job, body: dict) -> dict:
         call = job.call
         owned = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
+            "temperature": self.sampling.temperature,
+            "top_p": self.sampling.top_p,
             "max_tokens": job.budget,
             "max_completion_tokens": job.budget,
             "seed": job.seed,
@@ -287,8 +288,8 @@ class AgentServer:
                 "overridden": overridden,
                 "ignored": [k for k in _IGNORED if body.get(k) is not None],
                 "sampling": {
-                    "temperature": self.temperature,
-                    "top_p": self.top_p,
+                    "temperature": self.sampling.temperature,
+                    "top_p": self.sampling.top_p,
                     "max_tokens": job.budget,
                     "seed": job.seed,
                 },
@@ -322,7 +323,7 @@ class AgentServer:
                         prompt, continues = rendered, True
             if prompt is None:
                 prompt = codec.render_ids(messages, add_generation_prompt=True)
-            budget = min(self.max_new_tokens, self.max_model_len - len(prompt))
+            budget = min(self.sampling.max_new_tokens, self.max_model_len - len(prompt))
             if budget < 1:
                 raise RequestError(
                     400,
@@ -362,8 +363,8 @@ class AgentServer:
             out = self.engine.generate(
                 [j.call.prompt_ids for j in jobs],
                 1,
-                temperature=self.temperature,
-                top_p=self.top_p,
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
                 max_new_tokens=max(j.budget for j in jobs),
                 seeds=[j.seed for j in jobs],
             )
@@ -470,25 +471,21 @@ def check_agent(agent_fn, where: str = "agent") -> None:
 def run_agents(
     agent_fn,
     examples: list[dict],
-    n: int,
     engine: RolloutEngine,
     codec,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    max_new_tokens: int = 64,
+    sampling: Sampling,
     max_model_len: int = 256,
-    run_seed: int = 0,
-    step: int | str = 0,
+    seed: SeedKey = FIRST_STEP,
     timeout_s: float = 300.0,
     batch_window_s: float = 0.02,
 ) -> Rollout:
     """Start an endpoint over `engine`, run `async def agent_fn(client: openai.AsyncOpenAI, example:
-    dict) -> float` `n` times per example concurrently, stop the endpoint, return the `Rollout`.
+    dict) -> float` `sampling.n` times per example concurrently, stop the endpoint, return the `Rollout`.
     Synchronous: call it outside a running event loop (inside one, use `arun_agents`)."""
-    server = AgentServer(engine, codec, temperature, top_p, max_new_tokens, max_model_len, batch_window_s)
+    server = AgentServer(engine, codec, sampling, max_model_len, batch_window_s)
     check_agent(agent_fn)
     with server:
-        return asyncio.run(arun_agents(agent_fn, examples, n, server, run_seed, step, timeout_s))
+        return asyncio.run(arun_agents(agent_fn, examples, sampling.n, server, seed.run_seed, seed.step, timeout_s))
 
 
 def _matches_one_shot(codec, seg: Segment, finish: str) -> bool:
