@@ -1,9 +1,11 @@
 """The GPU memory hand-off's order through real trainer steps with a real in-process vLLM engine.
 
 Run by test_offload.py in a fresh pytest process: an in-process engine destroys the default process
-group at shutdown. CPU vLLM has no sleep mode, so the engine object's `llm.sleep` / `llm.wake_up`
-are recorded instead of called (and `sleeps` is set as on a GPU); generation, the weight sync and the
-actor's sleep (forced: a host-to-host move through DeepSpeed, tests/roles/test_sleep.py) are real.
+group at shutdown. `sleeps` is set as on a GPU; every call is recorded and then made, to the real
+engine: vLLM's own `sleep` / `wake_up` (on CPU its worker frees nothing, but its engine core pauses
+the scheduler at sleep and resumes it only once everything is awake again, so a generation or a sync
+in the wrong state would show here), generation, the weight sync, and the actor's sleep (forced: a
+host-to-host move through DeepSpeed, tests/roles/test_sleep.py).
 """
 
 import itertools
@@ -34,16 +36,17 @@ def record(trainer) -> list[str]:
     calls: list[str] = []
     llm, actor = trainer.rollout.llm, trainer.actor
     trainer.rollout.sleeps = True
-    llm.sleep = lambda level: calls.append(f"vllm.sleep({level})")
-    llm.wake_up = lambda tags: calls.append(f"vllm.wake({','.join(tags)})")
 
     def traced(name, fn, note=lambda *a, **k: True):
         def call(*a, **k):
             if note(*a, **k):
-                calls.append(name)
+                calls.append(name(*a, **k) if callable(name) else name)
             return fn(*a, **k)
 
         return call
+
+    llm.sleep = traced(lambda level: f"vllm.sleep({level})", llm.sleep)
+    llm.wake_up = traced(lambda tags: f"vllm.wake({','.join(tags)})", llm.wake_up)
 
     llm.generate = traced("generate", llm.generate)
     llm.collective_rpc = traced("load", llm.collective_rpc, lambda method, **k: method == "load_named_tensors")
