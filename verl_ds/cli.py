@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import warnings
@@ -18,6 +17,7 @@ import yaml
 
 from verl_ds import __version__
 from verl_ds.errors import ConfigError, RunFailure
+from verl_ds.process import log_to_console
 
 
 class _Parser(argparse.ArgumentParser):
@@ -289,22 +289,10 @@ def cmd_debug_precision(args) -> int:
     return 0
 
 
-def _log_to_console() -> None:
-    """verl-ds's own lines on stdout, prefixed; other libraries' INFO chatter (compiler probes, font
-    caches) stays off the console: the root logger is at WARNING, only verl_ds's at INFO."""
-    logging.basicConfig(level=logging.WARNING, format="[verl-ds] %(message)s", stream=sys.stdout)
-    logging.getLogger("verl_ds").setLevel(logging.INFO)
-    # torchao (int8 roles; transformers imports it whenever installed) warns on every import that its
-    # CUDA kernels do not load on a CPU machine and that it uses a deprecated torch pytree call: not
-    # actionable by users
-    for name in ("torchao", "torch.utils._pytree"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.exiting = argv is None  # a program (not a call from Python): the process ends after the command
-    _log_to_console()
+    log_to_console()
     # torch.distributed's deprecation notices for calls DeepSpeed makes: not actionable by users
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     handlers = {"train": cmd_train, "config": cmd_config, "bench": cmd_bench, "debug": cmd_debug}

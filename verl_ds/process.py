@@ -15,6 +15,7 @@ import gc
 import glob
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -150,3 +151,15 @@ def remove_deepspeed_shm_buffer() -> None:
 def remove_deepspeed_shm_at_exit() -> None:
     """Register `remove_deepspeed_shm_buffer` to run when the process exits (CPU process groups)."""
     atexit.register(remove_deepspeed_shm_buffer)
+
+
+def log_to_console() -> None:
+    """verl-ds's own lines on stdout, prefixed; other libraries' INFO chatter (compiler probes, font
+    caches) stays off the console: the root logger is at WARNING, only verl_ds's at INFO."""
+    logging.basicConfig(level=logging.WARNING, format="[verl-ds] %(message)s", stream=sys.stdout)
+    logging.getLogger("verl_ds").setLevel(logging.INFO)
+    # torchao (int8 roles; transformers imports it whenever installed) warns on every import that its
+    # CUDA kernels do not load on a CPU machine and that it uses a deprecated torch pytree call: not
+    # actionable by users
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)

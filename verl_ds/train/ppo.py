@@ -4,10 +4,10 @@ onto the run config, then the same trainer as `verl-ds train`."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from verl_ds.errors import ConfigError
+from verl_ds.process import log_to_console
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +51,7 @@ def to_overrides(args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[verl-ds] %(message)s", stream=sys.stdout)
+    log_to_console()
     try:
         from verl_ds.config import load_config
         from verl_ds.trainer import train

@@ -10,7 +10,7 @@ from verl_ds.config import RunConfig, active_roles, token_budget, validate_paths
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import load_examples, tokenize_prompts
 from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
-from verl_ds.diagnostics.memory import choose_zero_stages, estimate_memory, load_shape, role_shapes, workload
+from verl_ds.diagnostics.memory import BYTES, choose_zero_stages, load_shape, role_shapes, rollout_memory, workload
 from verl_ds.dist import barrier, on_gpu, rank, world_size
 from verl_ds.ds_config import render_ds_configs
 from verl_ds.envs import load_env_factory, tool_schemas
@@ -120,16 +120,11 @@ def check_batch_fits(cfg: RunConfig, model_path: str, precision: ResolvedPrecisi
     """Refuse, before any engine, a rollout batch whose own buffers (the `debug memory` estimate of its
     ids, masks and logprobs, and HF generate's cache) exceed this rank's memory whatever the ZeRO
     stage: `rollout.n: 1000000000` is one line now, not a MemoryError or the OOM killer later."""
-
-    gpu_gib = rank_budget(cfg, world) / 2**30 if on_gpu() else None
-    est = estimate_memory(
-        cfg, load_shape(model_path), render_ds_configs(cfg, world, precision), world, precision.rollout, gpu_gib
-    )
-    gen = est["rollout"]["rollout"]
+    budget, shape, w, dtype = rank_budget(cfg, world), load_shape(model_path), workload(cfg, world), precision.rollout
+    weights = shape.params("lm") * BYTES[dtype]  # only the rollout stage's batch terms are read below
+    gen = rollout_memory(shape, cfg.rollout, dtype, w, 0.0, budget / 2**30 if on_gpu() else None, weights)["rollout"]
     need = gen.get("logits_buffer", 0.0) + (gen.get("kv_cache", 0.0) if cfg.rollout.engine == "hf" else 0.0)
-    budget = rank_budget(cfg, world)
     if need > budget:
-        w = workload(cfg, world)
         raise ConfigError(
             "rollout.n",
             f"trainer.prompts_per_step x rollout.n = {cfg.trainer.prompts_per_step * cfg.rollout.n:,} rows "
