@@ -26,7 +26,7 @@ from verl_ds.algos import (
     POLICY_LOSSES,
 )
 from verl_ds.data.reward import get_reward_fn
-from verl_ds.envs import load_env_factory, load_tools
+from verl_ds.envs import import_object, load_env_factory, load_tools
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import INT8_ROLES, TRAINED_ROLES, PrecisionConfig
 from verl_ds.rollout.weights import safetensors_damage
@@ -113,6 +113,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 class TinyModelConfig:
     """Used when `model.path: tiny`: a random-init char-level Llama is built in the run dir."""
 
+    tokenizer: str = opt(
+        "char",
+        "char: digits and operators, no chat template | chat: printable ASCII with a ChatML template (agents)",
+        choices=("char", "chat"),
+    )
     hidden: int = opt(128, "hidden size", gt=0)
     layers: int = opt(2, "decoder layers", gt=0)
     heads: int = opt(4, "attention heads (must divide hidden)", gt=0)
@@ -284,10 +289,19 @@ class AlgorithmConfig:
 
 @dataclass
 class MultiTurnConfig:
-    """Multi-turn episodes (agents, tools, environments); see docs/ENVIRONMENTS.md. No `env`: every
-    episode is one turn (a single-turn job)."""
+    """Multi-turn episodes (agents, tools, environments); see docs/ENVIRONMENTS.md. Neither `env` nor
+    `agent`: every episode is one turn (a single-turn job)."""
 
     env: str = opt("", "tools | retry | pkg.module:Class (importable from PYTHONPATH); empty: single-turn")
+    agent: str = opt(
+        "",
+        "your OpenAI-client agent as it is, `pkg.module:function`: `async def fn(client: openai.AsyncOpenAI, "
+        "example: dict) -> float` (the reward), run rollout.n times per prompt against this rank's token-recording "
+        "endpoint; needs data.apply_chat_template; instead of env",
+    )
+    agent_timeout_s: float = opt(
+        300.0, "an agent episode running longer ends with reward 0, counted in agent/failures", gt=0
+    )
     env_kwargs: dict = opt(help="keyword arguments of the environment's constructor", factory=dict)
     max_turns: int = opt(4, "model turns per episode at most", gt=0)
     max_env_tokens: int = opt(0, "an observation's content is cut to this many tokens; 0: no cut", ge=0)
@@ -302,6 +316,11 @@ class MultiTurnConfig:
     tokenization_check: str = opt(
         "strict", "strict: compare each episode's ids with a one-shot render (a metric)", choices=("strict", "off")
     )
+
+    @property
+    def enabled(self) -> bool:
+        """Episodes of several turns: an environment's, or an agent's."""
+        return bool(self.env or self.agent)
 
 
 @dataclass
@@ -717,7 +736,22 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
         "rollout.multi_turn.env: tools needs at least one tool (e.g. [calculator])",
     )
     rule(
-        bool(mt.env) and a.overlong.buffer_len > 0,
+        bool(mt.env) and bool(mt.agent),
+        "rollout.multi_turn.agent",
+        "an agent runs its own episodes: set rollout.multi_turn.env or .agent, not both",
+    )
+    rule(
+        bool(mt.agent) and not d.apply_chat_template,
+        "rollout.multi_turn.agent",
+        "the agent's endpoint renders chat messages: set data.apply_chat_template: true",
+    )
+    rule(
+        bool(mt.agent) and r.tensor_parallel_size > 1,
+        "rollout.multi_turn.agent",
+        "agents run on one rank's own engine: rollout.tensor_parallel_size must be 1 for now",
+    )
+    rule(
+        mt.enabled and a.overlong.buffer_len > 0,
         "algorithm.overlong.buffer_len",
         "the overlong penalty measures one response against rollout.max_new_tokens; multi-turn rows hold several turns",
     )
@@ -800,7 +834,22 @@ def _name_errors(cfg: RunConfig) -> list[ConfigError]:
             load_env_factory(mt.env, mt.env_kwargs, tools)
         except ConfigError as e:
             out.append(e)
+    if mt.agent:
+        try:
+            load_agent(mt.agent)
+        except ConfigError as e:
+            out.append(e)
     return out
+
+
+def load_agent(spec: str, key: str = "rollout.multi_turn.agent"):
+    """`rollout.multi_turn.agent` resolved: an importable `async def fn(client, example)`, else one
+    line naming the key."""
+    from verl_ds.rollout.agent_server import check_agent  # the HTTP stack, imported by agent jobs only
+
+    fn = import_object(spec, key)
+    check_agent(fn, key)
+    return fn
 
 
 def validate_paths(cfg: RunConfig, missing_ok: bool = False) -> list[str]:
@@ -944,7 +993,7 @@ def longest_row(cfg: RunConfig) -> int:
     """The most tokens (prompt + response) one row of this run can hold: a cut prompt and a full
     response, or a multi-turn episode up to its token cap, never past the engine's context."""
     r, mt = cfg.rollout, cfg.rollout.multi_turn
-    response = (mt.max_total_tokens or r.max_model_len) if mt.env else r.max_new_tokens
+    response = (mt.max_total_tokens or r.max_model_len) if mt.enabled else r.max_new_tokens
     return min(r.max_model_len, cfg.data.max_prompt_length + response)
 
 

@@ -290,6 +290,36 @@ def test_multi_turn_zero3_vllm_lora_filter_groups_kill_resume(tmp_path):
     )
 
 
+def test_an_openai_client_agent_trains_under_the_launcher(tmp_path):
+    """`rollout.multi_turn.agent`: an agent written with the real `openai.AsyncOpenAI` client (three
+    calls, each offering a tool) trains 3 steps on 2 ranks (vLLM, ZeRO-3), each rank serving its own
+    endpoint. Its rows are the template's one-shot rendering of the conversations, the trainer's
+    logprobs on the model's tokens equal the engine's, the tool/user turns are environment tokens;
+    agents that edit history fork and agents that raise are counted while the run goes on."""
+    agent = [
+        "model.tiny.tokenizer=chat",
+        "data.apply_chat_template=true",
+        "data.reward_fn=none",
+        "rollout.multi_turn.agent=tests.e2e.agents:three_calls",
+        "rollout.max_new_tokens=4",
+        "trainer.steps=3",
+        "data.val_fraction=0.2",
+        "trainer.val_every=3",
+        "trainer.val_n=2",
+    ]
+    run = tmp_path / "run"
+    run_train("grpo_cpu_tiny.yaml", run, *FAST, *agent)
+    rows = _check_run(run, 3, ["agent/calls/mean", "agent/failures", "multi_turn/forks"])
+    for r in rows:
+        assert r["multi_turn/token_mismatch_fraction"] == 0.0
+        assert r["rollout_corr/logprob_abs_diff_max"] <= 1e-5, r["rollout_corr/logprob_abs_diff_max"]
+        assert r["response/env_tokens/mean"] > 10  # each later call's new turns
+        assert 1.0 <= r["agent/calls/mean"] <= 3.0
+    assert sum(r["agent/failures"] for r in rows) > 0 and sum(r["multi_turn/forks"] for r in rows) > 0
+    assert all(r["agent/calls/mean"] > 2.0 for r in rows), "most agents make their three calls"
+    assert rows[-1]["val/agent/calls/mean"] > 1.0
+
+
 @pytest.mark.numerics
 def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_rollout_gap_small(tmp_path, capsys):
     """The actor, the reference and the rollout all in fp16 (dynamic loss scaling, fp32 masters), 3

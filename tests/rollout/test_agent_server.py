@@ -3,6 +3,7 @@ engine on a tiny chat model: token-exact rows from an agent's calls, forks, the 
 batching of concurrent calls."""
 
 import asyncio
+import json
 import socket
 
 import httpx
@@ -242,3 +243,75 @@ def test_the_trainer_scores_an_agents_rows_as_the_engine_sampled_them(chat_model
     ro = _run(chat_model, agent, [{"prompt": "abc"}, {"prompt": "xyz"}], 2)
     assert ro.batch.multi_turn and len(ro.batch) == 4 and ro.metrics["multi_turn/forks"] == 0.0
     assert trainer_logprobs_match_on_model_tokens(ro, engine.model_path) <= 1e-5
+
+
+class ScriptedEngine:
+    """A stand-in engine for the tool-call logic alone (the tiny random model never writes a tool
+    call): each engine call answers every request with the next scripted text, as ids, with eos.
+    What it is fed is kept, to check the ids the server built."""
+
+    tp = 1
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.fed = tok, list(texts), []
+        self.pad_id = tok.pad_token_id
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seeds=None):
+        from verl_ds.rollout import RolloutBatch
+
+        self.fed += [list(p) for p in prompts]
+        ids = self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        k = len(prompts)
+        return RolloutBatch.from_lists(
+            prompts, [ids] * k, [[-0.5] * len(ids)] * k, ["stop"] * k, list(range(k)), pad_id=self.pad_id
+        )
+
+
+def test_a_tool_call_comes_back_as_openai_tool_calls_and_its_result_continues_the_row(chat_model):
+    """`tools=` in the request reaches the template; a hermes `<tool_call>` in the sampled text is
+    returned as OpenAI `tool_calls` (finish_reason tool_calls); the agent's usual next request
+    (the assistant message with those tool_calls, then a `tool` message) continues the same row:
+    the reply's sampled ids stay as they were, the tool result is environment tokens. A call under
+    other tools forks (the template's tools section changed)."""
+    from tests.e2e.agents import CALCULATOR
+    from verl_ds.envs import parse_hermes_tool_calls
+
+    _, tok, codec = chat_model
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    engine = ScriptedEngine(tok, [call, "3", "4"])
+    seen = {}
+
+    async def agent(client: openai.AsyncOpenAI, example: dict) -> float:
+        messages = [{"role": "user", "content": example["prompt"]}]
+        r = await client.chat.completions.create(model="p", messages=messages, tools=[CALCULATOR])
+        seen["first"] = r
+        msg = r.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        for c in msg.tool_calls:
+            args = json.loads(c.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": str(args["a"] + args["b"])})
+        seen["second"] = await client.chat.completions.create(model="p", messages=messages, tools=[CALCULATOR])
+        messages.append({"role": "assistant", "content": seen["second"].choices[0].message.content})
+        messages.append({"role": "user", "content": "and without tools?"})
+        seen["third"] = await client.chat.completions.create(model="p", messages=messages)
+        return 1.0
+
+    sampling = Sampling(n=1, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW * 4)
+    ro = run_agents(agent, [{"prompt": "1+2"}], engine, codec, sampling, 512, tool_parser=parse_hermes_tool_calls)
+    first = seen["first"]
+    assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content is None
+    (tc,) = first.choices[0].message.tool_calls
+    assert tc.function.name == "add" and json.loads(tc.function.arguments) == {"a": 1, "b": 2}
+    assert '"name": "add"' in tok.decode(engine.fed[0]), "the tools did not reach the template"
+    assert seen["second"].model_extra["verl_ds"]["continues_row"] is True
+    assert seen["third"].model_extra["verl_ds"]["continues_row"] is False  # other tools (none): a fork
+    assert len(ro.batch) == 2 and ro.metrics["multi_turn/token_mismatch_fraction"] == 0.0
+    # row 1: the tool call's sampled ids (mask 1), the tool result (mask 0), the answer (mask 1)
+    row = ro.batch.to_lists()["responses"][0]
+    mask = ro.batch.loss_mask[0, : len(row)].tolist()
+    sampled = first.model_extra["generation_token_ids"]
+    assert row[: len(sampled)] == sampled and mask[: len(sampled)] == [1.0] * len(sampled)
+    between = tok.decode([t for t, m in zip(row, mask) if m == 0.0])
+    assert "<|im_start|>tool\n3<|im_end|>" in between
+    prompt = ro.batch.to_lists()["prompts"][0]
+    assert engine.fed[1] == prompt + row[: len(engine.fed[1]) - len(prompt)]  # the row's own ids so far

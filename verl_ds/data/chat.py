@@ -10,6 +10,8 @@ observation's text is tokenized as it is and appended.
 
 from __future__ import annotations
 
+import copy
+
 from verl_ds.errors import ConfigError
 
 # tools described in the system prompt when the chat template has no tools section (SmolLM2's)
@@ -54,6 +56,21 @@ class ChatCodec:
             self.tools = None
         self._dummy = self.prompt_messages("x") + [{"role": "assistant", "content": "y"}]
         self._prefix = None
+
+    def with_tools(self, tools: list[dict]) -> ChatCodec:
+        """This codec with `tools` (OpenAI's function schemas) given to the template instead of its
+        own: what an agent's request that names tools is rendered with. A template without a tools
+        section would drop them silently: a ConfigError."""
+        out = copy.copy(self)
+        out.tools = list(tools) or None
+        if out.tools and out._render_text([{"role": "user", "content": "x"}]) == out._render_text(
+            [{"role": "user", "content": "x"}], tools=None
+        ):
+            raise ConfigError("tools", f"{self.model}'s chat template has no tools section")
+        if out._prefix is not None:  # the turn boundaries, rendered with these tools
+            out._prefix = None
+            out.check_turns()
+        return out
 
     def check_turns(self) -> None:
         """Multi-turn needs a template whose assistant turn ends with eos and that preserves prefixes:

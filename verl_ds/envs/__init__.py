@@ -11,13 +11,14 @@ list of chat messages. Environments see text only: the rollout owns the token id
 See docs/ENVIRONMENTS.md.
 """
 
-from .base import BUILTIN_ENVS, EnvFactory, Environment, load_env_factory
+from .base import BUILTIN_ENVS, EnvFactory, Environment, import_object, load_env_factory
 from .tools import ToolEnv, calculator, load_tools, parse_hermes_tool_calls, tool_schemas
 
 __all__ = [
     "Environment",
     "EnvFactory",
     "BUILTIN_ENVS",
+    "import_object",
     "load_env_factory",
     "ToolEnv",
     "calculator",

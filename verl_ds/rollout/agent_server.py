@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import json
 import logging
 import queue
 import secrets
@@ -36,14 +37,16 @@ import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
 from fastapi.responses import JSONResponse
 
 from verl_ds.errors import ConfigError, shown
 
+from .distributed import prompt_positions
 from .engine import RolloutEngine
-from .episodes import Episode, Rollout, Sampling, SeedKey, Segment, _assemble
+from .episodes import Episode, Rollout, Sampling, SeedKey, Segment, assemble
 from .seeding import turn_seed
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,7 @@ EPISODE_HEADER = "X-Episode-Id"
 # client parameters the trainer owns: its value is used, the client's (when it differs) reported
 _OWNED = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "n")
 # accepted and not applied yet (reported in `verl_ds.ignored`)
-_IGNORED = ("stop", "tools", "tool_choice", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty")
+_IGNORED = ("stop", "tool_choice", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty")
 
 
 class RequestError(Exception):
@@ -67,6 +70,7 @@ class RequestError(Exception):
 class _Call:
     prompt_ids: list[int]
     messages: list[dict]  # the request's conversation, the assistant reply appended once generated
+    tools: str = ""  # the request's tools (JSON): a call continues a row only under the same tools
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = "stop"
@@ -76,13 +80,16 @@ class _Call:
 class _Track:
     """One episode's calls and the rows they built."""
 
-    index: int  # seeds: the episode's position in the run
+    position: int  # seeds: its prompt's global position in the step (`prompt_positions`)
+    sample: int  # seeds: 0 .. n-1 among its prompt's episodes
     segments: list[Segment] = field(default_factory=list)
     last: _Call | None = None  # the previous finished call, what the next may continue
     calls: int = 0
     pending: int = 0  # calls taken, not yet generated (a concurrent call cannot continue them)
     finish: str = "stop"
     last_action: list[int] = field(default_factory=list)
+    segment_tools: list[str] = field(default_factory=list)  # per row: the tools it was rendered with
+    segment_finish: list[str] = field(default_factory=list)  # per row: how its last call ended
 
 
 @dataclass
@@ -106,17 +113,58 @@ def _text(content) -> str:
     raise RequestError(400, "only text message content is supported")
 
 
-def _messages(raw) -> list[dict]:
+def _messages(raw, replies: dict[str, str]) -> list[dict]:
+    """A request's messages as the template renders them: text content; a `tool` result as a tool
+    message; an assistant message with `tool_calls` as the text its model sampled (`replies`: tool
+    call id -> the reply's text, for calls this server answered) or, for calls it did not write, the
+    hermes text of those calls."""
     if not isinstance(raw, list) or not raw:
         raise RequestError(400, "`messages` must be a non-empty list")
     out = []
     for m in raw:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(400, "each message needs a `role`")
-        if m.get("tool_calls"):
-            raise RequestError(400, "assistant `tool_calls` messages are not supported yet")
-        out.append({"role": m["role"], "content": _text(m.get("content"))})
+        calls = m.get("tool_calls")
+        if calls:
+            out.append({"role": m["role"], "content": _tool_call_text(m, calls, replies)})
+        else:
+            out.append({"role": m["role"], "content": _text(m.get("content"))})
     return out
+
+
+def _tool_call_text(message: dict, calls, replies: dict[str, str]) -> str:
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise RequestError(400, "`tool_calls` must be a list of objects")
+    sent = {replies.get(str(c.get("id"))) for c in calls}
+    if len(sent) == 1 and None not in sent:  # the reply as sampled: its ids continue the row
+        return sent.pop()
+    parts = [_text(message.get("content"))] if message.get("content") else []
+    for c in calls:
+        fn = c.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            raise RequestError(400, "a tool call's `arguments` must be a JSON string") from None
+        parts.append(f"<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': args})}\n</tool_call>")
+    return "\n".join(parts)
+
+
+def _tool_calls(text: str, parse) -> tuple[str | None, list[dict]]:
+    """A reply's text as OpenAI's (content, tool_calls): the calls `parse` finds (malformed ones stay
+    in the content, where the agent sees them), the text before the first call as the content."""
+    calls = [c for c in parse(text) if isinstance(c, dict)]
+    if not calls:
+        return text, []
+    content = text.split("<tool_call>", 1)[0].strip() or None
+    out = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+        }
+        for c in calls
+    ]
+    return content, out
 
 
 ONE_SAMPLE = Sampling(n=1, temperature=1.0, top_p=1.0, max_new_tokens=64)
@@ -126,7 +174,8 @@ FIRST_STEP = SeedKey(run_seed=0, step=0)
 class AgentServer:
     """The endpoint over `engine` (a `RolloutEngine`) and `codec` (a `ChatCodec` with a chat
     template). `start()` binds 127.0.0.1 on a free port; `base_url` and `api_key` are what a client
-    needs. `begin(run_seed, step)` opens a round of episodes, `take()` hands back their records."""
+    needs. `begin(...)` opens a round of episodes with its sampling and seeds, `take()` hands back
+    their records."""
 
     def __init__(
         self,
@@ -137,13 +186,17 @@ class AgentServer:
         batch_window_s: float = 0.02,
         max_batch: int = 64,
         api_key: str | None = None,
+        tool_parser: Callable[[str], list] | None = None,
     ):
         if not codec.use_template:
             raise ValueError("the agent endpoint renders chat messages: the codec needs a chat template")
         codec.check_turns()
         self.engine, self.codec = engine, codec
-        self.sampling, self.max_model_len = sampling, max_model_len  # `sampling.n`: episodes per example
+        self.sampling, self.max_model_len = sampling, max_model_len
         self.batch_window_s, self.max_batch = batch_window_s, max_batch
+        self.tool_parser = tool_parser  # text -> tool calls (the tool environment's parser); None: no tools
+        self._codecs: dict[str, Any] = {"": codec}  # by the request's tools (JSON)
+        self._replies: dict[str, str] = {}  # tool call id -> the reply's sampled text (this round)
         self.api_key = api_key or secrets.token_urlsafe(32)
         self.run_seed, self.step = 0, 0
         self.tracks: dict[str, _Track] = {}
@@ -195,13 +248,14 @@ class AgentServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def begin(self, run_seed: int = 0, step: int | str = 0, episode_ids: list[str] = ()) -> None:
-        """A new round: earlier episodes are dropped; `episode_ids` get positions (seeds) in order,
-        an unknown id one from its hash."""
+    def begin(self, sampling: Sampling, seed: SeedKey, episodes: dict[str, tuple[int, int]]) -> None:
+        """A new round sampled as `sampling`: earlier episodes are dropped; `episodes` maps each id to
+        (its prompt's global position, its sample index), what its calls' seeds derive from; an
+        unknown id gets a position from its hash."""
         with self._lock:
-            self.run_seed, self.step = run_seed, step
-            self.tracks = {e: _Track(index=i) for i, e in enumerate(episode_ids)}
-            self.engine_calls = []
+            self.sampling, self.run_seed, self.step = sampling, seed.run_seed, seed.step
+            self.tracks = {e: _Track(position=p, sample=j) for e, (p, j) in episodes.items()}
+            self.engine_calls, self._replies = [], {}
 
     def settle(self) -> None:
         """Wait until every call taken has been generated and recorded (an agent cancelled at its
@@ -240,7 +294,9 @@ class AgentServer:
                 if body.get("stream"):
                     raise RequestError(400, "streaming is not supported")
                 episode = request.headers.get(EPISODE_HEADER) or f"anonymous-{uuid.uuid4().hex}"
-                job = self._submit(episode, _messages(body.get("messages")))
+                with self._lock:
+                    messages = _messages(body.get("messages"), self._replies)
+                job = self._submit(episode, messages, self._tools(body.get("tools")))
             except RequestError as e:
                 return error(e.status, str(e))
             try:
@@ -252,8 +308,33 @@ class AgentServer:
 
         return app
 
+    def _tools(self, tools) -> str:
+        """The request's tools as a key of `_codecs` (the codec that renders with them)."""
+        if not tools:
+            return ""
+        if self.tool_parser is None:
+            raise RequestError(400, "this endpoint serves no tools")
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise RequestError(400, "`tools` must be a list of objects")
+        key = json.dumps(tools, sort_keys=True)
+        with self._lock:
+            if key not in self._codecs:
+                try:
+                    self._codecs[key] = self.codec.with_tools(tools)
+                except ConfigError as e:
+                    raise RequestError(400, str(e)) from None
+        return key
+
     def _response(self, job: _Job, body: dict) -> dict:
         call = job.call
+        content, tool_calls = call.messages[-1]["content"], []
+        if call.tools and call.finish == "stop":  # a reply cut at its budget has no whole call
+            content, tool_calls = _tool_calls(content, self.tool_parser)
+            with self._lock:
+                self._replies.update({c["id"]: call.messages[-1]["content"] for c in tool_calls})
+        message = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         owned = {
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
@@ -271,8 +352,8 @@ class AgentServer:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": call.messages[-1]["content"]},
-                    "finish_reason": call.finish,
+                    "message": message,
+                    "finish_reason": "tool_calls" if tool_calls else call.finish,
                     "logprobs": None,
                 }
             ],
@@ -298,16 +379,16 @@ class AgentServer:
         }
 
     # ------------------------------------------------------------------ calls -> ids
-    def _submit(self, episode: str, messages: list[dict]) -> _Job:
+    def _submit(self, episode: str, messages: list[dict], tools: str = "") -> _Job:
         """Decide the call's ids (continue the episode's row, or fork one) and queue it."""
-        codec = self.codec
         with self._lock:
+            codec = self._codecs[tools]
             track = self.tracks.get(episode)
             if track is None:
-                track = self.tracks[episode] = _Track(index=(1 << 31) + zlib.crc32(episode.encode()))
+                track = self.tracks[episode] = _Track(position=(1 << 31) + zlib.crc32(episode.encode()), sample=0)
             prev = track.last if track.pending == 0 else None  # a concurrent call of one episode forks
             prompt, continues = None, False
-            if prev is not None:
+            if prev is not None and prev.tools == tools:  # other tools: the template's system part differs
                 prev_ids = prev.prompt_ids + prev.ids
                 n = len(prev.messages)
                 if (
@@ -329,10 +410,11 @@ class AgentServer:
                     400,
                     f"the conversation is {len(prompt)} tokens: no room left under max_model_len {self.max_model_len}",
                 )
-            seed = turn_seed(self.run_seed, self.step, track.index, 0, track.calls)
+            seed = turn_seed(self.run_seed, self.step, track.position, track.sample, track.calls)
             track.calls += 1
             track.pending += 1
-            job = _Job(track, _Call(prompt, list(messages)), seed, budget, concurrent.futures.Future(), continues)
+            call = _Call(prompt, list(messages), tools)
+            job = _Job(track, call, seed, budget, concurrent.futures.Future(), continues)
         self._queue.put(job)
         return job
 
@@ -395,8 +477,11 @@ class AgentServer:
         else:
             seg = Segment(list(call.prompt_ids), [])
             track.segments.append(seg)
+            track.segment_tools.append(call.tools)
+            track.segment_finish.append(reason)
         seg.add(call.ids, model=True, logprobs=call.logprobs)
         seg.messages = list(call.messages)
+        track.segment_finish[-1] = reason
         track.last, track.finish, track.last_action = call, reason, call.ids
         track.pending -= 1
 
@@ -433,24 +518,23 @@ async def _run_one(agent_fn, server: AgentServer, episode: str, example: dict, t
 async def arun_agents(
     agent_fn,
     examples: list[dict],
-    n: int,
     server: AgentServer,
-    run_seed: int = 0,
-    step: int | str = 0,
+    sampling: Sampling,
+    seed: SeedKey = FIRST_STEP,
     timeout_s: float = 300.0,
+    positions: list[int] | range | None = None,
 ) -> Rollout:
-    """`n` episodes of `agent_fn` per example on a started `server`, concurrently: the rows their
-    calls built, each episode's reward (an agent that raises or times out: 0, counted in
-    `agent/failures`) as `env_rewards`, group = the example's index."""
+    """`sampling.n` episodes of `agent_fn` per example on a started `server`, concurrently: the rows
+    their calls built, each episode's reward (an agent that raises or times out: 0, counted in
+    `agent/failures`) as `env_rewards`, group = the example's index. `positions`: the examples'
+    global positions in the step, what seeds derive from (default: their indices)."""
     check_agent(agent_fn)
-    ids = [f"{step}-{g}-{j}" for g in range(len(examples)) for j in range(n)]
-    server.begin(run_seed, step, ids)
+    n = sampling.n
+    positions = list(positions if positions is not None else range(len(examples)))
+    ids = [f"{seed.step}-{seed.round_}-{p}-{j}" for p in positions for j in range(n)]
+    server.begin(sampling, seed, {e: (positions[k // n], k % n) for k, e in enumerate(ids)})
     results = await asyncio.gather(
-        *[
-            _run_one(agent_fn, server, ids[g * n + j], examples[g], timeout_s)
-            for g in range(len(examples))
-            for j in range(n)
-        ]
+        *[_run_one(agent_fn, server, ids[k], examples[k // n], timeout_s) for k in range(len(ids))]
     )
     await asyncio.to_thread(server.settle)  # calls of agents cancelled at their timeout may still be queued
     return _rollout(server, ids, results, n)
@@ -478,14 +562,44 @@ def run_agents(
     seed: SeedKey = FIRST_STEP,
     timeout_s: float = 300.0,
     batch_window_s: float = 0.02,
+    tool_parser: Callable[[str], list] | None = None,
 ) -> Rollout:
     """Start an endpoint over `engine`, run `async def agent_fn(client: openai.AsyncOpenAI, example:
     dict) -> float` `sampling.n` times per example concurrently, stop the endpoint, return the `Rollout`.
     Synchronous: call it outside a running event loop (inside one, use `arun_agents`)."""
-    server = AgentServer(engine, codec, sampling, max_model_len, batch_window_s)
     check_agent(agent_fn)
-    with server:
-        return asyncio.run(arun_agents(agent_fn, examples, sampling.n, server, seed.run_seed, seed.step, timeout_s))
+    with AgentServer(engine, codec, sampling, max_model_len, batch_window_s, tool_parser=tool_parser) as server:
+        return asyncio.run(arun_agents(agent_fn, examples, server, sampling, seed, timeout_s))
+
+
+@dataclass
+class AgentEpisodes:
+    """A run's agent episodes (`rollout.multi_turn.agent`): one endpoint per rank for the whole run,
+    over this rank's engine; `collect` has `episodes.collect`'s shape, so the trainer's step is the
+    same for both. The agent receives each example without its `prompt_ids` (it writes its own
+    messages; the server renders them). `tool_parser`: how a reply's text becomes tool calls."""
+
+    agent_fn: Callable
+    engine: RolloutEngine
+    codec: Any
+    max_model_len: int
+    timeout_s: float = 300.0
+    tool_parser: Callable[[str], list] | None = None
+    server: AgentServer | None = None
+
+    def collect(self, examples: list[dict], sampling: Sampling, seed: SeedKey) -> Rollout:
+        if self.server is None:
+            self.server = AgentServer(
+                self.engine, self.codec, sampling, self.max_model_len, tool_parser=self.tool_parser
+            ).start()
+        plain = [{k: v for k, v in ex.items() if k != "prompt_ids"} for ex in examples]
+        positions = prompt_positions(len(examples), seed.round_)  # seeds apart across ranks and rounds
+        return asyncio.run(arun_agents(self.agent_fn, plain, self.server, sampling, seed, self.timeout_s, positions))
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
 
 
 def _matches_one_shot(codec, seg: Segment, finish: str) -> bool:
@@ -507,7 +621,7 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
     tracks = server.take()
     episodes = []
     for k, (eid, (reward, failure)) in enumerate(zip(ids, results)):
-        t = tracks.get(eid) or _Track(index=k)
+        t = tracks.get(eid) or _Track(position=k // n, sample=k % n)
         episodes.append(
             Episode(
                 group=k // n,
@@ -522,13 +636,13 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
                 failure=failure,
             )
         )
-    ro = _assemble(episodes, server.codec, server.engine.pad_id, strict=False)
+    ro = assemble(episodes, server.codec, server.engine.pad_id, strict=False)
     checked = [
-        (seg, ep.finish if k == len(ep.segments) - 1 else "stop")
-        for ep in episodes
+        (server._codecs[tracks[eid].segment_tools[k]], seg, tracks[eid].segment_finish[k])
+        for eid, ep in zip(ids, episodes)
         for k, seg in enumerate(ep.segments)
     ]
-    mismatched = sum(not _matches_one_shot(server.codec, seg, finish) for seg, finish in checked)
+    mismatched = sum(not _matches_one_shot(codec, seg, finish) for codec, seg, finish in checked)
     ro.metrics["multi_turn/token_mismatch_fraction"] = mismatched / max(len(checked), 1)
     failures = ro.metrics.pop("env/failures")
     for key in ("tools/call_frequency", "tools/failure_frequency"):  # the agent's tools are not seen here
@@ -544,4 +658,4 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
     return ro
 
 
-__all__ = ["AgentServer", "run_agents", "arun_agents", "check_agent", "EPISODE_HEADER"]
+__all__ = ["AgentEpisodes", "AgentServer", "run_agents", "arun_agents", "check_agent", "EPISODE_HEADER"]

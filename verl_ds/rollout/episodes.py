@@ -224,7 +224,7 @@ def collect(
             _act(ep, ids, lps, reason, codec, limits)
         turn += 1
     check_failures(episodes, limits)
-    return _assemble(episodes, codec, rollout.pad_id, spec.strict)
+    return assemble(episodes, codec, rollout.pad_id, spec.strict)
 
 
 # ---------------------------------------------------------------- the environment contract, checked where it is crossed
@@ -360,7 +360,9 @@ def _act(ep: Episode, ids: list[int], lps: list[float], reason: str, codec, limi
         ep.segments.append(Segment(prompt, messages))
 
 
-def _assemble(episodes: list[Episode], codec, pad_id: int, strict: bool) -> Rollout:
+def assemble(episodes: list[Episode], codec, pad_id: int, strict: bool) -> Rollout:
+    """Episodes -> the `Rollout` the trainer takes: one row per segment, the episode's metrics;
+    `strict`: count rows whose ids differ from the one-shot template rendering."""
     lists = dict(prompts=[], responses=[], logprobs=[], finish_reasons=[], group_ids=[], loss_masks=[])
     final, env_r, index, mismatched, checked = [], [], [], 0, 0
     for e, ep in enumerate(episodes):

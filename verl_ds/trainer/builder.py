@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from verl_ds.config import RunConfig, active_roles, token_budget, validate_paths
+from verl_ds.config import RunConfig, active_roles, load_agent, token_budget, validate_paths
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import load_examples, tokenize_prompts
-from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
+from verl_ds.data.tiny import build_char_tokenizer, build_chat_tokenizer, build_tiny_llama, load_tokenizer
 from verl_ds.diagnostics.memory import BYTES, choose_zero_stages, load_shape, role_shapes, rollout_memory, workload
 from verl_ds.dist import barrier, on_gpu, rank, world_size
 from verl_ds.ds_config import render_ds_configs
-from verl_ds.envs import load_env_factory, tool_schemas
+from verl_ds.envs import load_env_factory, parse_hermes_tool_calls, tool_schemas
 from verl_ds.errors import ConfigError
 from verl_ds.precision import ResolvedPrecision
 from verl_ds.roles import (
@@ -30,6 +30,7 @@ from verl_ds.roles import (
 )
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.policy import can_share_prompts
+from verl_ds.rollout.agent_server import AgentEpisodes
 from verl_ds.rollout.episodes import EpisodeSpec, TurnLimits
 from verl_ds.rollout.weights import eos_token_ids
 
@@ -44,9 +45,8 @@ def resolve_model_path(cfg: RunConfig) -> str:
     out = Path(cfg.trainer.run_dir) / "init_model"
     if rank() == 0 and not (out / "config.json").exists():
         t = cfg.model.tiny
-        build_tiny_llama(
-            out, build_char_tokenizer(), hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn, seed=t.seed
-        )
+        tokenizer = build_chat_tokenizer() if t.tokenizer == "chat" else build_char_tokenizer()
+        build_tiny_llama(out, tokenizer, hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn, seed=t.seed)
     barrier()
     return str(out)
 
@@ -66,7 +66,7 @@ def build_codec(cfg: RunConfig, tokenizer, model_path: str, tools: list) -> Chat
         eos_ids=eos_token_ids(model_path),
         few_shot=d.few_shot,
     )
-    if cfg.rollout.multi_turn.env:
+    if cfg.rollout.multi_turn.enabled:
         codec.check_turns()
     return codec
 
@@ -86,6 +86,16 @@ def build_episodes(cfg: RunConfig, codec: ChatCodec, tools: list) -> EpisodeSpec
         limits=limits,
         strict=mt.tokenization_check == "strict",
     )
+
+
+def build_agents(cfg: RunConfig, codec: ChatCodec, engine) -> AgentEpisodes | None:
+    """An agent job's episodes (`rollout.multi_turn.agent`) over this rank's rollout `engine`; its
+    endpoint starts at the first collect. None: not an agent job."""
+    mt = cfg.rollout.multi_turn
+    if not mt.agent:
+        return None
+    agent = load_agent(mt.agent)
+    return AgentEpisodes(agent, engine, codec, cfg.rollout.max_model_len, mt.agent_timeout_s, parse_hermes_tool_calls)
 
 
 def build_prompts(cfg: RunConfig, tokenizer, codec: ChatCodec | None = None) -> tuple[list[dict], list[dict]]:

@@ -57,7 +57,7 @@ class RLTrainer:
         _import_heavy_libraries()
         init_distributed(cfg.trainer.collective_timeout_s)
         self.cfg, self.rank, self.world = cfg, rank(), world_size()
-        self.rollout = self.logger = None
+        self.rollout = self.logger = self.agents = None
         # rank 0 logs at logging.level; other ranks only warnings
         logging.getLogger("verl_ds").setLevel(cfg.logging.level if self.rank == 0 else logging.WARNING)
         self.precision = resolve(cfg)  # the one place `auto` meets the hardware
@@ -106,6 +106,7 @@ class RLTrainer:
             trust_remote_code=cfg.model.trust_remote_code,
             lm_head_fp32=self.precision.lm_head_fp32,
         )
+        self.agents = builder.build_agents(cfg, self.codec, self.rollout)  # None: not an agent job
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
@@ -246,14 +247,7 @@ class RLTrainer:
             idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank :: self.world]
             examples = [self.prompts[i] for i in idx]
             with timer("gen", stage="rollout", role="rollout"):
-                ro = episodes.collect(
-                    self.rollout,
-                    examples,
-                    [e["prompt_ids"] for e in examples],
-                    sampling,
-                    SeedKey(cfg.trainer.seed, self.global_step, rounds),
-                    self.episode_spec,
-                )
+                ro = self._episodes(examples, sampling, SeedKey(cfg.trainer.seed, self.global_step, rounds))
             with timer("reward", stage="score", role="reward"):
                 raw = self._score(ro, examples)
                 got = Collected(ro.batch, examples, raw, raw + self._overlong(ro.batch), ro.metrics)
@@ -300,23 +294,10 @@ class RLTrainer:
         cfg, r = self.cfg, self.cfg.rollout
         k, name = cfg.trainer.val_n, cfg.data.task
         mine = self.val_prompts[self.rank :: self.world]
-        ids = [e["prompt_ids"] for e in mine]
         tag = f"val{self.global_step}"  # seeds apart from every training step's
-        greedy = episodes.collect(
-            self.rollout,
-            mine,
-            ids,
-            Sampling(1, 0.0, 1.0, r.max_new_tokens),
-            SeedKey(cfg.trainer.seed, tag),
-            self.episode_spec,
-        )
-        sampled = episodes.collect(
-            self.rollout,
-            mine,
-            ids,
-            Sampling(k, r.temperature, r.top_p, r.max_new_tokens),
-            SeedKey(cfg.trainer.seed, tag, round_=1),
-            self.episode_spec,
+        greedy = self._episodes(mine, Sampling(1, 0.0, 1.0, r.max_new_tokens), SeedKey(cfg.trainer.seed, tag))
+        sampled = self._episodes(
+            mine, Sampling(k, r.temperature, r.top_p, r.max_new_tokens), SeedKey(cfg.trainer.seed, tag, round_=1)
         )
         # the next generation comes without a sync (the weights stay, on the host) and a checkpoint or
         # the export may wake the roles first
@@ -348,8 +329,17 @@ class RLTrainer:
             "val/response_length/mean": tot[3] / n,
         }
         # multi-turn: the greedy episodes' turns and tool use (mean over ranks, as every metric)
-        out.update({f"val/{k}": v for k, v in greedy.metrics.items() if k.startswith(("tools/", "multi_turn/turns"))})
+        keep = ("tools/", "multi_turn/turns", "agent/calls", "agent/failures")
+        out.update({f"val/{k}": v for k, v in greedy.metrics.items() if k.startswith(keep)})
         return out
+
+    def _episodes(self, examples: list[dict], sampling: Sampling, seed: SeedKey) -> episodes.Rollout:
+        """This rank's episodes of `examples`: the user's agent against the endpoint, or the loop's
+        own (single-turn, or an environment's turns)."""
+        if self.agents is not None:
+            return self.agents.collect(examples, sampling, seed)
+        ids = [e["prompt_ids"] for e in examples]
+        return episodes.collect(self.rollout, examples, ids, sampling, seed, self.episode_spec)
 
     def _overlong(self, batch) -> torch.Tensor:
         o, r = self.cfg.algorithm.overlong, self.cfg.rollout
@@ -632,6 +622,9 @@ class RLTrainer:
         logger, rollout, self.logger, self.rollout = self.logger, self.rollout, None, None
         if logger is not None:
             logger.finish()
+        agents, self.agents = self.agents, None
+        if agents is not None:  # the endpoint first: it generates on the engine
+            agents.close()
         if rollout is not None:
             rollout.shutdown(release=not exiting)
             forget_destroyed_world()  # vLLM's teardown destroys the world group under DeepSpeed
