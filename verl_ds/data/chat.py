@@ -159,10 +159,18 @@ class ChatCodec:
             return True
         return self.render_text(after, add_generation_prompt=True).startswith(self.render_text(before))
 
-    def matches_one_shot(self, prompt_ids: list[int], messages: list[dict], response_ids: list[int]) -> bool:
+    def matches_one_shot(
+        self, prompt_ids: list[int], messages: list[dict], response_ids: list[int], cut: bool = False
+    ) -> bool:
         """Strict tokenization check of a finished episode segment: its ids equal the one-shot
         rendering of its messages (the template's; without one, the tokenizer over the whole text),
-        up to the separator after the last end-of-turn, which the model never generates."""
+        up to what the model did not generate at the end: the separator after the last end-of-turn,
+        and, for a last turn `cut` at its token budget, that end-of-turn too."""
         ours = list(prompt_ids) + list(response_ids)
         ref = self.render_ids(messages) if self.use_template else self.content_ids(self.decode(ours))
-        return ref[: len(ours)] == ours and (len(ref) == len(ours) or ref[len(ours) :] == self._separator)
+        rest = ref[len(ours) :]
+        if ref[: len(ours)] != ours:
+            return False
+        if cut and rest and rest[0] in self.eos_ids:
+            rest = rest[1:]
+        return not rest or rest == self._separator

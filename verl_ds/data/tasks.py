@@ -29,7 +29,8 @@ def arithmetic_examples(
 
 
 def file_examples(files: list[str], prompt_key: str, answer_key: str) -> list[dict]:
-    """Rows from local jsonl (read here, so a bad line is named) or parquet files, as {prompt, answer}."""
+    """Rows from local jsonl (read here, so a bad line is named) or parquet files, as {prompt, answer}
+    plus the row's other keys (an environment or agent reads them from its example, e.g. a game seed)."""
     kinds = {Path(f).suffix for f in files}
     kind = kinds.pop() if len(kinds) == 1 else ""
     if kind not in (".jsonl", ".parquet"):
@@ -42,7 +43,8 @@ def file_examples(files: list[str], prompt_key: str, answer_key: str) -> list[di
                 raise ConfigError(name, f"'{key}' missing in {where} (keys: {sorted(r)})")
         if not isinstance(r[prompt_key], str):  # a number or a message list would train as its repr
             raise ConfigError(where, f"'{prompt_key}' must be a string, got {shown(r[prompt_key])}")
-        out.append({"prompt": r[prompt_key], "answer": str(r[answer_key])})  # answers: 42 reads as "42"
+        rest = {k: v for k, v in r.items() if k not in (prompt_key, answer_key)}
+        out.append({**rest, "prompt": r[prompt_key], "answer": str(r[answer_key])})  # answers: 42 reads as "42"
     return out
 
 

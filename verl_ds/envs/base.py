@@ -27,7 +27,11 @@ class Environment(Protocol):
 EnvFactory = Callable[[], Environment]
 
 # built-in names for rollout.multi_turn.env (a `pkg.module:Class` path loads a user's class)
-BUILTIN_ENVS = {"tools": "verl_ds.envs.tools:ToolEnv", "retry": "verl_ds.envs.retry:RetryEnv"}
+BUILTIN_ENVS = {
+    "tools": "verl_ds.envs.tools:ToolEnv",
+    "retry": "verl_ds.envs.retry:RetryEnv",
+    "textarena": "verl_ds.envs.textarena:TextArenaEnv",
+}
 
 
 def import_object(spec: str, key: str) -> Any:
@@ -87,6 +91,9 @@ def load_env_factory(
     except TypeError as e:
         raise ConfigError("rollout.multi_turn.env_kwargs", f"{cls.__name__}({', '.join(kwargs)}): {e}") from None
     _check_kwarg_types(cls, kwargs)
+    check = getattr(cls, "check_kwargs", None)  # optional: what the class can tell of its arguments now
+    if callable(check):
+        check(**kwargs)
     return lambda: cls(**kwargs)
 
 

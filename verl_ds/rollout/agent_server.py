@@ -607,20 +607,6 @@ class AgentEpisodes:
             self.server = None
 
 
-def _matches_one_shot(codec, seg: Segment, finish: str) -> bool:
-    """A row's ids equal the one-shot rendering of its conversation, up to what the model did not
-    generate at the end: the separator after its eos, or, for a turn cut at the budget, the
-    template's end-of-turn too (earlier cut turns are closed by environment tokens in the row)."""
-    ours = seg.prompt_ids + seg.ids
-    ref = codec.render_ids(seg.messages)
-    rest = ref[len(ours) :]
-    if ref[: len(ours)] != ours:
-        return False
-    if finish == "length" and rest and rest[0] in codec.eos_ids:
-        rest = rest[1:]
-    return rest == codec.separator
-
-
 def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> Rollout:
     calls_per_engine_call = list(server.engine_calls)
     tracks = server.take()
@@ -647,7 +633,10 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
         for eid, ep in zip(ids, episodes)
         for k, seg in enumerate(ep.segments)
     ]
-    mismatched = sum(not _matches_one_shot(codec, seg, finish) for codec, seg, finish in checked)
+    mismatched = sum(
+        not codec.matches_one_shot(seg.prompt_ids, seg.messages, seg.ids, cut=finish == "length")
+        for codec, seg, finish in checked
+    )
     ro.metrics["multi_turn/token_mismatch_fraction"] = mismatched / max(len(checked), 1)
     failures = ro.metrics.pop("env/failures")
     for key in ("tools/call_frequency", "tools/failure_frequency"):  # the agent's tools are not seen here

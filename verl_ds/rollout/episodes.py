@@ -378,7 +378,8 @@ def assemble(episodes: list[Episode], codec, pad_id: int, strict: bool) -> Rollo
             index.append(e)
             if strict and seg.ids:
                 checked += 1
-                mismatched += not codec.matches_one_shot(seg.prompt_ids, seg.messages, seg.ids)
+                cut = k == len(ep.segments) - 1 and ep.finish == "length"
+                mismatched += not codec.matches_one_shot(seg.prompt_ids, seg.messages, seg.ids, cut)
     batch = RolloutBatch.from_lists(**lists, pad_id=pad_id)
     n_ep = max(len(episodes), 1)
     turns = [ep.turns for ep in episodes] or [0]
