@@ -31,6 +31,7 @@ BUILTIN_ENVS = {
     "tools": "verl_ds.envs.tools:ToolEnv",
     "retry": "verl_ds.envs.retry:RetryEnv",
     "textarena": "verl_ds.envs.textarena:TextArenaEnv",
+    "openenv": "verl_ds.envs.openenv:OpenEnvEnv",
 }
 
 
