@@ -253,16 +253,6 @@ BAD_INPUTS = {
         [],
         "rollout.multi_turn.agent: length_reward is not an `async def agent(client, example)` function",
     ),
-    "agent_and_env": (
-        "rollout: {multi_turn: {env: retry, agent: tests.e2e.agents:three_calls}}\ndata: {apply_chat_template: true}\n",
-        [],
-        "set rollout.multi_turn.env or .agent, not both",
-    ),
-    "agent_without_chat": (
-        "rollout: {multi_turn: {agent: tests.e2e.agents:three_calls}}\n",
-        [],
-        "rollout.multi_turn.agent: the agent's endpoint renders chat messages",
-    ),
     "overlong_multi_turn": (
         "rollout: {max_new_tokens: 8, multi_turn: {env: retry}}\nalgorithm: {overlong: {buffer_len: 4}}\n",
         [],

@@ -315,3 +315,19 @@ def test_a_tool_call_comes_back_as_openai_tool_calls_and_its_result_continues_th
     assert "<|im_start|>tool\n3<|im_end|>" in between
     prompt = ro.batch.to_lists()["prompts"][0]
     assert engine.fed[1] == prompt + row[: len(engine.fed[1]) - len(prompt)]  # the row's own ids so far
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["rollout.multi_turn.env=retry", "data.apply_chat_template=true"], "set rollout.multi_turn.env or .agent"),
+        ([], "the agent's endpoint renders chat messages: set data.apply_chat_template: true"),
+        (["data.apply_chat_template=true", "rollout.tensor_parallel_size=2"], "tensor_parallel_size must be 1"),
+    ],
+)
+def test_an_agent_job_the_endpoint_cannot_serve_is_one_line_at_start(overrides, message):
+    """(The CLI's exit 2 for a bad agent path: tests/config's BAD_INPUTS.)"""
+    from verl_ds.config import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["rollout.multi_turn.agent=tests.e2e.agents:three_calls", *overrides], world_size=2)
