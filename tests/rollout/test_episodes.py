@@ -127,6 +127,20 @@ def test_smollm2_template_has_no_tools_section_so_tools_go_to_the_system_prompt(
     assert text.startswith("<|im_start|>system\nYou can call tools.") and "SmolLM, trained" not in text
 
 
+def test_an_agents_tools_on_a_template_without_a_tools_section_go_to_its_system_message(smollm2_tok):
+    """The agent endpoint renders a request's `tools` with `with_tools`: SmolLM2's template ignores
+    `tools=`, so they are described in the request's own system message (or one put first)."""
+    add = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    codec = ChatCodec(smollm2_tok, True, model="SmolLM2").with_tools([add])
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    text = codec.render_text(asked, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou can call tools.") and '"name": "add"' in text
+    bare = codec.render_text(asked[1:], add_generation_prompt=True)
+    assert bare.startswith("<|im_start|>system\nYou can call tools.") and "SmolLM, trained" not in bare
+    codec.check_turns()  # the turn boundaries, rendered with the note, still join as ids
+    assert smollm2_tok.decode(codec.observation_ids([{"role": "tool", "content": "4"}])).startswith("\n<|im_start|>tool")
+
+
 STRIP_THINK = CHATML_TEMPLATE.replace(
     "{{ m['content'] }}<|im_end|>",
     "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"

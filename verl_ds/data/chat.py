@@ -11,6 +11,7 @@ observation's text is tokenized as it is and appended.
 from __future__ import annotations
 
 import copy
+import json
 
 from verl_ds.errors import ConfigError
 
@@ -38,9 +39,8 @@ class ChatCodec:
         eos_ids: list[int] | None = None,
         few_shot: list[dict] | None = None,
     ):
-        import json
-
         self.tok, self.use_template, self.model = tokenizer, use_template, model
+        self._tools_note: str | None = None  # tools described in the system message (`with_tools`)
         self.tools, self.system, self.few_shot = tools or None, system_prompt, list(few_shot or [])
         self.eos_ids = set(eos_ids or [tokenizer.eos_token_id])
         self._separator: list[int] = []
@@ -58,15 +58,17 @@ class ChatCodec:
         self._prefix = None
 
     def with_tools(self, tools: list[dict]) -> ChatCodec:
-        """This codec with `tools` (OpenAI's function schemas) given to the template instead of its
-        own: what an agent's request that names tools is rendered with. A template without a tools
-        section would drop them silently: a ConfigError."""
+        """This codec with `tools` (OpenAI's function schemas) instead of its own: what an agent's
+        request that names tools is rendered with. A template without a tools section gets them
+        described in the conversation's system message (as `data.tools` does), since the request's
+        messages are the agent's own."""
         out = copy.copy(self)
-        out.tools = list(tools) or None
+        out.tools, out._tools_note = list(tools) or None, None
         if out.tools and out._render_text([{"role": "user", "content": "x"}]) == out._render_text(
             [{"role": "user", "content": "x"}], tools=None
         ):
-            raise ConfigError("tools", f"{self.model}'s chat template has no tools section")
+            out._tools_note = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t) for t in out.tools))
+            out.tools = None
         if out._prefix is not None:  # the turn boundaries, rendered with these tools
             out._prefix = None
             out.check_turns()
@@ -96,6 +98,10 @@ class ChatCodec:
 
     # ------------------------------------------------------------------ rendering
     def _render_text(self, messages: list[dict], add_generation_prompt: bool = False, tools="default") -> str:
+        if self._tools_note:  # `with_tools` on a template without a tools section
+            first = messages[0] if messages else {}
+            system = first.get("content", "") + "\n\n" if first.get("role") == "system" else ""
+            messages = [{"role": "system", "content": system + self._tools_note}] + messages[bool(system) :]
         return self.tok.apply_chat_template(
             messages,
             tools=self.tools if tools == "default" else tools,
