@@ -138,7 +138,8 @@ def test_an_agents_tools_on_a_template_without_a_tools_section_go_to_its_system_
     bare = codec.render_text(asked[1:], add_generation_prompt=True)
     assert bare.startswith("<|im_start|>system\nYou can call tools.") and "SmolLM, trained" not in bare
     codec.check_turns()  # the turn boundaries, rendered with the note, still join as ids
-    assert smollm2_tok.decode(codec.observation_ids([{"role": "tool", "content": "4"}])).startswith("\n<|im_start|>tool")
+    tool_turn = smollm2_tok.decode(codec.observation_ids([{"role": "tool", "content": "4"}]))
+    assert tool_turn.startswith("\n<|im_start|>tool")
 
 
 STRIP_THINK = CHATML_TEMPLATE.replace(
