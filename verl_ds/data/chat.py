@@ -10,7 +10,6 @@ observation's text is tokenized as it is and appended.
 
 from __future__ import annotations
 
-import copy
 import json
 
 from verl_ds.errors import ConfigError
@@ -38,6 +37,7 @@ class ChatCodec:
         model: str = "the model",
         eos_ids: list[int] | None = None,
         few_shot: list[dict] | None = None,
+        tools_in_messages: bool = False,
     ):
         self.tok, self.use_template, self.model = tokenizer, use_template, model
         self._tools_note: str | None = None  # tools described in the system message (`with_tools`)
@@ -51,8 +51,11 @@ class ChatCodec:
         if self.tools and self._render_text([{"role": "user", "content": "x"}]) == self._render_text(
             [{"role": "user", "content": "x"}], tools=None
         ):
-            desc = "\n".join(json.dumps(t) for t in self.tools)  # the template ignores tools=
-            self.system = (self.system + "\n\n" if self.system else "") + TOOLS_SYSTEM_PROMPT.format(tools=desc)
+            desc = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t) for t in self.tools))  # tools= ignored
+            if tools_in_messages:  # rendered into each conversation's system message (`with_tools`)
+                self._tools_note = desc
+            else:  # the system prompt of the prompts this codec writes (`prompt_messages`)
+                self.system = (self.system + "\n\n" if self.system else "") + desc
             self.tools = None
         self._dummy = self.prompt_messages("x") + [{"role": "assistant", "content": "y"}]
         self._prefix = None
@@ -60,17 +63,9 @@ class ChatCodec:
     def with_tools(self, tools: list[dict]) -> ChatCodec:
         """This codec with `tools` (OpenAI's function schemas) instead of its own: what an agent's
         request that names tools is rendered with. A template without a tools section gets them
-        described in the conversation's system message (as `data.tools` does), since the request's
-        messages are the agent's own."""
-        out = copy.copy(self)
-        out.tools, out._tools_note = list(tools) or None, None
-        if out.tools and out._render_text([{"role": "user", "content": "x"}]) == out._render_text(
-            [{"role": "user", "content": "x"}], tools=None
-        ):
-            out._tools_note = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t) for t in out.tools))
-            out.tools = None
-        if out._prefix is not None:  # the turn boundaries, rendered with these tools
-            out._prefix = None
+        described in the conversation's own system message (the request's messages are the agent's)."""
+        out = ChatCodec(self.tok, True, list(tools), self.system, self.model, list(self.eos_ids), self.few_shot, True)
+        if self._prefix is not None:  # the turn boundaries, rendered with these tools
             out.check_turns()
         return out
 

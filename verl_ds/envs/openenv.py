@@ -134,7 +134,7 @@ class OpenEnvEnv:
         self.base_url = base_url or _serve(serve, action, observation, max_sessions)
         self.action_field, self.observation_field, self.timeout_s = action_field, observation_field, timeout_s
         self.client = None
-        self._finalizer = None
+        self._closer = None
 
     @staticmethod
     def check_kwargs(serve: str = "", action: str = "", observation: str = "", base_url: str = "", **_) -> None:
@@ -152,7 +152,7 @@ class OpenEnvEnv:
         seed = example.get("seed")
         seed = int(seed) if seed is not None else zlib.crc32(str(example.get("prompt", "")).encode())
         self.client = _openenv()[0](base_url=self.base_url, message_timeout_s=self.timeout_s)
-        self._finalizer = weakref.finalize(self, _close, self.client, self.timeout_s)
+        self._closer = weakref.finalize(self, _close, self.client, self.timeout_s)
         _run(self.client.connect(), self.timeout_s)
         return self._text(_run(self.client.reset(seed=seed), self.timeout_s))
 
@@ -170,6 +170,6 @@ class OpenEnvEnv:
         return str(obs[self.observation_field])
 
     def _end(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()  # closes the session once
-            self._finalizer = self.client = None
+        if self._closer is not None:
+            self._closer()  # closes the session once
+            self._closer = self.client = None

@@ -1,6 +1,7 @@
 """`rollout.multi_turn.env: textarena`: a single-player TextArena game (PyPI `textarena`) as it is.
 
-`env_kwargs: {env_id: GuessTheNumber-v0}` names the game; the game's own code runs each episode.
+`env_kwargs: {env_id: GuessTheNumber-v0, game_kwargs: {max_number: 8}}` names the game and, optionally,
+its constructor's arguments (its difficulty); the game's own code runs each episode.
 The game's messages are the conversation: its opening (rules and first prompt) follows the data
 row's prompt, and after every model turn the game's answer (a hint, the next board, a complaint
 about an invalid move) is the next user message. The reward is the game's own, given at its end.
@@ -22,13 +23,13 @@ PLAYER = 0  # single-player games: the model is player 0; the game itself writes
 
 
 class TextArenaEnv:
-    def __init__(self, env_id: str, env_kwargs: dict | None = None):
+    def __init__(self, env_id: str, game_kwargs: dict | None = None):
         import textarena as ta
 
-        self.env_id, self.env = env_id, ta.make(env_id=self.check_kwargs(env_id), **(env_kwargs or {}))
+        self.env_id, self.env = env_id, ta.make(env_id=self.check_kwargs(env_id), **(game_kwargs or {}))
 
     @staticmethod
-    def check_kwargs(env_id: str, env_kwargs: dict | None = None) -> str:
+    def check_kwargs(env_id: str, game_kwargs: dict | None = None) -> str:
         """At start (`load_env_factory`): the game exists; its unwrapped id."""
         try:
             import textarena as ta

@@ -326,6 +326,10 @@ class AgentServer:
                     raise RequestError(400, str(e)) from None
         return key
 
+    def codec_for(self, tools: str) -> Any:
+        """The codec that rendered calls made with `tools` (the key `_tools` gave them)."""
+        return self._codecs[tools]
+
     def _response(self, job: _Job, body: dict) -> dict:
         call = job.call
         content, tool_calls = call.messages[-1]["content"], []
@@ -629,7 +633,7 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
         )
     ro = assemble(episodes, server.codec, server.engine.pad_id, strict=False)
     checked = [
-        (server._codecs[tracks[eid].segment_tools[k]], seg, tracks[eid].segment_finish[k])
+        (server.codec_for(tracks[eid].segment_tools[k]), seg, tracks[eid].segment_finish[k])
         for eid, ep in zip(ids, episodes)
         for k, seg in enumerate(ep.segments)
     ]
