@@ -31,7 +31,7 @@ def main() -> None:
 
     from verl_ds.config import load_config
     from verl_ds.envs import calculator, load_tools, parse_hermes_tool_calls, tool_schemas
-    from verl_ds.precision import resolve
+    from verl_ds.ds_config import resolve
     from verl_ds.rollout import make_rollout
     from verl_ds.rollout.agent_server import AgentEpisodes
     from verl_ds.rollout.episodes import Sampling, SeedKey, collect
