@@ -30,8 +30,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from verl_ds.config import load_config
-    from verl_ds.envs import calculator, load_tools, parse_hermes_tool_calls, tool_schemas
     from verl_ds.ds_config import resolve
+    from verl_ds.envs import calculator, load_tools, parse_hermes_tool_calls, tool_schemas
     from verl_ds.rollout import make_rollout
     from verl_ds.rollout.agent_server import AgentEpisodes
     from verl_ds.rollout.episodes import Sampling, SeedKey, collect

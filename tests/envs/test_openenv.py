@@ -2,11 +2,11 @@
 the real `openenv-core`, served by OpenEnv's own server on 127.0.0.1 and reached through its own
 client, played by the adapter and trained on by the loop."""
 
-import json
 from urllib.parse import urlparse
 
 import pytest
 
+from tests.envs.helpers import check_steps, train_on
 from verl_ds.config import load_config
 from verl_ds.envs.openenv import OpenEnvEnv
 from verl_ds.errors import ConfigError
@@ -65,50 +65,9 @@ def test_three_training_steps_on_an_openenv_environment(tmp_path):
     """The loop plays the OpenEnv game (HF engine, tiny chat model, real DeepSpeed engines): rows are
     token-exact with the game's answers as environment tokens, the trainer's logprobs are the
     engine's, the reward is the game's."""
-    from verl_ds.data.tiny import build_chat_tokenizer, build_tiny_llama
-    from verl_ds.diagnostics.observers import TrainerObserver
-    from verl_ds.trainer.rl_trainer import RLTrainer
-
-    model = build_tiny_llama(tmp_path / "m", build_chat_tokenizer(), hidden=64, layers=2, heads=2, ffn=128)
-    data = tmp_path / "games.jsonl"
-    data.write_text("".join(json.dumps({"prompt": "Let's play.", "answer": "", "seed": s}) + "\n" for s in range(16)))
     kwargs = "{" + ", ".join(f"{k}: {v}" for k, v in GAME.items()) + "}"
-    cfg = load_config(
-        None,
-        [
-            f"model.path={model}",
-            "data.task=files",
-            f"data.train_files=[{data}]",
-            "data.apply_chat_template=true",
-            "data.reward_fn=none",
-            "rollout.engine=hf",
-            "rollout.multi_turn.env=openenv",
-            f"rollout.multi_turn.env_kwargs={kwargs}",
-            "rollout.multi_turn.max_turns=3",
-            "rollout.max_new_tokens=48",  # the random model ends about 40% of its turns with eos by then
-            "rollout.n=4",
-            "trainer.prompts_per_step=4",
-            "trainer.val_before_train=false",
-            "roles.actor.micro_batch_size=16",
-            "roles.reference.micro_batch_size=16",
-            *[f"precision.{k}_dtype=fp32" for k in ("actor", "reference", "rollout", "buffer")],
-            f"trainer.run_dir={tmp_path / 'run'}",
-            "logging.wandb.mode=disabled",
-        ],
-    )
-    texts = []
-
-    class Rows(TrainerObserver):
-        def on_rollout(self, trainer, rollout, scores):
-            texts.extend(trainer.tokenizer.batch_decode(rollout.batch.response_ids))
-
-    with RLTrainer(cfg) as trainer:
-        trainer.observers.append(Rows())
-        steps = [trainer.step() for _ in range(3)]
-    for m in steps:
-        assert m["multi_turn/token_mismatch_fraction"] == 0.0 and m["env/failures"] == 0.0
-        assert m["rollout_corr/logprob_abs_diff_max"] <= 1e-5
-        assert 0.0 <= m["reward/mean"] <= 1.0
-    assert max(m["multi_turn/turns/max"] for m in steps) >= 2
+    # the random model ends about 40% of its turns with eos within 48 tokens
+    steps, texts = train_on(tmp_path, "openenv", kwargs, max_new_tokens=48)
+    check_steps(steps)
     answers = ("<|im_start|>user\nNo number there.", "<|im_start|>user\nhigher", "<|im_start|>user\nlower")
     assert any(a in t for t in texts for a in answers)  # the game's own answers, as environment tokens

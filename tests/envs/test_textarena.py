@@ -1,10 +1,9 @@
 """TextArena games as they are (`rollout.multi_turn.env: textarena`): the real `textarena` package's
 GuessTheNumber, played by the adapter and trained on by the loop."""
 
-import json
-
 import pytest
 
+from tests.envs.helpers import check_steps, train_on
 from verl_ds.config import load_config
 from verl_ds.envs.textarena import TextArenaEnv
 from verl_ds.errors import ConfigError
@@ -45,52 +44,8 @@ def test_three_training_steps_on_a_textarena_game(tmp_path):
     """The loop plays GuessTheNumber (HF engine, a tiny chat model, real DeepSpeed engines): episodes
     take several turns with the game's hints as environment tokens, rows are token-exact, the
     trainer's logprobs are the engine's, and the reward is the game's (invalid-move or win rewards)."""
-    from verl_ds.data.tiny import build_chat_tokenizer, build_tiny_llama
-    from verl_ds.diagnostics.observers import TrainerObserver
-    from verl_ds.trainer.rl_trainer import RLTrainer
-
-    shape = dict(hidden=64, layers=2, heads=2, ffn=128, max_len=1024)  # the game's rules are ~450 characters
-    model = build_tiny_llama(tmp_path / "m", build_chat_tokenizer(), **shape)
-    data = tmp_path / "games.jsonl"
-    data.write_text("".join(json.dumps({"prompt": "Let's play.", "answer": "", "seed": s}) + "\n" for s in range(16)))
-    cfg = load_config(
-        None,
-        [
-            f"model.path={model}",
-            "data.task=files",
-            f"data.train_files=[{data}]",
-            "data.apply_chat_template=true",
-            "data.reward_fn=none",
-            "rollout.engine=hf",
-            "rollout.multi_turn.env=textarena",
-            "rollout.multi_turn.env_kwargs={env_id: GuessTheNumber-v0}",
-            "rollout.multi_turn.max_turns=3",
-            "rollout.max_new_tokens=64",  # the random model ends ~half its turns with eos within 64
-            "rollout.max_model_len=1024",
-            "rollout.n=4",
-            "trainer.prompts_per_step=4",
-            "trainer.steps=3",
-            "trainer.val_before_train=false",
-            "roles.actor.micro_batch_size=16",
-            "roles.reference.micro_batch_size=16",
-            *[f"precision.{k}_dtype=fp32" for k in ("actor", "reference", "rollout", "buffer")],
-            f"trainer.run_dir={tmp_path / 'run'}",
-            "logging.wandb.mode=disabled",
-        ],
-    )
-    texts = []
-
-    class Rows(TrainerObserver):
-        def on_rollout(self, trainer, rollout, scores):
-            texts.extend(trainer.tokenizer.batch_decode(rollout.batch.response_ids))
-
-    with RLTrainer(cfg) as trainer:
-        trainer.observers.append(Rows())
-        steps = [trainer.step() for _ in range(3)]
-    for m in steps:
-        assert m["multi_turn/token_mismatch_fraction"] == 0.0 and m["env/failures"] == 0.0
-        assert m["rollout_corr/logprob_abs_diff_max"] <= 1e-5
-        assert 0.0 <= m["reward/mean"] <= 1.0
-    assert max(m["multi_turn/turns/max"] for m in steps) >= 2
+    # the game's rules are ~450 characters; the random model ends ~half its turns with eos within 64
+    steps, texts = train_on(tmp_path, "textarena", "{env_id: GuessTheNumber-v0}", max_new_tokens=64, max_len=1024)
+    check_steps(steps)
     # the game's own answers to the model's turns are in the rows, as environment tokens
     assert any("<|im_start|>user\nYou attempted an invalid move" in t or "The target number is" in t for t in texts)
