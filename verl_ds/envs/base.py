@@ -6,6 +6,7 @@ import importlib
 import inspect
 import traceback
 import typing
+import zlib
 from typing import Any, Callable, Protocol, Union
 
 from verl_ds.errors import ConfigError, shown
@@ -33,6 +34,13 @@ BUILTIN_ENVS = {
     "textarena": "verl_ds.envs.textarena:TextArenaEnv",
     "openenv": "verl_ds.envs.openenv:OpenEnvEnv",
 }
+
+
+def example_seed(example: dict) -> int:
+    """The seed of an episode's game or environment: the data row's `seed` key (held-out seeds for
+    validation are another data file), else a hash of its prompt (the same prompt, the same game)."""
+    seed = example.get("seed")
+    return int(seed) if seed is not None else zlib.crc32(str(example.get("prompt", "")).encode())
 
 
 def import_object(spec: str, key: str) -> Any:

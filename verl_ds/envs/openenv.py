@@ -24,12 +24,11 @@ import socket
 import threading
 import time
 import weakref
-import zlib
 from urllib.parse import urlparse
 
 from verl_ds.errors import ConfigError
 
-from .base import import_object
+from .base import example_seed, import_object
 
 KEY = "rollout.multi_turn.env_kwargs"
 _lock = threading.Lock()
@@ -130,7 +129,7 @@ class OpenEnvEnv:
         max_sessions: int = 1024,
         timeout_s: float = 60.0,
     ):
-        self.check_kwargs(serve, action, observation, base_url)
+        # checked once at start (`load_env_factory` calls check_kwargs), not per episode
         self.base_url = base_url or _serve(serve, action, observation, max_sessions)
         self.action_field, self.observation_field, self.timeout_s = action_field, observation_field, timeout_s
         self.client = None
@@ -149,8 +148,7 @@ class OpenEnvEnv:
 
     def reset(self, example: dict) -> str:
         self._end()
-        seed = example.get("seed")
-        seed = int(seed) if seed is not None else zlib.crc32(str(example.get("prompt", "")).encode())
+        seed = example_seed(example)
         self.client = _openenv()[0](base_url=self.base_url, message_timeout_s=self.timeout_s)
         self._closer = weakref.finalize(self, _close, self.client, self.timeout_s)
         _run(self.client.connect(), self.timeout_s)

@@ -15,9 +15,9 @@ its prompt.
 
 from __future__ import annotations
 
-import zlib
-
 from verl_ds.errors import ConfigError
+
+from .base import example_seed
 
 PLAYER = 0  # single-player games: the model is player 0; the game itself writes as player -1
 
@@ -49,8 +49,7 @@ class TextArenaEnv:
         return raw
 
     def reset(self, example: dict) -> str:
-        seed = example.get("seed")
-        seed = int(seed) if seed is not None else zlib.crc32(str(example.get("prompt", "")).encode())
+        seed = example_seed(example)
         self.env.reset(num_players=1, seed=seed)
         return self._news()
 

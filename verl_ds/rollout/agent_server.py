@@ -87,10 +87,14 @@ class _Track:
     last: _Call | None = None  # the previous finished call, what the next may continue
     calls: int = 0
     pending: int = 0  # calls taken, not yet generated (a concurrent call cannot continue them)
-    finish: str = "stop"
     last_action: list[int] = field(default_factory=list)
     segment_tools: list[str] = field(default_factory=list)  # per row: the tools it was rendered with
     segment_finish: list[str] = field(default_factory=list)  # per row: how its last call ended
+
+    @property
+    def finish(self) -> str:
+        """How the episode's last call ended."""
+        return self.segment_finish[-1] if self.segment_finish else "stop"
 
 
 @dataclass
@@ -479,6 +483,7 @@ class AgentServer:
         if job.continues and track.segments:
             seg = track.segments[-1]
             seg.add(call.prompt_ids[len(seg.prompt_ids) + len(seg.ids) :], model=False)
+            track.segment_finish[-1] = reason
         else:
             seg = Segment(list(call.prompt_ids), [])
             track.segments.append(seg)
@@ -486,8 +491,7 @@ class AgentServer:
             track.segment_finish.append(reason)
         seg.add(call.ids, model=True, logprobs=call.logprobs)
         seg.messages = list(call.messages)
-        track.segment_finish[-1] = reason
-        track.last, track.finish, track.last_action = call, reason, call.ids
+        track.last, track.last_action = call, call.ids
         track.pending -= 1
 
 
