@@ -324,6 +324,27 @@ class MultiTurnConfig:
 
 
 @dataclass
+class PartialConfig:
+    """Partial rollouts: a step trains the groups that finish first; the rest go on, on new weights.
+
+    Instead of every step waiting for its slowest episode (docs/GUIDE.md, "Partial rollouts")."""
+
+    enabled: bool = opt(False, "keep unfinished episodes in flight across steps (single-turn, one engine per rank)")
+    max_staleness: int = opt(
+        1,
+        "a group admitted at weights version v trains at version v + max_staleness at the latest (admission "
+        "control: nothing is dropped); 0: the synchronous step exactly",
+        ge=0,
+    )
+    over_provision: float = opt(
+        1.0, "groups in flight per rank, beyond the step's own, as a fraction of them (also <= max_staleness)", ge=0
+    )
+    chunk_tokens: int = opt(
+        0, "new tokens per episode per generation round (a step can stop between rounds); 0: max_new_tokens / 4", ge=0
+    )
+
+
+@dataclass
 class RolloutConfig:
     """Sampling: the engine, the sampling parameters and vLLM's memory."""
 
@@ -347,6 +368,7 @@ class RolloutConfig:
         "generation, the sync loads new ones; the KV cache comes back only to generate)",
     )
     multi_turn: MultiTurnConfig = section(MultiTurnConfig)
+    partial: PartialConfig = section(PartialConfig)
 
 
 OFFLOADS = ("none", "optimizer", "params", "optimizer+params")
@@ -749,6 +771,28 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
         bool(mt.agent) and r.tensor_parallel_size > 1,
         "rollout.multi_turn.agent",
         "agents run on one rank's own engine: rollout.tensor_parallel_size must be 1 for now",
+    )
+    pr = r.partial
+    rule(
+        pr.enabled and mt.enabled,
+        "rollout.partial.enabled",
+        "partial rollouts are single-turn for now: drop rollout.multi_turn.env / .agent",
+    )
+    rule(
+        pr.enabled and a.filter_groups.enabled,
+        "rollout.partial.enabled",
+        "partial rollouts do not combine with algorithm.filter_groups yet",
+    )
+    rule(
+        pr.enabled and r.tensor_parallel_size > 1,
+        "rollout.partial.enabled",
+        "partial rollouts need one engine per rank: rollout.tensor_parallel_size must be 1 for now",
+    )
+    rule(
+        pr.enabled and pr.max_staleness > 0 and a.tis_cap is None,
+        "algorithm.tis_cap",
+        "partial rollouts train tokens sampled by older weights: set the importance-weight cap (e.g. 2.0), "
+        "or rollout.partial.max_staleness: 0",
     )
     rule(
         mt.enabled and a.overlong.buffer_len > 0,

@@ -4,6 +4,7 @@ role's DeepSpeed engine and the rollout engine (DeepSpeed-Chat's rlhf_engine.py,
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 from verl_ds.config import RunConfig, active_roles, load_agent, token_budget, validate_paths
@@ -31,7 +32,8 @@ from verl_ds.roles import (
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.policy import can_share_prompts
 from verl_ds.rollout.agent_server import AgentEpisodes
-from verl_ds.rollout.episodes import EpisodeSpec, TurnLimits
+from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
+from verl_ds.rollout.partial import PartialLimits, PartialRollouts
 from verl_ds.rollout.weights import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,23 @@ def build_agents(cfg: RunConfig, codec: ChatCodec, engine) -> AgentEpisodes | No
         return None
     agent = load_agent(mt.agent)
     return AgentEpisodes(agent, engine, codec, cfg.rollout.max_model_len, mt.agent_timeout_s, parse_hermes_tool_calls)
+
+
+def build_partial(cfg: RunConfig, engine, prompts: list[dict], draw, world: int) -> PartialRollouts | None:
+    """This rank's pool of partial rollouts (`rollout.partial`) over `prompts`; `draw()` gives the
+    indices of this rank's next prompts. None: every step generates its own batch to the end."""
+    r = cfg.rollout
+    if not r.partial.enabled:
+        return None
+    b = cfg.trainer.prompts_per_step // world
+    limits = PartialLimits(
+        groups_per_step=b,
+        max_staleness=r.partial.max_staleness,
+        in_flight=math.ceil(b * (1 + r.partial.over_provision)),
+        chunk_tokens=r.partial.chunk_tokens or max(1, r.max_new_tokens // 4),
+    )
+    sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
+    return PartialRollouts(engine, limits, prompts, draw, sampling, cfg.trainer.seed)
 
 
 def build_prompts(cfg: RunConfig, tokenizer, codec: ChatCodec | None = None) -> tuple[list[dict], list[dict]]:

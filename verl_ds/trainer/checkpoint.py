@@ -1,6 +1,7 @@
 """Atomic, rotating checkpoints of every trained role plus the trainer state.
 
-Layout: <run_dir>/checkpoints/step_<k>/{actor,critic}/ (DeepSpeed) + trainer_state.json + rng.pt.
+Layout: <run_dir>/checkpoints/step_<k>/{actor,critic}/ (DeepSpeed) + trainer_state.json + rng_rank<r>.pt
+(+ rank<r>_state.json: what a rank keeps of its own, e.g. partial rollouts in flight).
 All ranks write into `.step_<k>.tmp`; rank 0 renames it once everyone is done, so a crash never
 leaves a half-written `step_<k>` that `resume: auto` would pick.
 """
@@ -30,11 +31,14 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def save_checkpoint(root: Path, step: int, roles: dict, state: dict, keep_last: int) -> Path:
+def save_checkpoint(
+    root: Path, step: int, roles: dict, state: dict, keep_last: int, rank_state: dict | None = None
+) -> Path:
     """Write `step_<step>` atomically; a write that fails (a full disk, a directory made read-only)
-    leaves the previous checkpoints as they were and ends the run in one line that names the newest."""
+    leaves the previous checkpoints as they were and ends the run in one line that names the newest.
+    `state`: rank 0's trainer state; `rank_state`: this rank's own (every rank writes one)."""
     try:
-        return _save(root, step, roles, state, keep_last)
+        return _save(root, step, roles, state, keep_last, rank_state)
     except OSError as e:
         if rank() == 0:
             shutil.rmtree(root / f".step_{step}.tmp", ignore_errors=True)
@@ -49,7 +53,7 @@ def last_good(root: Path) -> str:
     return f"the last good checkpoint is {done[-1]} (trainer.resume: auto continues from it)"
 
 
-def _save(root: Path, step: int, roles: dict, state: dict, keep_last: int) -> Path:
+def _save(root: Path, step: int, roles: dict, state: dict, keep_last: int, rank_state: dict | None) -> Path:
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -64,6 +68,8 @@ def _save(root: Path, step: int, roles: dict, state: dict, keep_last: int) -> Pa
         {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]), "python_pos": random.getstate()[2]},
         tmp / f"rng_rank{rank()}.pt",
     )
+    if rank_state is not None:
+        (tmp / f"rank{rank()}_state.json").write_text(json.dumps(rank_state))
     barrier()
     if rank() == 0:
         swap_in(tmp, final)  # by renames (.step_<k>.old between): a complete step_<k> always exists
@@ -129,11 +135,15 @@ def pick_resume(root: Path, resume: str, roles: list[str], ranks: int) -> Path |
 
 
 def load_checkpoint(path: Path, roles: dict) -> dict:
-    """Restore roles and RNG; return the trainer state dict (step, sampler, kl, reward_norm). `path`
-    is whole: `pick_resume` checked it before any engine was built."""
+    """Restore roles and RNG; return the trainer state dict (step, sampler, kl, reward_norm; `rank`:
+    this rank's own state, None when it wrote none). `path` is whole: `pick_resume` checked it
+    before any engine was built."""
     for name, role in roles.items():
         role.load(str(path / name), tag="ds")
     rng = torch.load(path / f"rng_rank{rank()}.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate((3, tuple(rng["python"]), rng["python_pos"]))
-    return json.loads((path / "trainer_state.json").read_text())
+    state = json.loads((path / "trainer_state.json").read_text())
+    own = path / f"rank{rank()}_state.json"
+    state["rank"] = json.loads(own.read_text()) if own.exists() else None
+    return state

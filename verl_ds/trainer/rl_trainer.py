@@ -107,6 +107,8 @@ class RLTrainer:
             lm_head_fp32=self.precision.lm_head_fp32,
         )
         self.agents = builder.build_agents(cfg, self.codec, self.rollout)  # None: not an agent job
+        # None: each step generates its own batch to the end; else groups stay in flight across steps
+        self.partial = builder.build_partial(cfg, self.rollout, self.prompts, self._draw, self.world)
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
@@ -244,10 +246,12 @@ class RLTrainer:
         sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
         parts, rounds, seen, dropped, drawn = [], 0, 0, 0, []
         while True:
-            idx = self.sampler.next(cfg.trainer.prompts_per_step)[self.rank :: self.world]
-            examples = [self.prompts[i] for i in idx]
             with timer("gen", stage="rollout", role="rollout"):
-                ro = self._episodes(examples, sampling, SeedKey(cfg.trainer.seed, self.global_step, rounds))
+                if self.partial is not None:  # the groups that finished first, from the pool in flight
+                    ro, examples = self.partial.collect(self.global_step)
+                else:
+                    examples = [self.prompts[i] for i in self._draw()]
+                    ro = self._episodes(examples, sampling, SeedKey(cfg.trainer.seed, self.global_step, rounds))
             with timer("reward", stage="score", role="reward"):
                 raw = self._score(ro, examples)
                 got = Collected(ro.batch, examples, raw, raw + self._overlong(ro.batch), ro.metrics)
@@ -332,6 +336,10 @@ class RLTrainer:
         keep = ("tools/", "multi_turn/turns", "agent/calls", "agent/failures")
         out.update({f"val/{k}": v for k, v in greedy.metrics.items() if k.startswith(keep)})
         return out
+
+    def _draw(self) -> list[int]:
+        """This rank's share of the next `prompts_per_step` prompts (indices into `self.prompts`)."""
+        return self.sampler.next(self.cfg.trainer.prompts_per_step)[self.rank :: self.world]
 
     def _episodes(self, examples: list[dict], sampling: Sampling, seed: SeedKey) -> episodes.Rollout:
         """This rank's episodes of `examples`: the user's agent against the endpoint, or the loop's
@@ -553,8 +561,16 @@ class RLTrainer:
             "kl_ctl": self.kl_ctl.state_dict(),
             "reward_stats": self.reward_stats.state_dict(),
         }
+        own = None
+        if self.partial is not None:  # each rank's pool and draws are its own
+            own = {"partial": self.partial.state_dict(), "sampler": self.sampler.state_dict()}
         path = save_checkpoint(
-            self.run_dir / "checkpoints", self.global_step, self._trained_roles(), state, self.cfg.checkpoint.keep_last
+            self.run_dir / "checkpoints",
+            self.global_step,
+            self._trained_roles(),
+            state,
+            self.cfg.checkpoint.keep_last,
+            rank_state=own,
         )
         self._sleep_roles()
         return path
@@ -568,6 +584,12 @@ class RLTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.reward_stats.load_state_dict(state["reward_stats"])
+        if self.partial is not None:
+            if state["rank"] is None or "partial" not in state["rank"]:
+                log.warning("resume: %s holds no partial rollouts (written without them): the pool starts empty", path)
+            else:
+                self.partial.load_state_dict(state["rank"]["partial"])
+                self.sampler.load_state_dict(state["rank"]["sampler"])
         sync_distributed(self.rollout, iter_full_params(self.actor.engine))  # the engine started from step 0
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.global_step)

@@ -1,0 +1,137 @@
+"""Partial rollouts (`rollout.partial`) on real engines: HF generate over a tiny model, real DeepSpeed
+roles. The pool's scheduling is checked on the engine alone; the trainer checks the synchronous
+equivalence at max_staleness 0, the rollout-vs-trainer gap of resumed episodes, and exact resume."""
+
+import json
+
+import pytest
+
+from verl_ds.config import load_config
+from verl_ds.errors import ConfigError
+from verl_ds.rollout import HFRollout
+from verl_ds.rollout.episodes import Sampling
+from verl_ds.rollout.partial import PartialLimits, PartialRollouts
+from verl_ds.trainer.rl_trainer import RLTrainer
+
+FP32 = [f"precision.{k}_dtype=fp32" for k in ("actor", "reference", "rollout", "buffer")]
+TINY = ["model.tiny.hidden=32", "model.tiny.ffn=64", "logging.wandb.mode=disabled", "rollout.engine=hf"]
+# a random char-level model ends a sample (eos) at random: lengths spread up to max_new_tokens
+JOB = [
+    *TINY,
+    *FP32,
+    "trainer.prompts_per_step=4",
+    "rollout.n=2",
+    "rollout.max_new_tokens=24",
+    "rollout.temperature=1.5",
+    "trainer.val_every=0",
+    "trainer.val_before_train=false",
+    "checkpoint.every=0",
+]
+PARTIAL = [
+    "rollout.partial.enabled=true",
+    "rollout.partial.max_staleness=2",
+    "rollout.partial.over_provision=2.0",
+    "rollout.partial.chunk_tokens=4",
+    "algorithm.tis_cap=2.0",
+]
+NOT_COMPARED = ("timing_s/", "perf/", "memory/", "partial/")
+
+
+def _run(run_dir, overrides: list[str], steps: int) -> list[dict]:
+    cfg = load_config(None, [*JOB, f"trainer.run_dir={run_dir}", f"trainer.steps={steps}", *overrides])
+    with RLTrainer(cfg) as trainer:
+        trainer.fit()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same(a: dict, b: dict) -> dict:
+    """The keys of `a` and `b` (timings and partial/* aside) whose values differ."""
+    keys = {k for k in a.keys() | b.keys() if not k.startswith(NOT_COMPARED)}
+    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return HFRollout(str(tiny_model_dir), "fp32")
+
+
+def _pool(engine, tokenizer, staleness: int, in_flight: int, per_step: int = 2) -> PartialRollouts:
+    prompts = [{"prompt_ids": tokenizer(f"{i}+{i}=")["input_ids"], "i": i} for i in range(64)]
+    cursor = iter(range(10_000))
+    limits = PartialLimits(groups_per_step=per_step, max_staleness=staleness, in_flight=in_flight, chunk_tokens=3)
+    return PartialRollouts(
+        engine, limits, prompts, lambda: [next(cursor) % 64 for _ in range(per_step)], Sampling(2, 1.5, 1.0, 24), 3
+    )
+
+
+def test_the_pool_bounds_staleness_drops_nothing_and_continues_paused_episodes(engine, tokenizer):
+    pool = _pool(engine, tokenizer, staleness=2, in_flight=6)
+    trained, paused_prefix, spans = [], {}, 0
+    for version in range(8):
+        ro, examples = pool.collect(version)
+        m = ro.metrics
+        assert len(examples) == 2 and len(ro.batch) == 4  # the step's groups, whole (n=2 each)
+        assert m["partial/staleness/max"] <= 2  # admission bounds it: a group trains within 2 versions
+        assert m["partial/in_flight_groups"] <= 6 - 2
+        spans += m["partial/resumed_fraction"] > 0
+        rows = ro.batch.to_lists()["responses"]
+        for ex, (a, b) in zip(examples, zip(rows[0::2], rows[1::2])):
+            trained.append(ex["i"])
+            for j, row in enumerate((a, b)):
+                prefix = paused_prefix.pop((ex["i"], j), None)
+                if prefix is not None:  # what was kept at the pause is the start of what trains
+                    assert row[: len(prefix)] == prefix and len(row) > len(prefix)
+        for g in pool.pool:  # what stays in flight, as far as it got
+            for j, ids in enumerate(g.ids):
+                if g.finish and not g.finish[j]:
+                    paused_prefix[(g.index % 64, j)] = list(ids)
+                    assert len(g.versions[j]) == len(ids) and max(g.versions[j]) <= version
+    assert spans > 0, "no episode was paused and resumed on later weights"
+    left = [g.index for g in pool.pool]
+    assert sorted(trained + left) == list(range(16 + len(left))), "every admitted group trains or is in flight"
+
+
+def test_a_zero_staleness_pool_keeps_nothing_in_flight(engine, tokenizer):
+    pool = _pool(engine, tokenizer, staleness=0, in_flight=6)
+    for version in range(3):
+        ro, _ = pool.collect(version)
+        assert ro.metrics["partial/staleness/max"] == 0 and ro.metrics["partial/rounds"] == 1
+        assert pool.pool == []
+
+
+@pytest.mark.numerics
+def test_max_staleness_zero_is_the_synchronous_step_bitwise(tmp_path):
+    sync = _run(tmp_path / "sync", [], steps=3)
+    part = _run(tmp_path / "part", [*PARTIAL, "rollout.partial.max_staleness=0"], steps=3)
+    assert [_same(a, b) for a, b in zip(sync, part)] == [{}, {}, {}]
+
+
+@pytest.mark.numerics
+def test_resumed_episodes_score_as_sampled_and_a_resumed_run_continues_exactly(tmp_path):
+    # lr 0: the weights never change, so every token's rollout logprob must equal the trainer's on
+    # the row as assembled, including tokens sampled after a pause from the kept ids
+    frozen = _run(tmp_path / "frozen", [*PARTIAL, "roles.actor.lr=0.0"], steps=3)
+    assert max(m["partial/resumed_fraction"] for m in frozen) > 0
+    assert all(m["rollout_corr/logprob_abs_diff_max"] < 1e-5 for m in frozen)
+    # kill-free resume: 4 steps straight, against 2 steps, a checkpoint, and 2 more from it
+    straight = _run(tmp_path / "straight", PARTIAL, steps=4)
+    assert max(m["partial/staleness/max"] for m in straight) > 0  # stale tokens trained
+    _run(tmp_path / "resumed", [*PARTIAL, "checkpoint.every=2"], steps=2)
+    again = _run(tmp_path / "resumed", [*PARTIAL, "trainer.resume=auto"], steps=4)
+    assert [m["step"] for m in again] == [1, 2, 3, 4]
+    assert [_same(a, b) for a, b in zip(straight[2:], again[2:])] == [{}, {}]
+    assert [a["partial/staleness/mean"] for a in straight[2:]] == [b["partial/staleness/mean"] for b in again[2:]]
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (["rollout.multi_turn.env=retry"], "rollout.partial.enabled"),
+        (["algorithm.filter_groups.enabled=true"], "rollout.partial.enabled"),
+        (["algorithm.tis_cap=null"], "algorithm.tis_cap"),
+    ],
+)
+def test_what_partial_rollouts_do_not_support_is_one_line_at_start(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*JOB, *PARTIAL, *override])
+    assert str(e.value).startswith(key)
