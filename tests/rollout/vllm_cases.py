@@ -8,7 +8,7 @@ Each test first syncs the weights it needs, so the tests do not depend on their 
 import pytest
 import torch
 
-from tests.rollout.helpers import PROMPTS, load_hf, max_logprob_diff
+from tests.rollout.helpers import PROMPTS, hf_response_logprobs, load_hf, max_logprob_diff
 from verl_ds.rollout import prompt_seeds
 
 
@@ -186,3 +186,37 @@ def test_the_engine_says_what_it_holds(engine, model_pair):
     )
     assert set(held) == {"weights_fp32", "kv_cache"} and held["weights_fp32"] >= plain
     assert 0.5 * 0.05 * 2**30 <= held["kv_cache"] <= 0.05 * 2**30
+
+
+def test_partial_rollouts_continue_paused_episodes_on_the_new_weights(engine, hf_pair):
+    """The pool over the real engine: episodes paused under the old weights continue, after a sync,
+    from their kept ids under the new ones; each token's rollout logprob is the one of the weights
+    that sampled it (old before the pause, new after), on the row as the trainer will see it."""
+    from verl_ds.rollout.episodes import Sampling
+    from verl_ds.rollout.partial import PartialLimits, PartialRollouts
+
+    old, new = hf_pair
+    prompts = [{"prompt_ids": p} for p in PROMPTS]
+    cursor = iter(range(1000))
+    limits = PartialLimits(groups_per_step=1, max_staleness=3, in_flight=4, chunk_tokens=2)
+    draw = lambda: [next(cursor) % len(prompts)]  # noqa: E731
+    pool = PartialRollouts(engine, limits, prompts, draw, Sampling(2, 1.0, 1.0, 24), run_seed=5)
+    engine.sync_weights(old.named_parameters())
+    pool.collect(0)
+    paused = {(g.index, j): len(ids) for g in pool.pool for j, ids in enumerate(g.ids) if not g.finish[j]}
+    assert paused, "nothing was left in flight at version 0"
+    engine.sync_weights(new.named_parameters())
+    ro, examples = pool.collect(1)
+    rows = ro.batch.to_lists()
+    checked = 0
+    for k, (p, r, lp) in enumerate(zip(rows["prompts"], rows["responses"], rows["logprobs"])):
+        g = PROMPTS.index(p)
+        cut = paused.get((g, k % 2))
+        if cut is None or cut >= len(r):
+            continue
+        lp = torch.tensor(lp)
+        assert (hf_response_logprobs(old, p, r)[:cut] - lp[:cut]).abs().max() <= 1e-4
+        assert (hf_response_logprobs(new, p, r)[cut:] - lp[cut:]).abs().max() <= 1e-4
+        assert (hf_response_logprobs(new, p, r)[:cut] - lp[:cut]).abs().max() > 1e-2  # really two versions
+        checked += 1
+    assert checked > 0 and ro.metrics["partial/resumed_fraction"] > 0
