@@ -779,11 +779,6 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
         "partial rollouts are single-turn for now: drop rollout.multi_turn.env / .agent",
     )
     rule(
-        pr.enabled and a.filter_groups.enabled,
-        "rollout.partial.enabled",
-        "partial rollouts do not combine with algorithm.filter_groups yet",
-    )
-    rule(
         pr.enabled and r.tensor_parallel_size > 1,
         "rollout.partial.enabled",
         "partial rollouts need one engine per rank: rollout.tensor_parallel_size must be 1 for now",

@@ -144,7 +144,8 @@ def test_kill_after_step_2_then_resume_auto(tmp_path):
 
 def test_dapo_features_gspo_in_the_loop(tmp_path):
     """Dynamic sampling on the sparse arithmetic reward, overlong shaping, truncated samples masked,
-    the GSPO loss: 3 steps under the launcher."""
+    the GSPO loss, with partial rollouts (each round of dynamic sampling takes more groups from the
+    pool): 3 steps under the launcher."""
     fast = [o for o in FAST if not o.startswith("data.reward_fn")]
     run_train(
         "grpo_cpu_tiny.yaml",
@@ -156,11 +157,15 @@ def test_dapo_features_gspo_in_the_loop(tmp_path):
         "algorithm.overlong.buffer_len=1",
         "algorithm.mask_truncated=true",
         "algorithm.policy_loss=gspo",
+        "rollout.partial.enabled=true",
+        "rollout.partial.chunk_tokens=2",
+        "algorithm.tis_cap=2.0",
     )
     rows = _check_run(
         tmp_path,
         3,
         [
+            "partial/staleness/max",
             "filter/kept_groups",
             "filter/rounds",
             "filter/zero_variance_fraction",
@@ -170,6 +175,7 @@ def test_dapo_features_gspo_in_the_loop(tmp_path):
     )
     for r in rows:  # an untrained model mostly fails every sample: most groups carry no gradient
         assert r["filter/rounds"] >= 1 and r["filter/kept_groups"] <= 8 and r["filter/zero_variance_fraction"] > 0
+        assert r["partial/staleness/max"] <= 1  # rollout.partial.max_staleness
 
 
 def test_cispo_with_fp32_lm_head_in_bf16(tmp_path):

@@ -127,7 +127,7 @@ def test_resumed_episodes_score_as_sampled_and_a_resumed_run_continues_exactly(t
     "override, key",
     [
         (["rollout.multi_turn.env=retry"], "rollout.partial.enabled"),
-        (["algorithm.filter_groups.enabled=true"], "rollout.partial.enabled"),
+        (["rollout.tensor_parallel_size=2"], "rollout.partial.enabled"),
         (["algorithm.tis_cap=null"], "algorithm.tis_cap"),
     ],
 )
