@@ -253,6 +253,16 @@ BAD_INPUTS = {
         [],
         "rollout.multi_turn.agent: length_reward is not an `async def agent(client, example)` function",
     ),
+    "openenv_unreachable": (
+        "rollout: {multi_turn: {env: openenv, env_kwargs: {base_url: 'http://127.0.0.1:1'}}}\n",
+        [],
+        "rollout.multi_turn.env_kwargs.base_url: http://127.0.0.1:1: nothing answers there",
+    ),
+    "partial_without_correction": (
+        "rollout: {partial: {enabled: true}}\n",
+        [],
+        "algorithm.tis_cap: partial rollouts train tokens sampled by older weights",
+    ),
     "overlong_multi_turn": (
         "rollout: {max_new_tokens: 8, multi_turn: {env: retry}}\nalgorithm: {overlong: {buffer_len: 4}}\n",
         [],

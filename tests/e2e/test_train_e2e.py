@@ -223,9 +223,9 @@ def test_validation_before_and_every_k_steps(tmp_path):
         assert r["val/arithmetic/pass@4"] >= r["val/arithmetic/mean@4"]
 
 
-def test_lora_zero3_two_ranks_sync_and_kill_resume(tmp_path):
-    """A LoRA actor at ZeRO-3 on 2 ranks with vLLM: merged weights reach the engine every step, and
-    kill -9 + resume: auto reproduces the uninterrupted run's steps 3-4."""
+def test_lora_zero3_two_ranks_sync(tmp_path):
+    """A LoRA actor at ZeRO-3 on 2 ranks with vLLM: merged weights reach the engine every step. (kill
+    -9 + resume of a LoRA actor at ZeRO-3 on vLLM: the multi-turn test below.)"""
     lora = ["model.lora.rank=8", "roles.actor.lr=0.01", "trainer.steps=4"]
     ref = tmp_path / "ref"
     run_train("grpo_cpu_tiny.yaml", ref, *FAST, *lora)
@@ -233,13 +233,6 @@ def test_lora_zero3_two_ranks_sync_and_kill_resume(tmp_path):
     for r in rows:
         assert r["rollout_corr/logprob_abs_diff_max"] <= 1e-5, r["rollout_corr/logprob_abs_diff_max"]
     assert rows[-1]["actor/kl_ref"] > 0  # the adapters moved the policy off the base
-    _kill_at_3_then_resume_reproduces(
-        tmp_path,
-        "grpo_cpu_tiny.yaml",
-        [*FAST, *lora],
-        rows,
-        ("reward/mean", "actor/pg_loss", "actor/kl_ref", "data/position"),
-    )
 
 
 def _kill_at_3_then_resume_reproduces(tmp_path, config, overrides, rows, keys):

@@ -138,13 +138,22 @@ class OpenEnvEnv:
     @staticmethod
     def check_kwargs(serve: str = "", action: str = "", observation: str = "", base_url: str = "", **_) -> None:
         """At start (`load_env_factory`): one way to reach the environment; served classes import and
-        are OpenEnv's; a server elsewhere than this machine is refused (OpenEnv's server takes no key)."""
+        are OpenEnv's; a server elsewhere than this machine is refused (OpenEnv's server takes no key),
+        and one that does not answer is named now rather than at the first episode."""
         if bool(serve) == bool(base_url):
             raise ConfigError(KEY, "give an OpenEnv environment as serve: pkg.module:EnvClass or base_url: http://...")
         if serve:
             _classes(serve, action, observation)
-        elif urlparse(base_url).hostname not in ("127.0.0.1", "localhost", "::1"):
+            return
+        url = urlparse(base_url)
+        if url.hostname not in ("127.0.0.1", "localhost", "::1"):
             raise ConfigError(f"{KEY}.base_url", f"{base_url}: OpenEnv's server takes no key, so only loopback")
+        try:
+            socket.create_connection((url.hostname, url.port or 80), timeout=5).close()
+        except OSError as e:
+            raise ConfigError(
+                f"{KEY}.base_url", f"{base_url}: nothing answers there ({e.strerror or e}); start the server first"
+            ) from None
 
     def reset(self, example: dict) -> str:
         self._end()
