@@ -329,7 +329,7 @@ class PartialConfig:
 
     Instead of every step waiting for its slowest episode (docs/GUIDE.md, "Partial rollouts")."""
 
-    enabled: bool = opt(False, "keep unfinished episodes in flight across steps (single-turn, one engine per rank)")
+    enabled: bool = opt(False, "keep unfinished episodes in flight across steps (one engine per rank; no agents yet)")
     max_staleness: int = opt(
         1,
         "a group admitted at weights version v trains at version v + max_staleness at the latest (admission "
@@ -774,9 +774,9 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
     )
     pr = r.partial
     rule(
-        pr.enabled and mt.enabled,
+        pr.enabled and bool(mt.agent),
         "rollout.partial.enabled",
-        "partial rollouts are single-turn for now: drop rollout.multi_turn.env / .agent",
+        "partial rollouts do not pause agent episodes yet: drop rollout.multi_turn.agent (environments work)",
     )
     rule(
         pr.enabled and r.tensor_parallel_size > 1,

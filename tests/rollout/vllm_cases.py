@@ -203,7 +203,7 @@ def test_partial_rollouts_continue_paused_episodes_on_the_new_weights(engine, hf
     pool = PartialRollouts(engine, limits, prompts, draw, Sampling(2, 1.0, 1.0, 24), run_seed=5)
     engine.sync_weights(old.named_parameters())
     pool.collect(0)
-    paused = {(g.index, j): len(ids) for g in pool.pool for j, ids in enumerate(g.ids) if not g.finish[j]}
+    paused = {(g.index, j): len(ep.pending.ids) for g in pool.pool for j, ep in enumerate(g.episodes) if ep.pending}
     assert paused, "nothing was left in flight at version 0"
     engine.sync_weights(new.named_parameters())
     ro, examples = pool.collect(1)

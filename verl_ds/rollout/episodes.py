@@ -33,7 +33,7 @@ from verl_ds.errors import ConfigError, RunFailure, shown
 from .batch import RolloutBatch
 from .distributed import generate_distributed, prompt_positions
 from .engine import RolloutEngine
-from .seeding import turn_seed
+from .seeding import prompt_seed, turn_seed
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,8 @@ class Segment:
 class Episode:
     group: int  # the prompt's index in this call
     sample: int  # 0 .. n-1
-    env: Environment
+    env: Environment | None  # None: a single-turn episode (its one turn ends it)
+    key: tuple = (0, 0)  # (step, global prompt position): what its seeds derive from
     segments: list[Segment] = field(default_factory=list)
     reward: float = 0.0  # the sum of the environment's step rewards
     turns: int = 0
@@ -131,6 +132,10 @@ class Episode:
     tool_failures: float = 0.0
     live: bool = True
     failure: str = ""  # the exception the environment raised (the episode ended there)
+    calls: int = 0  # engine requests sent for it (later requests' seeds count them)
+    pending: Segment | None = None  # a model turn paused before its end (partial rollouts): ids, logprobs
+    versions: list[int] = field(default_factory=list)  # per model token: the weights version that sampled it
+    actions: list[str] = field(default_factory=list)  # the model's turns as the environment got them
 
     @property
     def seg(self) -> Segment:
@@ -168,11 +173,44 @@ def collect(
         )
         final = [row[: int(k)] for row, k in zip(batch.response_ids.tolist(), batch.response_mask.sum(1).tolist())]
         return Rollout(batch, final, torch.zeros(len(batch)), torch.arange(len(batch)))
-    codec, limits = spec.codec, spec.limits
-    episodes = [Episode(group=g, sample=j, env=spec.env_factory()) for g in range(len(prompt_ids)) for j in range(n)]
+    positions = prompt_positions(len(prompt_ids), round_)
+    episodes, batched = start_episodes(examples, prompt_ids, n, spec, [(step, p) for p in positions])
+    tp = rollout.tp
+    if tp > 1:  # a tensor-parallel group's members must send the same kind of request
+        batched = vdist.all_reduce_min(float(batched)) > 0
+    first = True
+    while True:
+        live = [ep for ep in episodes if ep.live]
+        if tp > 1:  # every member of a tensor-parallel group generates until the whole group is done
+            if vdist.all_reduce_max(float(len(live))) == 0:
+                break
+        elif not live:
+            break
+        advance(rollout, live, sampling, run_seed, spec, batched=first and batched)
+        first = False
+    check_failures(episodes, spec.limits)
+    return assemble(episodes, spec.codec, rollout.pad_id, spec.strict)
+
+
+def start_episodes(
+    examples: list[dict], prompt_ids: list[list[int]], n: int, spec: EpisodeSpec | None, keys
+) -> tuple[list[Episode], bool]:
+    """`n` episodes per prompt, contiguous per prompt, each reset (its environment may open the
+    conversation: a prompt of its own); `keys[g]`: prompt g's (step, position). `spec` None:
+    single-turn episodes (no environment). -> (the episodes, whether every one starts from its
+    prompt as given: then their first call can be one request per prompt)."""
+    episodes = [
+        Episode(group=g, sample=j, env=spec.env_factory() if spec else None, key=tuple(keys[g]))
+        for g in range(len(prompt_ids))
+        for j in range(n)
+    ]
     batched = True
     for ep in episodes:
         ex = examples[ep.group]
+        if spec is None:
+            ep.segments.append(Segment(list(prompt_ids[ep.group]), []))
+            continue
+        codec = spec.codec
         ep.segments.append(Segment(list(prompt_ids[ep.group]), codec.prompt_messages(ex["prompt"])))
         first = _guarded(ep, "reset", env_reset, ex)
         if first is not None:  # the environment opens the conversation: a prompt of its own
@@ -185,46 +223,61 @@ def collect(
                 else seg.prompt_ids + codec.observation_ids(msgs)
             )
             batched = False
-    positions = prompt_positions(len(prompt_ids), round_)
-    sampling_kw = dict(temperature=sampling.temperature, top_p=sampling.top_p, run_seed=run_seed, step=step)
-    turn, tp = 0, rollout.tp
-    if tp > 1:  # a tensor-parallel group's members must send the same kind of request
-        batched = vdist.all_reduce_min(float(batched)) > 0
-    while True:
-        live = [ep for ep in episodes if ep.live]
-        if tp > 1:  # every member of a tensor-parallel group generates until the whole group is done
-            if vdist.all_reduce_max(float(len(live))) == 0:
-                break
-        elif not live:
-            break
-        budgets = [_budget(ep, max_new_tokens, limits) for ep in live]
-        if turn == 0 and batched:
-            out = generate_distributed(
-                rollout, prompt_ids, n, max_new_tokens=max_new_tokens, round_=round_, **sampling_kw
-            )
+    return episodes, batched
+
+
+def advance(
+    rollout: RolloutEngine,
+    live: list[Episode],
+    sampling: Sampling,
+    run_seed: int,
+    spec: EpisodeSpec | None,
+    batched: bool = False,
+    cap: int | None = None,
+    version: int = 0,
+) -> None:
+    """One engine call for the `live` episodes: each generates up to the rest of its turn's budget,
+    or `cap` tokens (partial rollouts: the turn pauses there, kept in `ep.pending`, and continues at
+    the next call). A finished turn goes to the environment (`_act`). `batched`: every episode's
+    first call, n per prompt in one request per prompt (the episodes of a prompt contiguous).
+    `version` tags the sampled tokens. Collective within a tensor-parallel group."""
+    n, max_new_tokens = sampling.n, sampling.max_new_tokens
+    limits = spec.limits if spec else TurnLimits(max_model_len=1 << 62)
+    budgets = [_budget(ep, max_new_tokens, limits) for ep in live]
+    asks = [b if cap is None else min(b, cap) for b in budgets]
+    kw = dict(temperature=sampling.temperature, top_p=sampling.top_p, run_seed=run_seed, step=None)
+    if batched:
+        heads = live[::n]
+        seeds = [prompt_seed(run_seed, *ep.key) for ep in heads]
+        new_tokens = max_new_tokens if cap is None else min(cap, max_new_tokens)
+        prompts = [ep.seg.prompt_ids for ep in heads]
+        out = generate_distributed(rollout, prompts, n, max_new_tokens=new_tokens, seeds=seeds, **kw)
+    else:
+        seeds = [turn_seed(run_seed, *ep.key, ep.sample, ep.calls) for ep in live]
+        new_tokens = max(asks, default=1)
+        if rollout.tp > 1:  # the group's members send identical requests, token limit included
+            new_tokens = int(vdist.all_reduce_max(float(new_tokens)))
+        contexts = [ep.seg.prompt_ids + ep.seg.ids + (ep.pending.ids if ep.pending else []) for ep in live]
+        out = generate_distributed(rollout, contexts, 1, max_new_tokens=new_tokens, seeds=seeds, **kw)
+    rows = out.to_lists()
+    for ep, budget, ask, ids, lps, reason in zip(
+        live, budgets, asks, rows["responses"], rows["logprobs"], rows["finish_reasons"]
+    ):
+        if len(ids) > ask:  # this episode's own limit (the call ran to the largest one)
+            ids, lps, reason = ids[:ask], lps[:ask], "length"
+        ep.calls += 1
+        ep.versions += [version] * len(ids)
+        turn = ep.pending or Segment([], [])
+        turn.add(ids, model=True, logprobs=lps)
+        if cap is not None and reason != "stop" and len(ids) < budget:  # paused: the turn goes on next call
+            ep.pending = turn
+            continue
+        ep.pending = None
+        if spec is None:  # a single-turn episode: its one turn ends it
+            ep.seg.add(turn.ids, model=True, logprobs=turn.logprobs)
+            ep.last_action, ep.finish, ep.turns, ep.live = turn.ids, "stop" if reason == "stop" else "length", 1, False
         else:
-            seeds = [turn_seed(run_seed, step, positions[ep.group], ep.sample, turn) for ep in live]
-            new_tokens = max(budgets, default=1)
-            if tp > 1:  # the group's members send identical requests, token limit included
-                new_tokens = int(vdist.all_reduce_max(float(new_tokens)))
-            out = generate_distributed(
-                rollout,
-                [ep.seg.prompt_ids + ep.seg.ids for ep in live],
-                1,
-                max_new_tokens=new_tokens,
-                seeds=seeds,
-                **sampling_kw,
-            )
-        rows = out.to_lists()
-        for ep, budget, ids, lps, reason in zip(
-            live, budgets, rows["responses"], rows["logprobs"], rows["finish_reasons"]
-        ):
-            if len(ids) > budget:  # this episode's own budget (the call ran to the largest one)
-                ids, lps, reason = ids[:budget], lps[:budget], "length"
-            _act(ep, ids, lps, reason, codec, limits)
-        turn += 1
-    check_failures(episodes, limits)
-    return assemble(episodes, codec, rollout.pad_id, spec.strict)
+            _act(ep, turn.ids, turn.logprobs, "stop" if reason == "stop" else "length", spec.codec, limits)
 
 
 # ---------------------------------------------------------------- the environment contract, checked where it is crossed
@@ -303,10 +356,10 @@ def check_failures(episodes: list[Episode], limits: TurnLimits) -> None:
 def _budget(ep: Episode, max_new_tokens: int, limits: TurnLimits) -> int:
     """New tokens this episode may still generate this turn (at least 1; the limits are checked
     before an episode continues)."""
-    seg = ep.seg
-    room = [max_new_tokens, limits.max_model_len - len(seg.prompt_ids) - len(seg.ids)]
+    seg, done = ep.seg, len(ep.pending.ids) if ep.pending else 0  # done: a paused turn's tokens so far
+    room = [max_new_tokens - done, limits.max_model_len - len(seg.prompt_ids) - len(seg.ids) - done]
     if limits.max_total_tokens:
-        room.append(limits.max_total_tokens - len(seg.ids))
+        room.append(limits.max_total_tokens - len(seg.ids) - done)
     return max(1, min(room))
 
 
@@ -321,6 +374,7 @@ def _act(ep: Episode, ids: list[int], lps: list[float], reason: str, codec, limi
     ep.turns += 1
     ep.last_action = ids
     text = codec.action_text(ids)
+    ep.actions.append(text)
     seg.messages.append({"role": "assistant", "content": text})
     ep.finish = reason
     if reason == "length" and codec.use_template:  # cut mid-turn: no end-of-turn token to continue after

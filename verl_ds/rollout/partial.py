@@ -16,16 +16,18 @@ later step j, the groups due by then fit in j steps' batches). With max_stalenes
 outlives its step and every round runs to the full budget, so the step is the synchronous one,
 bitwise.
 
-Seeds: a new group's first round samples its n episodes in one request seeded as the synchronous
-step seeds that prompt; a continuation is one request per episode seeded from (run seed, the
-group's step and position, sample, round) (`turn_seed`), so a resumed run continues identically.
-Single-turn episodes, one engine per rank (tensor parallel size 1); `state_dict` holds everything
-a checkpoint needs to resume the pool exactly.
+Episodes are `episodes.py`'s, advanced by its `advance`: single-turn, or an environment's turns,
+where a pause falls inside a model turn (the turn goes on at the next round) or between turns.
+Seeds: a new group's first call samples its n episodes in one request seeded as the synchronous
+step seeds that prompt; every later request is one per episode, seeded from (run seed, the group's
+step and position, sample, the episode's call count) (`turn_seed`), so a resumed run continues
+identically. One engine per rank (tensor parallel size 1); `state_dict` holds everything a
+checkpoint needs to resume the pool exactly (environments are rebuilt by replaying the actions).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 import torch
@@ -33,27 +35,34 @@ import torch
 from .batch import RolloutBatch
 from .distributed import prompt_positions
 from .engine import RolloutEngine
-from .episodes import Rollout, Sampling
-from .seeding import prompt_seed, turn_seed
+from .episodes import (
+    Episode,
+    EpisodeSpec,
+    Rollout,
+    Sampling,
+    Segment,
+    advance,
+    assemble,
+    check_failures,
+    env_reset,
+    env_step,
+    start_episodes,
+)
 
 
 @dataclass
 class InFlight:
-    """One prompt's group: its `n` episodes as far as they got. `key` = (step, position) seeds it."""
+    """One prompt's group: its `n` episodes as far as they got (none before its first round)."""
 
     index: int  # the prompt's index in the data
     born: int  # the weights version (step) it was admitted at
-    key: tuple[int, int]
+    key: tuple[int, int]  # (step, position): what its seeds derive from
     order: int  # admission order on this rank (ties in age)
-    ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    versions: list[list[int]] = field(default_factory=list)  # per token: the version that sampled it
-    finish: list[str] = field(default_factory=list)  # "" while the episode runs, then stop | length
-    rounds: list[int] = field(default_factory=list)  # continuation requests sent per episode
+    episodes: list[Episode] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
-        return bool(self.finish) and all(self.finish)
+        return bool(self.episodes) and not any(ep.live for ep in self.episodes)
 
 
 @dataclass(frozen=True)
@@ -76,11 +85,10 @@ class PartialRollouts:
         draw: Callable[[], list[int]],
         sampling: Sampling,
         run_seed: int,
+        spec: EpisodeSpec | None = None,
     ):
         self.engine, self.limits, self.prompts, self.draw = engine, limits, prompts, draw
-        self.n, self.max_new_tokens = sampling.n, sampling.max_new_tokens
-        self.sample = dict(temperature=sampling.temperature, top_p=sampling.top_p)
-        self.run_seed = run_seed
+        self.sampling, self.run_seed, self.spec = sampling, run_seed, spec
         self.pool: list[InFlight] = []
         self.queue: list[tuple[int, int, int]] = []  # (prompt index, draw step, position) not yet admitted
         self.admitted = 0
@@ -97,10 +105,24 @@ class PartialRollouts:
             rounds += 1
         taken = [self.pool[i] for i in picked]
         self.pool = [g for i, g in enumerate(self.pool) if i not in set(picked)]
-        batch = self._rows(taken)
-        final = [ids for g in taken for ids in g.ids]
-        metrics = self._metrics(taken, version, rounds)
-        rollout = Rollout(batch, final, torch.zeros(len(batch)), torch.arange(len(batch)), metrics)
+        eps = [ep for g in taken for ep in g.episodes]
+        for i, g in enumerate(taken):  # the rows' group ids index the step's examples
+            for ep in g.episodes:
+                ep.group = i
+        if self.spec is None:  # single-turn: the engine's rows as the synchronous step builds them
+            batch = RolloutBatch.from_lists(
+                prompts=[ep.seg.prompt_ids for ep in eps],
+                responses=[ep.seg.ids for ep in eps],
+                logprobs=[ep.seg.logprobs for ep in eps],
+                finish_reasons=[ep.finish for ep in eps],
+                group_ids=[ep.group for ep in eps],
+                pad_id=self.engine.pad_id,
+            )
+            rollout = Rollout(batch, [ep.last_action for ep in eps], torch.zeros(len(batch)), torch.arange(len(batch)))
+        else:
+            check_failures(eps, self.spec.limits)
+            rollout = assemble(eps, self.spec.codec, self.engine.pad_id, self.spec.strict)
+        rollout.metrics.update(self._metrics(eps, version, rounds))
         return rollout, [self.prompts[g.index] for g in taken]
 
     def _admit(self, version: int) -> None:
@@ -138,78 +160,30 @@ class PartialRollouts:
         return sorted(chosen, key=age.__getitem__)
 
     def _round(self, version: int) -> None:
-        """One engine call for new groups (n samples per prompt, seeded as the synchronous step) and
-        one for continuing episodes (one request each). When every live group must train this step,
-        nothing could pause, so the round runs to the full budget."""
+        """One engine call for the new groups' first turn (n samples per prompt, seeded as the
+        synchronous step) and one for the episodes going on (one request each). When every live
+        group must train this step, nothing could pause: each call runs to the end of its turn."""
         s = self.limits.max_staleness
         live = [g for g in self.pool if not g.done]
-        chunk = self.limits.chunk_tokens
-        if all(g.born + s <= version for g in live):
-            chunk = self.max_new_tokens
-        fresh = [g for g in live if not g.finish]
+        cap = None if all(g.born + s <= version for g in live) else self.limits.chunk_tokens
+        go = dict(sampling=self.sampling, run_seed=self.run_seed, spec=self.spec, cap=cap, version=version)
+        fresh = [g for g in live if not g.episodes]
         if fresh:
-            out = self.engine.generate(
-                [self._prompt(g) for g in fresh],
-                n=self.n,
-                max_new_tokens=min(chunk, self.max_new_tokens),
-                seeds=[prompt_seed(self.run_seed, *g.key) for g in fresh],
-                **self.sample,
-            ).to_lists()
-            rows = iter(zip(out["responses"], out["logprobs"], out["finish_reasons"]))
-            for g in fresh:
-                g.ids, g.logprobs, g.versions, g.finish, g.rounds = [], [], [], [], [0] * self.n
-                for _ in range(self.n):
-                    ids, lps, reason = next(rows)
-                    g.ids.append(ids)
-                    g.logprobs.append(lps)
-                    g.versions.append([version] * len(ids))
-                    g.finish.append(self._finish(len(ids), reason))
-        going = [(g, j) for g in live if g not in fresh for j in range(self.n) if not g.finish[j]]
+            examples = [self.prompts[g.index] for g in fresh]
+            prompt_ids = [list(e["prompt_ids"]) for e in examples]
+            eps, batched = start_episodes(examples, prompt_ids, self.sampling.n, self.spec, [g.key for g in fresh])
+            for k, g in enumerate(fresh):
+                g.episodes = eps[k * self.sampling.n : (k + 1) * self.sampling.n]
+            advance(self.engine, [ep for ep in eps if ep.live], batched=batched, **go)
+        going = [ep for g in live if g not in fresh for ep in g.episodes if ep.live]
         if going:
-            budgets = [min(chunk, self.max_new_tokens - len(g.ids[j])) for g, j in going]
-            out = self.engine.generate(
-                [self._prompt(g) + g.ids[j] for g, j in going],
-                n=1,
-                max_new_tokens=max(budgets),
-                seeds=[turn_seed(self.run_seed, *g.key, j, g.rounds[j] + 1) for g, j in going],
-                **self.sample,
-            ).to_lists()
-            for (g, j), budget, ids, lps, reason in zip(
-                going, budgets, out["responses"], out["logprobs"], out["finish_reasons"]
-            ):
-                if len(ids) > budget:  # this episode's own budget (the call ran to the largest one)
-                    ids, lps, reason = ids[:budget], lps[:budget], "length"
-                g.ids[j] += ids
-                g.logprobs[j] += lps
-                g.versions[j] += [version] * len(ids)
-                g.rounds[j] += 1
-                g.finish[j] = self._finish(len(g.ids[j]), reason)
+            advance(self.engine, going, **go)
 
-    def _prompt(self, g: InFlight) -> list[int]:
-        return list(self.prompts[g.index]["prompt_ids"])
-
-    def _finish(self, length: int, reason: str) -> str:
-        """stop (the model ended it) | length (the whole budget used) | "" (paused at a round's end)."""
-        if reason == "stop":
-            return "stop"
-        return "length" if length >= self.max_new_tokens else ""
-
-    def _rows(self, groups: list[InFlight]) -> RolloutBatch:
-        n = self.n
-        return RolloutBatch.from_lists(
-            prompts=[self._prompt(g) for g in groups for _ in range(n)],
-            responses=[ids for g in groups for ids in g.ids],
-            logprobs=[lp for g in groups for lp in g.logprobs],
-            finish_reasons=[f for g in groups for f in g.finish],
-            group_ids=[i for i in range(len(groups)) for _ in range(n)],
-            pad_id=self.engine.pad_id,
-        )
-
-    def _metrics(self, taken: list[InFlight], version: int, rounds: int) -> dict[str, float]:
+    def _metrics(self, eps: list[Episode], version: int, rounds: int) -> dict[str, float]:
         """partial/*: how stale the trained tokens are (versions behind the weights that train them),
         the share of episodes that spanned several versions, what stays in flight."""
-        ages = [version - v for g in taken for vs in g.versions for v in vs]
-        spanned = [len(set(vs)) > 1 for g in taken for vs in g.versions]
+        ages = [version - v for ep in eps for v in ep.versions]
+        spanned = [len(set(ep.versions)) > 1 for ep in eps]
         return {
             "partial/staleness/mean": sum(ages) / max(len(ages), 1),
             "partial/staleness/max": float(max(ages, default=0)),
@@ -222,16 +196,50 @@ class PartialRollouts:
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
         """Plain JSON: the pool, the drawn-but-not-admitted prompts, the counters. Logprobs are
-        Python floats (exact in JSON: float32 values round-trip through repr)."""
-        return {
-            "pool": [asdict(g) for g in self.pool],
-            "queue": [list(q) for q in self.queue],
-            "admitted": self.admitted,
-            "draws": list(self.draws),
-        }
+        Python floats (exact in JSON: float32 values round-trip through repr). An environment is
+        not saved: `load_state_dict` replays its episode's actions into a new one."""
+        groups = [
+            {**asdict(replace(g, episodes=[])), "episodes": [_episode_state(ep) for ep in g.episodes]}
+            for g in self.pool
+        ]
+        queue = [list(q) for q in self.queue]
+        return {"pool": groups, "queue": queue, "admitted": self.admitted, "draws": list(self.draws)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.pool = [InFlight(**{**g, "key": tuple(g["key"])}) for g in state["pool"]]
+        self.pool = []
+        for g in state["pool"]:
+            group = InFlight(g["index"], g["born"], tuple(g["key"]), g["order"])
+            group.episodes = [self._episode(e, self.prompts[group.index]) for e in g["episodes"]]
+            self.pool.append(group)
         self.queue = [(int(i), int(step), int(pos)) for i, step, pos in state["queue"]]
         self.admitted = int(state["admitted"])
         self.draws = (int(state["draws"][0]), int(state["draws"][1]))
+
+    def _episode(self, state: dict, example: dict) -> Episode:
+        """An episode from its saved state; a live one's environment rebuilt by replaying its
+        actions (environments are deterministic given the example, as their seeds make them)."""
+        pending = state["pending"]
+        ep = Episode(
+            **{
+                **state,
+                "key": tuple(state["key"]),
+                "env": None,
+                "segments": [Segment(**seg) for seg in state["segments"]],
+                "pending": Segment(**pending) if pending else None,
+            }
+        )
+        if self.spec is not None and ep.live:
+            ep.env = self.spec.env_factory()
+            env_reset(ep.env, example)
+            for action in ep.actions:
+                env_step(ep.env, action)
+        return ep
+
+
+def _episode_state(ep: Episode) -> dict:
+    state = {f.name: getattr(ep, f.name) for f in fields(ep) if f.name not in ("env", "segments", "pending")}
+    return {
+        **state,
+        "segments": [asdict(seg) for seg in ep.segments],
+        "pending": asdict(ep.pending) if ep.pending else None,
+    }

@@ -100,7 +100,9 @@ def build_agents(cfg: RunConfig, codec: ChatCodec, engine) -> AgentEpisodes | No
     return AgentEpisodes(agent, engine, codec, cfg.rollout.max_model_len, mt.agent_timeout_s, parse_hermes_tool_calls)
 
 
-def build_partial(cfg: RunConfig, engine, prompts: list[dict], draw, world: int) -> PartialRollouts | None:
+def build_partial(
+    cfg: RunConfig, engine, prompts: list[dict], draw, world: int, spec: EpisodeSpec | None
+) -> PartialRollouts | None:
     """This rank's pool of partial rollouts (`rollout.partial`) over `prompts`; `draw()` gives the
     indices of this rank's next prompts. None: every step generates its own batch to the end."""
     r = cfg.rollout
@@ -114,7 +116,7 @@ def build_partial(cfg: RunConfig, engine, prompts: list[dict], draw, world: int)
         chunk_tokens=r.partial.chunk_tokens or max(1, r.max_new_tokens // 4),
     )
     sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
-    return PartialRollouts(engine, limits, prompts, draw, sampling, cfg.trainer.seed)
+    return PartialRollouts(engine, limits, prompts, draw, sampling, cfg.trainer.seed, spec)
 
 
 def build_prompts(cfg: RunConfig, tokenizer, codec: ChatCodec | None = None) -> tuple[list[dict], list[dict]]:

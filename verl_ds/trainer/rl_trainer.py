@@ -108,7 +108,7 @@ class RLTrainer:
         )
         self.agents = builder.build_agents(cfg, self.codec, self.rollout)  # None: not an agent job
         # None: each step generates its own batch to the end; else groups stay in flight across steps
-        self.partial = builder.build_partial(cfg, self.rollout, self.prompts, self._draw, self.world)
+        self.partial = builder.build_partial(cfg, self.rollout, self.prompts, self._draw, self.world, self.episode_spec)
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
