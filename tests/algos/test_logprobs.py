@@ -91,17 +91,26 @@ def test_mismatch_metrics_hand():
     roll = torch.log(torch.tensor([[0.25, 0.5, 0.1]]))
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     m = mismatch_metrics(train, roll, mask)
-    assert set(m) == {"logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl", "prob_pearson", "phantom_clip_fraction"}
+    assert set(m) == {
+        "logprob_abs_diff_mean",
+        "logprob_abs_diff_max",
+        "k3_kl",
+        "prob_pearson",
+        "phantom_clip_fraction",
+        "is_ess",
+    }
     assert m["logprob_abs_diff_mean"].item() == pytest.approx(math.log(2))
     assert m["logprob_abs_diff_max"].item() == pytest.approx(math.log(2))
     # k3 with r = p_train / p_roll: (2 - ln 2 - 1 + 0.5 + ln 2 - 1) / 2 = 0.25
     assert m["k3_kl"].item() == pytest.approx(0.25)
     assert m["prob_pearson"].item() == pytest.approx(-1.0)
     assert m["phantom_clip_fraction"].item() == 1.0  # ratios 2 and 0.5: both outside [0.8, 1.2]
+    assert m["is_ess"].item() == pytest.approx(2.5**2 / (2 * 4.25))  # weights 2, 0.5 (the masked 9 left out)
     same = mismatch_metrics(train, train, torch.ones(1, 3))
     assert same["logprob_abs_diff_max"].item() == 0.0 and same["k3_kl"].item() == 0.0
     assert same["phantom_clip_fraction"].item() == 0.0
     assert same["prob_pearson"].item() == pytest.approx(1.0)
+    assert same["is_ess"].item() == pytest.approx(1.0)
     assert all(v.dim() == 0 for v in m.values())
 
 

@@ -208,6 +208,9 @@ def mismatch_metrics(
       * ``phantom_clip_fraction``: the fraction of tokens whose ratio exp(train - rollout) lies outside
         [1 - clip_low, 1 + clip_high]: what PPO would clip if the rollout's logprobs were the old
         policy's. On the same weights (every step's first pass) it is precision alone.
+      * ``is_ess``: the effective sample size of the importance weights exp(train - rollout) over
+        the masked tokens, as a fraction of their count: (sum w)^2 / (n sum w^2), 1 when every weight
+        is equal (partial rollouts' stale tokens lower it).
     An empty mask gives 0 for every key.
     """
     with torch.no_grad():
@@ -222,12 +225,16 @@ def mismatch_metrics(
         cov = masked_mean(c_train * c_roll, mask)
         denom = (masked_mean(c_train.square(), mask) * masked_mean(c_roll.square(), mask)).sqrt()
         pearson = torch.where(denom > 1e-12, cov / denom.clamp_min(1e-12), 0.0)
+        w = torch.where(valid, ratio, 0.0)
+        n = valid.sum()
+        ess = torch.where(n > 0, w.sum().square() / (n * w.square().sum()).clamp_min(1e-30), 0.0)
         return {
             "logprob_abs_diff_mean": masked_mean(diff, mask),
             "logprob_abs_diff_max": max_diff,
             "k3_kl": masked_mean(kl_penalty(rollout_logprob, train_logprob, "k3"), mask),
             "prob_pearson": pearson,
             "phantom_clip_fraction": masked_mean(((ratio > 1 + clip_high) | (ratio < 1 - clip_low)).float(), mask),
+            "is_ess": ess,
         }
 
 

@@ -174,7 +174,7 @@ class PartialRollouts:
             eps, batched = start_episodes(examples, prompt_ids, self.sampling.n, self.spec, [g.key for g in fresh])
             for k, g in enumerate(fresh):
                 g.episodes = eps[k * self.sampling.n : (k + 1) * self.sampling.n]
-            advance(self.engine, [ep for ep in eps if ep.live], batched=batched, **go)
+            advance(self.engine, eps, batched=batched, **go)
         going = [ep for g in live if g not in fresh for ep in g.episodes if ep.live]
         if going:
             advance(self.engine, going, **go)
