@@ -278,7 +278,12 @@ class AlgorithmConfig:
     reward_normalization: str = opt("none", "normalise scores", choices=("none", "batch", "running"))
     reward_clip: Optional[float] = opt(None, "clip scores to [-c, c] after normalisation; null: off", gt=0)
     tis_cap: Optional[float] = opt(
-        None, "truncated importance sampling against the rollout policy, capped; null: off", gt=0
+        None, "importance weights against the rollout (behaviour) policy, capped; null: off", gt=0
+    )
+    tis_mode: str = opt(
+        "truncate",
+        "a weight above tis_cap: truncate (TIS: min(w, cap)) | mask (AReaL's decoupled PPO: the token drops out)",
+        choices=("truncate", "mask"),
     )
     policy_loss: str = opt("vanilla", "vanilla (PPO clip) | gspo (sequence ratio) | cispo", choices=POLICY_LOSSES)
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig)

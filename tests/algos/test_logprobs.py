@@ -98,6 +98,8 @@ def test_mismatch_metrics_hand():
         "prob_pearson",
         "phantom_clip_fraction",
         "is_ess",
+        "is_weight_mean",
+        "is_weight_max",
     }
     assert m["logprob_abs_diff_mean"].item() == pytest.approx(math.log(2))
     assert m["logprob_abs_diff_max"].item() == pytest.approx(math.log(2))
@@ -106,6 +108,9 @@ def test_mismatch_metrics_hand():
     assert m["prob_pearson"].item() == pytest.approx(-1.0)
     assert m["phantom_clip_fraction"].item() == 1.0  # ratios 2 and 0.5: both outside [0.8, 1.2]
     assert m["is_ess"].item() == pytest.approx(2.5**2 / (2 * 4.25))  # weights 2, 0.5 (the masked 9 left out)
+    assert m["is_weight_mean"].item() == pytest.approx(1.25) and m["is_weight_max"].item() == pytest.approx(2.0)
+    capped = mismatch_metrics(train, roll, mask, cap=1.5)
+    assert capped["is_capped_fraction"].item() == pytest.approx(0.5)
     same = mismatch_metrics(train, train, torch.ones(1, 3))
     assert same["logprob_abs_diff_max"].item() == 0.0 and same["k3_kl"].item() == 0.0
     assert same["phantom_clip_fraction"].item() == 0.0

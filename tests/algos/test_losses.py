@@ -130,3 +130,37 @@ def test_kl_controllers():
     other = AdaptiveKLController(init=1.0, target=6.0, horizon=10000)
     other.load_state_dict(ctl.state_dict())
     assert other.value == ctl.value and type(ctl.state_dict()["value"]) is float
+
+
+def _areal_decoupled_loss(logprobs, proximal, behave, adv, mask, eps, cap):
+    """AReaL's `ppo_actor_loss_fn` (decoupled PPO), as its formula reads: the clip on pi/pi_prox,
+    times the behaviour weight pi_prox/pi_behave, zeroed where it exceeds the cap; the mean over the
+    loss mask's tokens."""
+    ratio = torch.exp(logprobs - proximal)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps))
+    w = torch.exp(proximal - behave)
+    w = torch.where((w <= cap) & mask.bool(), w, torch.zeros_like(w))
+    return torch.where(mask.bool(), pg * w, torch.zeros_like(pg)).sum() / mask.count_nonzero()
+
+
+def test_decoupled_ppo_matches_areals_formula_and_hand_values():
+    from verl_ds.algos import tis_weights
+
+    proximal = torch.zeros(1, 4)
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.0, 1.1]]))
+    behave = torch.log(torch.tensor([[0.5, 1.0, 0.25, 1.0]]))  # weights pi_prox/pi_behave: 2, 1, 4, 1
+    adv = torch.tensor([[1.0, -1.0, 1.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = tis_weights(proximal, behave, mask, cap=3.0, mode="mask")
+    torch.testing.assert_close(w, torch.tensor([[2.0, 1.0, 0.0, 0.0]]))  # 4 > cap: the token drops out
+    loss, _ = policy_loss(proximal, logprobs, adv, mask, clip_low=0.2, clip_high=0.2, is_weights=w)
+    # token 0: max(-1.5, -1.2) * 2 = -2.4; token 1: max(0.5, 0.8) * 1 = 0.8; token 2: 0; over 3 tokens
+    assert loss.item() == pytest.approx((-2.4 + 0.8) / 3)
+    assert loss.item() == pytest.approx(_areal_decoupled_loss(logprobs, proximal, behave, adv, mask, 0.2, 3.0).item())
+    truncated = tis_weights(proximal, behave, mask, cap=3.0)  # TIS keeps the token at the cap
+    torch.testing.assert_close(truncated, torch.tensor([[2.0, 1.0, 3.0, 0.0]]))
+    # a planted bug: the behaviour weight left uncapped changes the loss
+    uncapped = tis_weights(proximal, behave, mask, cap=1e9)
+    assert policy_loss(proximal, logprobs, adv, mask, is_weights=uncapped)[0].item() != pytest.approx(loss.item())
+    with pytest.raises(ValueError):
+        tis_weights(proximal, behave, mask, mode="clip")

@@ -26,13 +26,13 @@ JOB = [
     "trainer.val_every=0",
     "trainer.val_before_train=false",
     "checkpoint.every=0",
+    "algorithm.tis_cap=2.0",  # both sides weigh by the rollout logprobs: the synchronous step too
 ]
 PARTIAL = [
     "rollout.partial.enabled=true",
     "rollout.partial.max_staleness=2",
     "rollout.partial.over_provision=2.0",
     "rollout.partial.chunk_tokens=4",
-    "algorithm.tis_cap=2.0",
 ]
 NOT_COMPARED = ("timing_s/", "perf/", "memory/", "partial/")
 # a retry environment: several turns per episode, so pauses fall inside turns and between them
@@ -42,6 +42,7 @@ MULTI_TURN = [
     "rollout.max_new_tokens=8",
     "data.reward_fn=none",
     "rollout.partial.chunk_tokens=3",  # (in effect only with rollout.partial.enabled)
+    "algorithm.tis_mode=mask",  # AReaL's decoupled loss: a token whose behaviour weight passes the cap drops out
 ]
 JOBS = {"single_turn": [], "multi_turn": MULTI_TURN}
 

@@ -172,12 +172,17 @@ def tis_weights(
     response_mask: torch.Tensor,
     cap: float = 2.0,
     level: str = "token",
+    mode: str = "truncate",
 ) -> torch.Tensor:
-    """Truncated importance-sampling weights correcting rollout-engine vs trainer mismatch (detached).
+    """Importance weights of the behaviour (rollout) policy against the trainer's (detached): the
+    rollout engine's precision gap, and with partial rollouts the tokens older weights sampled
+    (decoupled PPO: `train_logprob` is then the proximal policy, the weights the update starts from).
 
     Shapes: all ``[batch, T]`` -> ``[batch, T]``. log-ratio = train_logprob - rollout_logprob.
-      * ``level="token"``: w_t = min(exp(log-ratio_t), cap).
-      * ``level="sequence"``: w = min(exp(sum_t mask_t * log-ratio_t), cap), broadcast over tokens.
+      * ``level="token"``: w_t = exp(log-ratio_t); ``level="sequence"``: w = exp(sum_t mask_t *
+        log-ratio_t), broadcast over tokens.
+      * ``mode="truncate"`` (TIS): min(w, cap); ``mode="mask"`` (AReaL's decoupled loss): w where
+        w <= cap, else 0 (the token drops out of the loss).
     Log-ratios are clamped to [-20, 20] before exp. Masked positions get weight 0 (so a weighted
     masked sum is unaffected by them). Detached: weights are constants in the loss.
     """
@@ -186,7 +191,13 @@ def tis_weights(
         log_ratio = log_ratio.sum(-1, keepdim=True)
     elif level != "token":
         raise ValueError(f"unknown tis level {level!r}; known: ('token', 'sequence')")
-    weights = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp().clamp(max=cap)
+    weights = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
+    if mode == "truncate":
+        weights = weights.clamp(max=cap)
+    elif mode == "mask":
+        weights = torch.where(weights <= cap, weights, 0.0)
+    else:
+        raise ValueError(f"unknown tis mode {mode!r}; known: ('truncate', 'mask')")
     return (weights * response_mask).detach()
 
 
@@ -196,6 +207,7 @@ def mismatch_metrics(
     response_mask: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    cap: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Trainer-vs-rollout log-prob mismatch over masked tokens; values are 0-dim detached tensors.
 
@@ -211,6 +223,8 @@ def mismatch_metrics(
       * ``is_ess``: the effective sample size of the importance weights exp(train - rollout) over
         the masked tokens, as a fraction of their count: (sum w)^2 / (n sum w^2), 1 when every weight
         is equal (partial rollouts' stale tokens lower it).
+      * ``is_weight_mean`` / ``is_weight_max``: those weights' masked mean and max; with ``cap``,
+        ``is_capped_fraction``: the fraction above it (what `tis_weights` truncates or masks).
     An empty mask gives 0 for every key.
     """
     with torch.no_grad():
@@ -235,6 +249,9 @@ def mismatch_metrics(
             "prob_pearson": pearson,
             "phantom_clip_fraction": masked_mean(((ratio > 1 + clip_high) | (ratio < 1 - clip_low)).float(), mask),
             "is_ess": ess,
+            "is_weight_mean": masked_mean(ratio, mask),
+            "is_weight_max": torch.where(valid, ratio, 0.0).max() if ratio.numel() else ratio.new_zeros(()),
+            **({"is_capped_fraction": masked_mean((ratio > cap).float(), mask)} if cap is not None else {}),
         }
 
 

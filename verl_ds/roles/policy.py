@@ -123,7 +123,7 @@ class Actor(PolicyRole):
     """Trains with the clipped PPO surrogate from `verl_ds.algos`, plus optional KL and entropy terms.
 
     Reads from `loss_cfg`: clip_low, clip_high, dual_clip_c, loss_agg_mode, entropy_coef,
-    use_kl_loss, kl_coef, kl_estimator, tis_cap, policy_loss (vanilla | gspo | cispo), distill
+    use_kl_loss, kl_coef, kl_estimator, tis_cap, tis_mode, policy_loss (vanilla | gspo | cispo), distill
     (its loss mode: a reverse-KL term to the teacher).
     """
 
@@ -149,7 +149,7 @@ class Actor(PolicyRole):
         logprob, entropy = self.forward(mb, self.temperature, with_entropy=True)
         # on-policy (one mini-batch, first epoch): the old policy is this very forward (ratio 1, exact)
         old = logprob.detach() if mb.on_policy else mb.old_logprobs
-        is_w = algos.tis_weights(old, mb.rollout_logprobs, mask, cap=c.tis_cap) if c.tis_cap else None
+        is_w = algos.tis_weights(old, mb.rollout_logprobs, mask, cap=c.tis_cap, mode=c.tis_mode) if c.tis_cap else None
         pg_loss, m = self.policy_loss(
             old,
             logprob,

@@ -466,7 +466,7 @@ class RLTrainer:
         return {**metrics, **self._padding_metrics()}
 
     def _batch_metrics(self, batch, raw_scores, scores, old_lp, kl_mean, step_s) -> dict[str, float]:
-        mask = batch.loss_mask
+        mask, a = batch.loss_mask, self.cfg.algorithm
         rollout_perf = {k: v for k, v in self.rollout.last_metrics.items() if k.startswith("perf/")}
         return {
             "reward/mean": raw_scores.mean().item(),
@@ -479,7 +479,7 @@ class RLTrainer:
             **{
                 f"rollout_corr/{k}": float(v)
                 for k, v in algos.mismatch_metrics(
-                    old_lp, batch.rollout_logprobs, mask, self.cfg.algorithm.clip_low, self.cfg.algorithm.clip_high
+                    old_lp, batch.rollout_logprobs, mask, a.clip_low, a.clip_high, a.tis_cap
                 ).items()
             },
             "perf/throughput": float(batch.attention_mask.sum()) / max(step_s, 1e-9),
