@@ -93,16 +93,18 @@ class PartialRollouts:
         self.queue: list[tuple[int, int, int]] = []  # (prompt index, draw step, position) not yet admitted
         self.admitted = 0
         self.draws: tuple[int, int] = (-1, 0)  # (step, draws in that step): the next draw's round
+        self._step: tuple[int, list, list, int] = (-1, [], [], 0)  # this step's metrics so far
 
     # ---------------------------------------------------------------- one step
     def collect(self, version: int) -> tuple[Rollout, list[dict]]:
         """Admit, generate rounds until `groups_per_step` groups can train, take them out of the pool.
         -> (their rows, contiguous per group, with partial/* metrics; the groups' examples)."""
         self._admit(version)
-        rounds = 0
+        if self._step[0] != version:  # metrics add up over the step's collects (dynamic sampling)
+            self._step = (version, [], [], 0)
         while (picked := self._pick(version)) is None:
             self._round(version)
-            rounds += 1
+            self._step = (*self._step[:3], self._step[3] + 1)
         taken = [self.pool[i] for i in picked]
         self.pool = [g for i, g in enumerate(self.pool) if i not in set(picked)]
         eps = [ep for g in taken for ep in g.episodes]
@@ -122,7 +124,7 @@ class PartialRollouts:
         else:
             check_failures(eps, self.spec.limits)
             rollout = assemble(eps, self.spec.codec, self.engine.pad_id, self.spec.strict)
-        rollout.metrics.update(self._metrics(eps, version, rounds))
+        rollout.metrics.update(self._metrics(eps, version))
         return rollout, [self.prompts[g.index] for g in taken]
 
     def _admit(self, version: int) -> None:
@@ -179,11 +181,13 @@ class PartialRollouts:
         if going:
             advance(self.engine, going, **go)
 
-    def _metrics(self, eps: list[Episode], version: int, rounds: int) -> dict[str, float]:
-        """partial/*: how stale the trained tokens are (versions behind the weights that train them),
-        the share of episodes that spanned several versions, what stays in flight."""
-        ages = [version - v for ep in eps for v in ep.versions]
-        spanned = [len(set(ep.versions)) > 1 for ep in eps]
+    def _metrics(self, eps: list[Episode], version: int) -> dict[str, float]:
+        """partial/*, over the groups taken this step: how stale their tokens are (versions behind the
+        weights that train them), the share of episodes that spanned several versions, the groups
+        left in flight, the generation rounds."""
+        _, ages, spanned, rounds = self._step
+        ages += [version - v for ep in eps for v in ep.versions]
+        spanned += [len(set(ep.versions)) > 1 for ep in eps]
         return {
             "partial/staleness/mean": sum(ages) / max(len(ages), 1),
             "partial/staleness/max": float(max(ages, default=0)),
