@@ -107,21 +107,21 @@ def build_roles(setup: RunSetup) -> dict:
     roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, temperature=cfg.rollout.temperature)}
     if lora.rank and cfg.algorithm.kl_coef > 0:
         roles["reference"] = AdapterOffReference(roles["actor"])
-    if "critic" in ds:
+    if "critic" in setup.roles:
         roles["critic"] = Critic(
             load_value_model(m.critic_path or model_path, m.trust_remote_code, gc), ds["critic"], cfg.algorithm
         )
-    if "reference" in ds:
+    if "reference" in setup.roles:
         roles["reference"] = Reference(
             load_causal_lm(model_path, m.trust_remote_code, lm_head_fp32=fp32_head), ds["reference"]
         )
-    if "reward" in ds:
+    if "reward" in setup.roles:
         roles["reward"] = RewardModel(
             load_reward_model(m.reward_path, m.trust_remote_code),
             ds["reward"],
             int8_activation=precision.reward_activation if precision.reward == "int8" else None,
         )
-    if "teacher" in ds:
+    if "teacher" in setup.roles:
         roles["teacher"] = Teacher(
             load_causal_lm(m.teacher_path, m.trust_remote_code, lm_head_fp32=fp32_head),
             ds["teacher"],
