@@ -209,7 +209,7 @@ def cmd_debug(args) -> int:
     from verl_ds.config import load_config
     from verl_ds.diagnostics import memory
     from verl_ds.ds_config import render_ds_configs, resolve
-    from verl_ds.trainer.builder import resolve_model_path
+    from verl_ds.trainer.setup import resolve_model_path
 
     def shape_of(cfg):
         return memory.load_shape(args.model_config or str(Path(resolve_model_path(cfg)) / "config.json"))

@@ -13,7 +13,7 @@ import os
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
@@ -25,7 +25,7 @@ from verl_ds.algos import (
     KL_KINDS,
     POLICY_LOSSES,
 )
-from verl_ds.data.reward import get_reward_fn
+from verl_ds.data.reward import task_reward_fn
 from verl_ds.envs import import_object, load_env_factory, load_tools
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import INT8_ROLES, TRAINED_ROLES, PrecisionConfig
@@ -836,15 +836,14 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
             f"{ls.min_loss_scale} is above the starting scale 2**{ls.initial_scale_power}",
         )
     rule(len(cfg.roles.actor.betas) != 2, "roles.actor.betas", f"expected two numbers, got {cfg.roles.actor.betas!r}")
-    errors += _name_errors(cfg)
+    errors += resolve_names(cfg)[1]
     # batch geometry over `world` ranks
     rule(
         world % r.tensor_parallel_size != 0,
         "rollout.tensor_parallel_size",
         f"{r.tensor_parallel_size} does not divide the world size {world}",
     )
-    batch = t.prompts_per_step * r.n
-    mini = t.mini_batch_size or batch
+    batch, mini = t.prompts_per_step * r.n, mini_batch(cfg)
     rule(
         batch % mini != 0,
         "trainer.mini_batch_size",
@@ -859,31 +858,39 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
     raise_all(errors)
 
 
-def _name_errors(cfg: RunConfig) -> list[ConfigError]:
-    """The names a run resolves at start, resolved now, so `config render` catches them too: the
-    reward function, the tools and the environment (imported, their signatures checked)."""
-    out = []
-    try:
-        get_reward_fn(cfg.data.reward_fn)
-    except ConfigError as e:
-        out.append(e)
-    tools = None
-    try:
-        tools = load_tools(cfg.data.tools) if cfg.data.tools else None
-    except ConfigError as e:
-        out.append(e)
-    mt = cfg.rollout.multi_turn
+@dataclass(frozen=True)
+class Names:
+    """What the names of a run config resolve to: the reward function (`data.reward_fn`, with
+    reasoning-gym's threshold), the tools (`data.tools`), the environment factory and the agent of a
+    multi-turn job (None: not that kind of job)."""
+
+    reward_fn: Callable | None = None
+    tools: tuple = ()
+    env_factory: Callable | None = None
+    agent: Callable | None = None
+
+
+def resolve_names(cfg: RunConfig) -> tuple[Names, list[ConfigError]]:
+    """The names a run resolves, each imported and its signature checked once: (what resolved, what
+    did not). `validate` reports the mistakes (so `config render` catches them too); the run's setup
+    keeps the values."""
+    out, names = [], {}
+
+    def resolve(key: str, fn) -> None:
+        try:
+            names[key] = fn()
+        except ConfigError as e:
+            out.append(e)
+
+    d, mt = cfg.data, cfg.rollout.multi_turn
+    resolve("reward_fn", lambda: task_reward_fn(d))
+    resolve("tools", lambda: tuple(load_tools(d.tools)))
+    tools = list(names.get("tools") or ()) or None
     if mt.env and not (mt.env == "tools" and tools is None):  # no tools: reported above
-        try:
-            load_env_factory(mt.env, mt.env_kwargs, tools)
-        except ConfigError as e:
-            out.append(e)
+        resolve("env_factory", lambda: load_env_factory(mt.env, mt.env_kwargs, tools))
     if mt.agent:
-        try:
-            load_agent(mt.agent)
-        except ConfigError as e:
-            out.append(e)
-    return out
+        resolve("agent", lambda: load_agent(mt.agent))
+    return Names(**names), out
 
 
 def load_agent(spec: str, key: str = "rollout.multi_turn.agent"):
@@ -1050,6 +1057,11 @@ def token_budget(cfg: RunConfig, role: str) -> int:
     if rc.max_tokens_per_micro_batch == "auto":
         return rc.micro_batch_size * longest_row(cfg)
     return rc.max_tokens_per_micro_batch
+
+
+def mini_batch(cfg: RunConfig) -> int:
+    """Rows per optimizer step over every rank: `trainer.mini_batch_size`, or the whole rollout batch."""
+    return cfg.trainer.mini_batch_size or cfg.trainer.prompts_per_step * cfg.rollout.n
 
 
 def active_roles(cfg: RunConfig) -> list[str]:

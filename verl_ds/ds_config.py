@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import os
 
-from verl_ds.config import active_roles, read_ds_json
+from verl_ds.config import active_roles, mini_batch, read_ds_json
 from verl_ds.errors import ConfigError
 from verl_ds.precision import (
     TRAINED_ROLES,
@@ -152,17 +152,20 @@ def ds_dtype(ds: dict) -> str:
     return "fp32"
 
 
-def json_dtypes(cfg) -> dict[str, str]:
+def read_ds_files(cfg) -> dict[str, dict]:
+    """Each active role's DeepSpeed JSON file, as written (read once by a run: `trainer/setup.py`)."""
+    return {r: read_ds_json(getattr(cfg.roles, r).ds_config, f"roles.{r}.ds_config") for r in active_roles(cfg)}
+
+
+def json_dtypes(cfg, files: dict[str, dict] | None = None) -> dict[str, str]:
     """The compute dtype each active role's JSON file asks for (`auto` defers to it)."""
-    return {
-        role: ds_dtype(read_ds_json(getattr(cfg.roles, role).ds_config, f"roles.{role}.ds_config"))
-        for role in active_roles(cfg)
-    }
+    return {role: ds_dtype(ds) for role, ds in (files or read_ds_files(cfg)).items()}
 
 
-def resolve(cfg, hw: Hardware | None = None) -> ResolvedPrecision:
+def resolve(cfg, hw: Hardware | None = None, files: dict[str, dict] | None = None) -> ResolvedPrecision:
     """The run's precision, resolved once against this machine's (or the injected) hardware."""
-    return resolve_precision(cfg.precision, hw or detect_hardware(cfg.trainer.device), json_dtypes(cfg))
+    dtypes = json_dtypes(cfg, files)
+    return resolve_precision(cfg.precision, hw or detect_hardware(cfg.trainer.device), dtypes)
 
 
 def render_ds_configs(
@@ -170,23 +173,25 @@ def render_ds_configs(
     world_size: int | None = None,
     precision: ResolvedPrecision | None = None,
     zero_stages: dict[str, int] | None = None,
+    files: dict[str, dict] | None = None,
 ) -> dict[str, dict]:
-    """Every active role's final DeepSpeed config, as DeepSpeed will receive it. A role's ZeRO stage
-    is `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
-    see trainer/builder.py), else its JSON file's."""
+    """Every active role's final DeepSpeed config, as DeepSpeed will receive it, from its JSON file
+    (`files`: as `read_ds_files` read them; left as they are). A role's ZeRO stage is
+    `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
+    see trainer/setup.py), else its JSON file's."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))  # `cfg` was validated at load (config.validate)
-    precision = precision or resolve(cfg)
-    mini = cfg.trainer.mini_batch_size or cfg.trainer.prompts_per_step * cfg.rollout.n
+    files = files or read_ds_files(cfg)
+    precision = precision or resolve(cfg, files=files)
+    mini = mini_batch(cfg)
     out = {}
-    for role in active_roles(cfg):
+    for role, ds in files.items():
         rc = getattr(cfg.roles, role)
-        base = read_ds_json(rc.ds_config, f"roles.{role}.ds_config")
         stage = rc.zero_stage if isinstance(rc.zero_stage, int) else (zero_stages or {}).get(role)
-        if stage is not None:
-            base.setdefault("zero_optimization", {})["stage"] = stage
+        if stage is not None:  # a new dict: `files` stays as read
+            ds = {**ds, "zero_optimization": {**ds.get("zero_optimization", {}), "stage": stage}}
         out[role] = render_role(
             role,
-            base,
+            ds,
             rc.ds_config,
             precision,
             micro_batch_size=rc.micro_batch_size,

@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from verl_ds import algos
-from verl_ds.config import RunConfig, active_roles
+from verl_ds.config import RunConfig
 from verl_ds.data.dataset import PromptSampler
-from verl_ds.data.reward import task_reward_fn
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.diagnostics.observers import TrainerObserver
@@ -27,23 +26,19 @@ from verl_ds.dist import (
     all_reduce_min,
     all_reduce_sum,
     init_distributed,
-    on_gpu,
     rank,
-    world_size,
 )
-from verl_ds.ds_config import resolve
-from verl_ds.envs import load_tools
 from verl_ds.errors import RunFailure
 from verl_ds.gemm import fp32_gemm
-from verl_ds.precision import TRAINED_ROLES
 from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_params
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.params import export_adapter, export_hf
-from verl_ds.rollout import RolloutBatch, episodes, make_rollout, resolve_engine, sync_distributed
+from verl_ds.rollout import RolloutBatch, episodes, make_rollout, sync_distributed
 from verl_ds.rollout.episodes import Sampling, SeedKey
 from verl_ds.trainer import builder
 from verl_ds.trainer.checkpoint import last_good, load_checkpoint, pick_resume, probe_writable, save_checkpoint
 from verl_ds.trainer.groups import Collected, varied_groups
+from verl_ds.trainer.setup import resolve_setup
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +51,25 @@ class RLTrainer:
     def __init__(self, cfg: RunConfig, reward_fn=None):
         _import_heavy_libraries()
         init_distributed(cfg.trainer.collective_timeout_s)
-        self.cfg, self.rank, self.world = cfg, rank(), world_size()
-        self.rollout = self.logger = self.agents = None
         # rank 0 logs at logging.level; other ranks only warnings
-        logging.getLogger("verl_ds").setLevel(cfg.logging.level if self.rank == 0 else logging.WARNING)
-        self.precision = resolve(cfg)  # the one place `auto` meets the hardware
-        if cfg.trainer.device == "cpu" and on_gpu():
-            log.warning(
-                "trainer.device: cpu sets the precision rule only; the engines run on the GPU "
-                "(hide it to train on the CPU: CUDA_VISIBLE_DEVICES=)"
-            )
+        logging.getLogger("verl_ds").setLevel(cfg.logging.level if rank() == 0 else logging.WARNING)
+        self.rollout = self.logger = self.agents = None
+        # every fact the run derives from its config, derived once (trainer/setup.py)
+        self.setup = s = resolve_setup(cfg, reward_fn)
+        self.cfg = cfg = s.cfg  # rollout.engine resolved
+        self.rank, self.world, self.precision, self.model_path = s.rank, s.world, s.precision, s.model_path
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.model_path = builder.resolve_model_path(cfg)
-        # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
-        self.cfg = cfg = replace(cfg, rollout=replace(cfg.rollout, engine=resolve_engine(cfg.rollout, self.model_path)))
-        self.tokenizer = builder.build_tokenizer(cfg, self.model_path)
-        tools = load_tools(cfg.data.tools)  # the functions episodes call (validation resolved the names)
-        self.codec = builder.build_codec(cfg, self.tokenizer, self.model_path, tools)
-        self.episode_spec = builder.build_episodes(cfg, self.codec, tools)  # None: single-turn
+        self.tokenizer = builder.build_tokenizer(s)
+        self.codec = builder.build_codec(s, self.tokenizer)
+        self.episode_spec = builder.build_episodes(s, self.codec)  # None: single-turn
         self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer, self.codec)
         self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
-        self.reward_fn = reward_fn or task_reward_fn(cfg.data)
+        self.reward_fn = s.reward_fn
         # the checkpoint to resume from, checked whole, and the run's directories writable, before any engine
         probe_writable(self.run_dir / "checkpoints", "trainer.run_dir")
-        trained = [r for r in active_roles(cfg) if r in TRAINED_ROLES]
-        self.resume_from = pick_resume(self.run_dir / "checkpoints", cfg.trainer.resume, trained, self.world)
-        builder.check_batch_fits(cfg, self.model_path, self.precision, self.world)
-        self.roles = builder.build_roles(cfg, self.model_path, self.precision)
+        self.resume_from = pick_resume(self.run_dir / "checkpoints", cfg.trainer.resume, s.trained, self.world)
+        self.roles = builder.build_roles(s)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
-        sleepers = [n for n in self._trained_roles() if getattr(cfg.roles, n).sleep]
-        if sleepers and not on_gpu():
-            log.info("roles.{%s}.sleep: a no-op on CPU (no device memory to hand to the rollout)", ",".join(sleepers))
         self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")
         self.teacher = self.roles.get("teacher")  # on-policy distillation (algorithm.distill)
         self.estimator = algos.get_advantage_estimator(cfg.algorithm.estimator)
@@ -106,9 +89,9 @@ class RLTrainer:
             trust_remote_code=cfg.model.trust_remote_code,
             lm_head_fp32=self.precision.lm_head_fp32,
         )
-        self.agents = builder.build_agents(cfg, self.codec, self.rollout)  # None: not an agent job
+        self.agents = builder.build_agents(s, self.codec, self.rollout)  # None: not an agent job
         # None: each step generates its own batch to the end; else groups stay in flight across steps
-        self.partial = builder.build_partial(cfg, self.rollout, self.prompts, self._draw, self.world, self.episode_spec)
+        self.partial = builder.build_partial(s, self.rollout, self.prompts, self._draw, self.episode_spec)
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
@@ -394,7 +377,7 @@ class RLTrainer:
 
     def _mini_rows(self, n: int) -> int:
         """This rank's rows per mini-batch (all `n` when trainer.mini_batch_size is unset)."""
-        return (self.cfg.trainer.mini_batch_size or n * self.world) // self.world
+        return self.setup.mini_rows or n
 
     def _mini_batches(self, n: int) -> int:
         """Mini-batches per epoch, the same on every rank (forked multi-turn episodes give ranks

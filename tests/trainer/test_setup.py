@@ -1,0 +1,58 @@
+"""The run's setup: every fact derived once, before any engine (no process group: one rank)."""
+
+import dataclasses
+
+import pytest
+
+from verl_ds import config
+from verl_ds.config import load_config
+from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.trainer.setup import resolve_setup
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(
+        None,
+        [
+            "rollout.engine=auto",
+            "trainer.prompts_per_step=4",
+            "rollout.n=4",
+            "trainer.mini_batch_size=8",
+            "algorithm.estimator=gae",  # a critic: three roles, two trained
+            "roles.actor.zero_stage=auto",
+            f"trainer.run_dir={tmp_path}",
+            "model.tiny.hidden=32",
+            "model.tiny.ffn=64",
+            *extra,
+        ],
+        world_size=1,
+    )
+
+
+def test_the_setup_reads_each_roles_json_once_and_holds_what_the_run_derives(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path)
+    reads = []
+    read = config.read_ds_json
+    monkeypatch.setattr("verl_ds.ds_config.read_ds_json", lambda name, key: reads.append(key) or read(name, key))
+    s = resolve_setup(cfg)
+    assert sorted(reads) == ["roles.actor.ds_config", "roles.critic.ds_config", "roles.reference.ds_config"]
+    assert s.roles == ("actor", "critic", "reference") and s.trained == ("actor", "critic")
+    assert s.cfg.rollout.engine == "hf" and s.model_path == str(tmp_path / "init_model")
+    assert (s.rank, s.world, s.gpu) == (0, 1, False)
+    assert s.mini_rows == 8 and s.tools == () and s.env_factory is None and s.agent is None
+    assert s.reward_fn("1", "1") == 1.0  # data.reward_fn: arithmetic
+    # the rendered configs are what the renderer gives for the ZeRO stage auto chose
+    stage = s.ds["actor"]["zero_optimization"]["stage"]
+    assert dict(s.ds) == render_ds_configs(s.cfg, 1, resolve(s.cfg), {"actor": stage})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.world = 2
+    with pytest.raises(TypeError):
+        s.ds["actor"] = {}
+
+
+def test_the_callers_reward_function_wins_and_mini_batch_size_0_is_every_row(tmp_path):
+    def fn(response, answer):
+        return 0.5
+
+    s = resolve_setup(_cfg(tmp_path, "trainer.mini_batch_size=0"), reward_fn=fn)
+    assert s.reward_fn is fn and s.mini_rows == 0

@@ -1,0 +1,159 @@
+"""`RunSetup`: what one run derives from its config, derived once at the start of `RLTrainer.__init__`
+(`resolve_setup`) and read by everything after it: the builder, the loop, the programs. Nothing
+else re-derives these facts (the model path, the rollout engine, the device, the precision, the
+roles and their DeepSpeed configs, the names the run resolves, the world, the mini-batch)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from verl_ds.config import RunConfig, resolve_names, token_budget, validate_paths
+from verl_ds.data.tiny import build_char_tokenizer, build_chat_tokenizer, build_tiny_llama
+from verl_ds.diagnostics.memory import (
+    BYTES,
+    ModelShape,
+    choose_zero_stages,
+    load_shape,
+    role_shapes,
+    rollout_memory,
+    workload,
+)
+from verl_ds.dist import barrier, on_gpu, rank, world_size
+from verl_ds.ds_config import read_ds_files, render_ds_configs, resolve
+from verl_ds.errors import ConfigError, raise_all
+from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
+from verl_ds.rollout import resolve_engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """The facts of one run, each derived once (`resolve_setup`)."""
+
+    cfg: RunConfig  # as given, with `rollout.engine` resolved (vllm | hf)
+    model_path: str  # `model.path`, or the tiny model built under the run dir
+    gpu: bool  # `dist.on_gpu()`: the engines run on this rank's GPU
+    rank: int
+    world: int
+    precision: ResolvedPrecision  # `auto` met the hardware and the roles' JSON files
+    roles: tuple[str, ...]  # the active roles (`config.active_roles`)
+    trained: tuple[str, ...]  # those with an optimizer
+    ds: Mapping[str, dict]  # each active role's DeepSpeed config, as its engine receives it
+    token_budgets: Mapping[str, int]  # each active role's tokens per micro-batch (`config.token_budget`)
+    tools: tuple[Callable, ...]  # `data.tools`
+    env_factory: Callable | None  # `rollout.multi_turn.env`; None: no environment
+    agent: Callable | None  # `rollout.multi_turn.agent`; None: not an agent job
+    reward_fn: Callable  # `data.reward_fn` (or the caller's)
+    mini_rows: int  # this rank's rows per mini-batch; 0: all of them (`trainer.mini_batch_size: 0`)
+
+
+def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup:
+    """The run's facts, in the order each needs the ones before: the model, the engine, every active
+    role's DeepSpeed JSON (read once), the names, the precision, the batch checked against this
+    rank's memory and the configs rendered (with `zero_stage: auto` chosen)."""
+    gpu, world = on_gpu(), world_size()
+    if cfg.trainer.device == "cpu" and gpu:
+        log.warning(
+            "trainer.device: cpu sets the precision rule only; the engines run on the GPU "
+            "(hide it to train on the CPU: CUDA_VISIBLE_DEVICES=)"
+        )
+    model_path = resolve_model_path(cfg)
+    # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
+    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=resolve_engine(cfg.rollout, model_path)))
+    files = read_ds_files(cfg)  # one per active role
+    names, errors = resolve_names(cfg)  # validation resolved them too: a cfg not from load_config
+    raise_all(errors)
+    precision = resolve(cfg, files=files)  # the one place `auto` meets the hardware
+    trained = tuple(r for r in files if r in TRAINED_ROLES)
+    sleepers = [r for r in trained if getattr(cfg.roles, r).sleep]
+    if sleepers and not gpu:
+        log.info("roles.{%s}.sleep: a no-op on CPU (no device memory to hand to the rollout)", ",".join(sleepers))
+    budget, shape = rank_budget(cfg, world, gpu), load_shape(model_path)
+    check_batch_fits(cfg, shape, precision, world, gpu, budget)
+    stages = zero_stages(cfg, shape, files, precision, world, budget)
+    return RunSetup(
+        cfg=cfg,
+        model_path=model_path,
+        gpu=gpu,
+        rank=rank(),
+        world=world,
+        precision=precision,
+        roles=tuple(files),
+        trained=trained,
+        ds=MappingProxyType(render_ds_configs(cfg, world, precision, stages, files)),
+        token_budgets=MappingProxyType({r: token_budget(cfg, r) for r in files}),
+        tools=names.tools,
+        env_factory=names.env_factory,
+        agent=names.agent,
+        reward_fn=reward_fn or names.reward_fn,
+        mini_rows=cfg.trainer.mini_batch_size // world,
+    )
+
+
+def resolve_model_path(cfg: RunConfig) -> str:
+    """`model.path: tiny` builds a random-init char-level Llama once, under the run dir."""
+    validate_paths(cfg)
+    if cfg.model.path != "tiny":
+        return cfg.model.path
+    out = Path(cfg.trainer.run_dir) / "init_model"
+    if rank() == 0 and not (out / "config.json").exists():
+        t = cfg.model.tiny
+        tokenizer = build_chat_tokenizer() if t.tokenizer == "chat" else build_char_tokenizer()
+        build_tiny_llama(out, tokenizer, hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn, seed=t.seed)
+    barrier()
+    return str(out)
+
+
+def rank_budget(cfg: RunConfig, world: int, gpu: bool) -> float:
+    """The bytes one rank may use: its GPU (less vLLM's share when vLLM keeps it while the roles
+    train), or this node's RAM over the ranks on it."""
+    if gpu:
+        import torch
+
+        budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if not cfg.rollout.sleep and cfg.rollout.engine == "vllm":
+            budget *= 1 - cfg.rollout.gpu_memory_utilization  # vLLM keeps its share while training
+        return budget
+    import psutil
+
+    return psutil.virtual_memory().total / int(os.environ.get("LOCAL_SIZE", world))
+
+
+def check_batch_fits(
+    cfg: RunConfig, shape: ModelShape, precision: ResolvedPrecision, world: int, gpu: bool, budget: float
+) -> None:
+    """Refuse, before any engine, a rollout batch whose own buffers (the `debug memory` estimate of its
+    ids, masks and logprobs, and HF generate's cache) exceed this rank's memory whatever the ZeRO
+    stage: `rollout.n: 1000000000` is one line now, not a MemoryError or the OOM killer later."""
+    w, dtype = workload(cfg, world), precision.rollout
+    weights = shape.params("lm") * BYTES[dtype]  # only the rollout stage's batch terms are read below
+    gen = rollout_memory(shape, cfg.rollout, dtype, w, 0.0, budget / 2**30 if gpu else None, weights)["rollout"]
+    need = gen.get("logits_buffer", 0.0) + (gen.get("kv_cache", 0.0) if cfg.rollout.engine == "hf" else 0.0)
+    if need > budget:
+        raise ConfigError(
+            "rollout.n",
+            f"trainer.prompts_per_step x rollout.n = {cfg.trainer.prompts_per_step * cfg.rollout.n:,} rows "
+            f"({w.gen_batch:,} per engine) of up to {w.seq_len} tokens need ~{need / 2**30:,.1f} GiB to generate, "
+            f"over this rank's {budget / 2**30:,.1f} GiB: lower rollout.n, trainer.prompts_per_step or "
+            "rollout.max_new_tokens",
+        )
+
+
+def zero_stages(
+    cfg: RunConfig, shape: ModelShape, files: dict, precision: ResolvedPrecision, world: int, budget: float
+) -> dict[str, int]:
+    """What `roles.<role>.zero_stage: auto` means here: the lowest stage whose analytic estimate (the
+    `debug memory` model) fits this rank's `budget` (GPU memory, or RAM / ranks on this node)."""
+    auto = [r for r in files if getattr(cfg.roles, r).zero_stage == "auto"]
+    if not auto:
+        return {}
+    ds = render_ds_configs(cfg, world, precision, files=files)
+    chosen = choose_zero_stages(cfg, shape, ds, world, budget, auto, role_shapes=role_shapes(cfg))
+    log.info("zero_stage auto -> %s (budget %.1f GiB per rank)", chosen, budget / 2**30)
+    return chosen
