@@ -18,39 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = "examples/grpo_cpu_smollm2_rg.yaml"
+from demo_job import ROOT, require_model, train_demo
+
 PHASES = ("step", "update_actor", "ref", "gen")
 
 
 def run_cell(run_dir: Path, new_tokens: int, budget: str, steps: int, seed: int) -> list[dict]:
     """One training run of `steps` steps -> its metrics rows."""
     overrides = [
-        f"trainer.run_dir={run_dir}",
-        f"trainer.steps={steps}",
-        f"trainer.seed={seed}",
-        "trainer.val_every=0",
-        "trainer.val_before_train=false",
-        "logging.wandb.mode=disabled",
-        "logging.memory_every=0",
         f"rollout.max_new_tokens={new_tokens}",
         f"rollout.max_model_len={max(160, 96 + new_tokens)}",  # data.max_prompt_length 96 + a full answer
         *[f"roles.{r}.max_tokens_per_micro_batch={budget}" for r in ("actor", "reference")],
     ]
-    env = {**os.environ, "NUM_RANKS": os.environ.get("NUM_RANKS", "1")}
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
-    out = subprocess.run(
-        ["bash", "launch/train.sh", CONFIG, *overrides], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    if out.returncode:
-        sys.exit(f"{run_dir}: training failed\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return train_demo(run_dir, overrides, steps, seed)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -72,8 +55,7 @@ def main() -> None:
     ap.add_argument("--budgets", nargs="+", default=["0", "auto"], help="max_tokens_per_micro_batch values; 0 first")
     ap.add_argument("--out", default="runs/bench_padding")
     args = ap.parse_args()
-    if not (ROOT / "runs/smollm2-135m-instruct/config.json").exists():
-        sys.exit("the demo's model is missing: run `bash launch/demo.sh` once (it converts SmolLM2-135M-Instruct)")
+    require_model()
     out = ROOT / args.out
     results = []
     for rnd in range(args.rounds):

@@ -17,14 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = "examples/grpo_cpu_smollm2_rg.yaml"
+from demo_job import ROOT, require_model, train_demo
+
 LONG_TAIL = ["rollout.max_new_tokens=96", "rollout.max_model_len=192", "algorithm.tis_cap=2.0"]
 CELLS = {
     "synchronous": [],
@@ -35,27 +31,6 @@ CELLS = {
         "rollout.partial.chunk_tokens=24",
     ],
 }
-
-
-def train(run_dir: Path, overrides: list[str], steps: int, seed: int) -> list[dict]:
-    """One launcher run of the job -> its metrics rows."""
-    args = [
-        f"trainer.run_dir={run_dir}",
-        f"trainer.steps={steps}",
-        f"trainer.seed={seed}",
-        "trainer.val_every=0",
-        "trainer.val_before_train=false",
-        "logging.wandb.mode=disabled",
-        "logging.memory_every=0",
-        *LONG_TAIL,
-        *overrides,
-    ]
-    env = {**os.environ, "NUM_RANKS": os.environ.get("NUM_RANKS", "1")}
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
-    done = subprocess.run(["bash", "launch/train.sh", CONFIG, *args], cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"{run_dir}: training failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def cell_summary(rows: list[dict], prompts: int, n: int) -> dict:
@@ -79,13 +54,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="runs/bench_partial")
     args = ap.parse_args()
-    if not (ROOT / "runs/smollm2-135m-instruct/config.json").exists():
-        sys.exit("the demo's model is missing: run `bash launch/demo.sh` once (it converts SmolLM2-135M-Instruct)")
+    require_model()
     out = ROOT / args.out
     results = []
     for rnd in range(args.rounds):
         for name, overrides in CELLS.items():
-            rows = train(out / f"r{rnd}_{name}", overrides, args.steps, args.seed)
+            rows = train_demo(out / f"r{rnd}_{name}", [*LONG_TAIL, *overrides], args.steps, args.seed)
             results.append({"round": rnd, "cell": name, **cell_summary(rows, 8, 8)})
             print(json.dumps(results[-1]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
