@@ -101,6 +101,35 @@ def test_the_pool_bounds_staleness_drops_nothing_and_continues_paused_episodes(e
     assert sorted(trained + left) == list(range(16 + len(left))), "every admitted group trains or is in flight"
 
 
+@pytest.mark.numerics
+def test_a_paused_episode_continues_as_if_never_paused(engine, tokenizer):
+    """Greedy, on unchanged weights: episodes paused every 3 tokens (their context re-sent as ids,
+    the KV recomputed) end as the same tokens with the same logprobs as episodes never paused."""
+    prompts = [{"prompt_ids": tokenizer(f"{i}+{i}=")["input_ids"]} for i in range(32)]
+
+    def rows(chunk: int, staleness: int) -> dict[tuple, tuple]:
+        cursor = iter(range(100))
+        limits = PartialLimits(groups_per_step=4, max_staleness=staleness, in_flight=8, chunk_tokens=chunk)
+        pool = PartialRollouts(
+            engine, limits, prompts, lambda: [next(cursor) for _ in range(4)], Sampling(1, 0.0, 1.0, 16), 3
+        )
+        out = {}
+        for version in range(3):  # the weights never change: versions are only labels here
+            ro, examples = pool.collect(version)
+            lists = ro.batch.to_lists()
+            out.update(
+                {tuple(e["prompt_ids"]): (r, lp) for e, r, lp in zip(examples, lists["responses"], lists["logprobs"])}
+            )
+        return out
+
+    paused, whole = rows(chunk=3, staleness=2), rows(chunk=16, staleness=0)
+    common = paused.keys() & whole.keys()
+    assert len(common) >= 8 and any(len(whole[k][0]) > 3 for k in common)  # some were really paused
+    assert all(paused[k][0] == whole[k][0] for k in common)
+    gap = max(abs(a - b) for k in common for a, b in zip(paused[k][1], whole[k][1]))
+    assert gap <= 1e-5, gap
+
+
 def test_a_zero_staleness_pool_keeps_nothing_in_flight(engine, tokenizer):
     pool = _pool(engine, tokenizer, staleness=0, in_flight=6)
     for version in range(3):

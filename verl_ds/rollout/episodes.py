@@ -235,12 +235,13 @@ def advance(
     batched: bool = False,
     cap: int | None = None,
     version: int = 0,
-) -> None:
+) -> int:
     """One engine call for the `live` episodes: each generates up to the rest of its turn's budget,
     or `cap` tokens (partial rollouts: the turn pauses there, kept in `ep.pending`, and continues at
     the next call). A finished turn goes to the environment (`_act`). `batched`: every episode's
     first call, n per prompt in one request per prompt (the episodes of a prompt contiguous).
-    `version` tags the sampled tokens. Collective within a tensor-parallel group."""
+    `version` tags the sampled tokens. Collective within a tensor-parallel group. -> the call's
+    decode steps (its longest new output: what a decode-bound GPU engine's time follows)."""
     n, max_new_tokens = sampling.n, sampling.max_new_tokens
     limits = spec.limits if spec else TurnLimits(max_model_len=1 << 62)
     budgets = [_budget(ep, max_new_tokens, limits) for ep in live]
@@ -260,6 +261,7 @@ def advance(
         contexts = [ep.seg.prompt_ids + ep.seg.ids + (ep.pending.ids if ep.pending else []) for ep in live]
         out = generate_distributed(rollout, contexts, 1, max_new_tokens=new_tokens, seeds=seeds, **kw)
     rows = out.to_lists()
+    steps = max((len(ids) for ids in rows["responses"]), default=0)
     for ep, budget, ask, ids, lps, reason in zip(
         live, budgets, asks, rows["responses"], rows["logprobs"], rows["finish_reasons"]
     ):
@@ -278,6 +280,7 @@ def advance(
             ep.last_action, ep.finish, ep.turns, ep.live = turn.ids, "stop" if reason == "stop" else "length", 1, False
         else:
             _act(ep, turn.ids, turn.logprobs, "stop" if reason == "stop" else "length", spec.codec, limits)
+    return steps
 
 
 # ---------------------------------------------------------------- the environment contract, checked where it is crossed

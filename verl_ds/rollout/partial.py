@@ -93,7 +93,7 @@ class PartialRollouts:
         self.queue: list[tuple[int, int, int]] = []  # (prompt index, draw step, position) not yet admitted
         self.admitted = 0
         self.draws: tuple[int, int] = (-1, 0)  # (step, draws in that step): the next draw's round
-        self._step: tuple[int, list, list, int] = (-1, [], [], 0)  # this step's metrics so far
+        self._step: tuple[int, list, list, int, int] = (-1, [], [], 0, 0)  # this step's metrics so far
 
     # ---------------------------------------------------------------- one step
     def collect(self, version: int) -> tuple[Rollout, list[dict]]:
@@ -101,10 +101,11 @@ class PartialRollouts:
         -> (their rows, contiguous per group, with partial/* metrics; the groups' examples)."""
         self._admit(version)
         if self._step[0] != version:  # metrics add up over the step's collects (dynamic sampling)
-            self._step = (version, [], [], 0)
+            self._step = (version, [], [], 0, 0)
         while (picked := self._pick(version)) is None:
-            self._round(version)
-            self._step = (*self._step[:3], self._step[3] + 1)
+            steps = self._round(version)
+            v, ages, spanned, rounds, decode = self._step
+            self._step = (v, ages, spanned, rounds + 1, decode + steps)
         taken = [self.pool[i] for i in picked]
         self.pool = [g for i, g in enumerate(self.pool) if i not in set(picked)]
         eps = [ep for g in taken for ep in g.episodes]
@@ -161,31 +162,34 @@ class PartialRollouts:
                 return None
         return sorted(chosen, key=age.__getitem__)
 
-    def _round(self, version: int) -> None:
+    def _round(self, version: int) -> int:
         """One engine call for the new groups' first turn (n samples per prompt, seeded as the
         synchronous step) and one for the episodes going on (one request each). When every live
-        group must train this step, nothing could pause: each call runs to the end of its turn."""
+        group must train this step, nothing could pause: each call runs to the end of its turn.
+        -> the decode steps it ran."""
         s = self.limits.max_staleness
         live = [g for g in self.pool if not g.done]
         cap = None if all(g.born + s <= version for g in live) else self.limits.chunk_tokens
         go = dict(sampling=self.sampling, run_seed=self.run_seed, spec=self.spec, cap=cap, version=version)
-        fresh = [g for g in live if not g.episodes]
+        fresh, steps = [g for g in live if not g.episodes], 0
         if fresh:
             examples = [self.prompts[g.index] for g in fresh]
             prompt_ids = [list(e["prompt_ids"]) for e in examples]
             eps, batched = start_episodes(examples, prompt_ids, self.sampling.n, self.spec, [g.key for g in fresh])
             for k, g in enumerate(fresh):
                 g.episodes = eps[k * self.sampling.n : (k + 1) * self.sampling.n]
-            advance(self.engine, eps, batched=batched, **go)
+            steps += advance(self.engine, eps, batched=batched, **go)
         going = [ep for g in live if g not in fresh for ep in g.episodes if ep.live]
         if going:
-            advance(self.engine, going, **go)
+            steps += advance(self.engine, going, **go)
+        return steps
 
     def _metrics(self, eps: list[Episode], version: int) -> dict[str, float]:
         """partial/*, over the groups taken this step: how stale their tokens are (versions behind the
         weights that train them), the share of episodes that spanned several versions, the groups
-        left in flight, the generation rounds."""
-        _, ages, spanned, rounds = self._step
+        left in flight, the generation rounds and their decode steps (the longest output of each
+        engine call, added up: what a decode-bound GPU engine's generation time follows)."""
+        _, ages, spanned, rounds, decode = self._step
         ages += [version - v for ep in eps for v in ep.versions]
         spanned += [len(set(ep.versions)) > 1 for ep in eps]
         return {
@@ -195,6 +199,7 @@ class PartialRollouts:
             "partial/resumed_fraction": sum(spanned) / max(len(spanned), 1),
             "partial/in_flight_groups": float(len(self.pool)),
             "partial/rounds": float(rounds),
+            "partial/decode_steps": float(decode),
         }
 
     # ---------------------------------------------------------------- checkpoints

@@ -455,6 +455,9 @@ class RLTrainer:
             "reward/mean": raw_scores.mean().item(),
             "reward/normalized_mean": scores.mean().item(),
             "response_length/mean": mask.sum(-1).mean().item(),
+            # the tail a synchronous step waits for: on a decode-bound GPU its generation follows the max
+            "response_length/p90": mask.sum(-1).quantile(0.9).item() if len(mask) else 0.0,
+            "response_length/max": mask.sum(-1).max().item() if len(mask) else 0.0,
             "actor/kl_ref": kl_mean,
             "actor/kl_coef": float(self.kl_ctl.value),
             "data/position": float(self.sampler.epoch * self.sampler.n + self.sampler.pos),
