@@ -94,10 +94,11 @@ def main() -> None:
         )
     for rnd in range(args.rounds):
         sync, part = (next(x for x in results if x["round"] == rnd and x["cell"] == c) for c in CELLS)
+        ratio = {k: part[k] / sync[k] for k in ("step_s", "gen_s", "tokens_per_s", "decode_steps")}
         print(
-            f"round {rnd}: partial / synchronous step {part['step_s'] / sync['step_s']:.2f}x, generation "
-            f"{part['gen_s'] / sync['gen_s']:.2f}x, tokens trained/s {part['tokens_per_s'] / sync['tokens_per_s']:.2f}x, "
-            f"decode steps {part['decode_steps'] / sync['decode_steps']:.2f}x (what a decode-bound GPU's generation follows)"
+            f"round {rnd}: partial / synchronous step {ratio['step_s']:.2f}x, generation {ratio['gen_s']:.2f}x, "
+            f"tokens trained/s {ratio['tokens_per_s']:.2f}x, decode steps {ratio['decode_steps']:.2f}x "
+            "(what a decode-bound GPU's generation follows)"
         )
 
 
