@@ -24,14 +24,7 @@ import statistics
 
 from demo_job import ROOT, require_model, train_demo
 
-CELLS = {
-    "synchronous": [],
-    "partial": [
-        "rollout.partial.enabled=true",
-        "rollout.partial.max_staleness=1",
-        "rollout.partial.over_provision=1.0",
-    ],
-}
+CELLS = {"synchronous": [], "partial": ["rollout.partial.enabled=true"]}
 
 
 def long_tail(new_tokens: int) -> list[str]:
@@ -69,13 +62,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="per run; the first is not timed")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--staleness", type=int, default=1, help="rollout.partial.max_staleness")
+    ap.add_argument("--over", type=float, default=1.0, help="rollout.partial.over_provision")
+    ap.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
     ap.add_argument("--out", default="runs/bench_partial")
     args = ap.parse_args()
     require_model()
     out = ROOT / args.out
     results = []
     for rnd in range(args.rounds):
-        for name, overrides in CELLS.items():
+        for name in args.cells:
+            overrides = CELLS[name]
+            if name == "partial":
+                overrides = [*overrides, f"rollout.partial.max_staleness={args.staleness}"]
+                overrides.append(f"rollout.partial.over_provision={args.over}")
             rows = train_demo(out / f"r{rnd}_{name}", [*long_tail(args.new_tokens), *overrides], args.steps, args.seed)
             results.append({"round": rnd, "cell": name, **cell_summary(rows, 8, 8)})
             print(json.dumps(results[-1]), flush=True)
@@ -92,7 +92,7 @@ def main() -> None:
             f"| {r['response_tokens']:.1f} / {r['p90']:.0f} / {r['max']:.0f} "
             f"| {r['tokens_per_s']:.1f} | {r['staleness']:.2f} | {r['reward']:.3f} |"
         )
-    for rnd in range(args.rounds):
+    for rnd in range(args.rounds if len(args.cells) == 2 else 0):
         sync, part = (next(x for x in results if x["round"] == rnd and x["cell"] == c) for c in CELLS)
         ratio = {k: part[k] / sync[k] for k in ("step_s", "gen_s", "tokens_per_s", "decode_steps")}
         print(
