@@ -156,6 +156,70 @@ def test_an_agent_that_edits_history_forks_a_new_row(chat_model):
     assert ro.env_rewards.tolist() == [0.5, 0.5]
 
 
+def test_a_completions_agent_continues_its_row_as_ids_and_forks_on_an_edit(chat_model):
+    """`/v1/completions` through the real client: a prompt that is the previous prompt and its
+    completion, then new text, continues the row (the sampled ids kept, only the new text tokenized:
+    environment tokens); a prompt given as ids that extend the row continues it too; a rewritten
+    prompt forks. Rows carry the engine's logprobs on model tokens."""
+    _, _, codec = chat_model
+    seen = []
+
+    async def agent(client: openai.AsyncOpenAI, example: dict) -> float:
+        text, calls = example["prompt"], []
+        for turn in range(3):
+            r = await client.completions.create(model="p", prompt=text, max_tokens=4)
+            assert r.object == "text_completion" and r.choices[0].finish_reason in ("stop", "length")
+            calls.append(r)
+            text = text + r.choices[0].text + f" next {turn}:"
+        extra = calls[-1].model_extra
+        ids = extra["prompt_token_ids"] + extra["generation_token_ids"] + codec.content_ids(" ids")
+        r = await client.completions.create(model="p", prompt=ids)  # token ids that extend the row
+        assert r.model_extra["verl_ds"]["continues_row"] and r.model_extra["prompt_token_ids"] == ids
+        calls.append(r)
+        fork = await client.completions.create(model="p", prompt="rewritten " + text)
+        assert not fork.model_extra["verl_ds"]["continues_row"]
+        seen.append((calls, fork))
+        return 1.0
+
+    ro = _run(chat_model, agent, [{"prompt": "Count: 1 2"}], 1)
+    assert len(ro.batch) == 2 and ro.metrics["multi_turn/forks"] == 1.0 and ro.metrics["agent/failures"] == 0.0
+    # a text row's strict check: its ids are what the tokenizer makes of its whole text
+    assert ro.metrics["multi_turn/token_mismatch_fraction"] == 0.0
+    calls, fork = seen[0]
+    assert [c.model_extra["verl_ds"]["continues_row"] for c in calls] == [False, True, True, True]
+    lists = ro.batch.to_lists()
+    p, r = lists["prompts"][0], lists["responses"][0]
+    m = ro.batch.loss_mask[0, : len(r)].tolist()
+    assert p == codec.content_ids("Count: 1 2")
+    model = [t for t, k in zip(r, m) if k == 1.0]
+    assert model == sum((c.model_extra["generation_token_ids"] for c in calls), [])
+    lp = [x for x, k in zip(lists["logprobs"][0], m) if k == 1.0]
+    assert lp == sum((c.model_extra["generation_log_probs"] for c in calls), [])
+    # between the calls: exactly the new text's ids, as environment tokens
+    env = [t for t, k in zip(r, m) if k == 0.0]  # the ids call followed the third call's completion
+    assert env == sum((codec.content_ids(f" next {t}:") for t in range(2)), []) + codec.content_ids(" ids")
+    assert lists["prompts"][1] == fork.model_extra["prompt_token_ids"]
+    assert fork.model_extra["prompt_token_ids"] == codec.content_ids(
+        "rewritten " + "Count: 1 2" + "".join(c.choices[0].text + f" next {t}:" for t, c in enumerate(calls[:3]))
+    )
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [(["a", "b"], "one prompt per request"), ([1, -2], "one string or one list"), ([10**9], "not in the vocabulary")],
+)
+def test_a_completions_prompt_the_endpoint_cannot_serve_is_a_400(chat_model, prompt, message):
+    engine, _, codec = chat_model
+    with AgentServer(engine, codec) as server:
+        r = httpx.post(
+            f"{server.base_url}/completions",
+            json={"model": "p", "prompt": prompt},
+            headers={"Authorization": f"Bearer {server.api_key}"},
+            trust_env=False,
+        )
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+
 def test_the_key_is_required_and_only_loopback_is_bound(chat_model):
     engine, _, codec = chat_model
     with AgentServer(engine, codec, Sampling(n=1, temperature=1.0, top_p=1.0, max_new_tokens=4), 512) as server:

@@ -1,4 +1,5 @@
-"""Agents as they are: an OpenAI-compatible `/v1/chat/completions` endpoint that records tokens.
+"""Agents as they are: an OpenAI-compatible `/v1/chat/completions` (and `/v1/completions`) endpoint
+that records tokens.
 
 An agent written against the `openai` client talks to `AgentServer` (FastAPI under uvicorn, in a
 background thread, bound to 127.0.0.1 on a free port, every request carrying the run's secret as
@@ -71,7 +72,9 @@ class RequestError(Exception):
 class _Call:
     prompt_ids: list[int]
     messages: list[dict]  # the request's conversation, the assistant reply appended once generated
-    tools: str = ""  # the request's tools (JSON): a call continues a row only under the same tools
+    tools: str | None = ""  # the request's tools (JSON), a row continues only under the same; None: a
+    # `/v1/completions` call (a text prompt, `messages` empty)
+    text: str = ""  # a completions call: its prompt text, then its reply's text appended
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = "stop"
@@ -88,7 +91,7 @@ class _Track:
     calls: int = 0
     pending: int = 0  # calls taken, not yet generated (a concurrent call cannot continue them)
     last_action: list[int] = field(default_factory=list)
-    segment_tools: list[str] = field(default_factory=list)  # per row: the tools it was rendered with
+    segment_tools: list[str | None] = field(default_factory=list)  # per row: its tools (None: a text row)
     segment_finish: list[str] = field(default_factory=list)  # per row: how its last call ended
 
     @property
@@ -116,6 +119,18 @@ def _text(content) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
     raise RequestError(400, "only text message content is supported")
+
+
+def _text_prompt(raw) -> tuple[str | None, list[int] | None]:
+    """A completions request's `prompt` as (text, None) or (None, token ids): one prompt per request
+    (the episode's next turn), given as a string or a list of ids (or a list holding one of them)."""
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+        raw = raw[0]
+    if isinstance(raw, str):
+        return raw, None
+    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in raw):
+        return None, list(raw)
+    raise RequestError(400, "`prompt` must be one string or one list of token ids (one prompt per request)")
 
 
 def _messages(raw, replies: dict[str, str]) -> list[dict]:
@@ -284,8 +299,8 @@ class AgentServer:
             kind = "authentication_error" if status == 401 else "invalid_request_error"
             return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
-        @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request):
+        async def serve(request: Request, submit, respond):
+            """Both endpoints: the key, the body, `submit(episode, body) -> _Job`, then the answer."""
             auth = request.headers.get("authorization", "")
             if not secrets.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
                 return error(401, "a valid `Authorization: Bearer <key>` is required")
@@ -299,9 +314,7 @@ class AgentServer:
                 if body.get("stream"):
                     raise RequestError(400, "streaming is not supported")
                 episode = request.headers.get(EPISODE_HEADER) or f"anonymous-{uuid.uuid4().hex}"
-                with self._lock:
-                    messages = _messages(body.get("messages"), self._replies)
-                job = self._submit(episode, messages, self._tools(body.get("tools")))
+                job = submit(episode, body)
             except RequestError as e:
                 return error(e.status, str(e))
             try:
@@ -309,9 +322,22 @@ class AgentServer:
             except Exception as e:  # the engine failed: this request fails, the server keeps serving
                 log.warning("agent endpoint: generation failed", exc_info=e)
                 return error(500, f"generation failed: {type(e).__name__}: {e}")
-            return JSONResponse(self._response(job, body))
+            return JSONResponse(respond(job, body))
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await serve(request, self._submit_chat, self._response)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await serve(request, self._submit_text, self._text_response)
 
         return app
+
+    def _submit_chat(self, episode: str, body: dict) -> _Job:
+        with self._lock:
+            messages = _messages(body.get("messages"), self._replies)
+        return self._submit(episode, messages, self._tools(body.get("tools")))
 
     def _tools(self, tools) -> str:
         """The request's tools as a key of `_codecs` (the codec that renders with them)."""
@@ -344,6 +370,17 @@ class AgentServer:
         message = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
+        choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if tool_calls else call.finish}
+        return self._envelope(job, body, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", choice)
+
+    def _text_response(self, job: _Job, body: dict) -> dict:
+        call = job.call
+        choice = {"index": 0, "text": self.codec.action_text(call.ids), "finish_reason": call.finish}
+        return self._envelope(job, body, f"cmpl-{uuid.uuid4().hex}", "text_completion", choice)
+
+    def _envelope(self, job: _Job, body: dict, id_: str, kind: str, choice: dict) -> dict:
+        """OpenAI's response around `choice`, plus the ids fed and sampled and what the trainer owned."""
+        call = job.call
         owned = {
             "temperature": self.sampling.temperature,
             "top_p": self.sampling.top_p,
@@ -354,18 +391,11 @@ class AgentServer:
         }
         overridden = [k for k in _OWNED if body.get(k) is not None and body[k] != owned[k]]
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
+            "id": id_,
+            "object": kind,
             "created": int(time.time()),
             "model": body.get("model") or "verl-ds-policy",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": "tool_calls" if tool_calls else call.finish,
-                    "logprobs": None,
-                }
-            ],
+            "choices": [{**choice, "logprobs": None}],
             "usage": {
                 "prompt_tokens": len(call.prompt_ids),
                 "completion_tokens": len(call.ids),
@@ -392,9 +422,7 @@ class AgentServer:
         """Decide the call's ids (continue the episode's row, or fork one) and queue it."""
         with self._lock:
             codec = self._codecs[tools]
-            track = self.tracks.get(episode)
-            if track is None:
-                track = self.tracks[episode] = _Track(position=(1 << 31) + zlib.crc32(episode.encode()), sample=0)
+            track = self._track(episode)
             prev = track.last if track.pending == 0 else None  # a concurrent call of one episode forks
             prompt, continues = None, False
             if prev is not None and prev.tools == tools:  # other tools: the template's system part differs
@@ -413,19 +441,56 @@ class AgentServer:
                         prompt, continues = rendered, True
             if prompt is None:
                 prompt = codec.render_ids(messages, add_generation_prompt=True)
-            budget = min(self.sampling.max_new_tokens, self.max_model_len - len(prompt))
-            if budget < 1:
-                raise RequestError(
-                    400,
-                    f"the conversation is {len(prompt)} tokens: no room left under max_model_len {self.max_model_len}",
-                )
-            seed = turn_seed(self.run_seed, self.step, track.position, track.sample, track.calls)
-            track.calls += 1
-            track.pending += 1
-            call = _Call(prompt, list(messages), tools)
-            job = _Job(track, call, seed, budget, concurrent.futures.Future(), continues)
+            job = self._job(track, _Call(prompt, list(messages), tools), continues)
         self._queue.put(job)
         return job
+
+    def _submit_text(self, episode: str, body: dict) -> _Job:
+        """A `/v1/completions` call: its prompt (one text, or one list of token ids) continues the
+        episode's row when it starts with the previous call's prompt and completion (as text: the
+        ids sampled are kept, only the new text is tokenized; as ids: a prefix), else it forks."""
+        text, ids = _text_prompt(body.get("prompt"))
+        with self._lock:
+            track = self._track(episode)
+            prev = track.last if track.pending == 0 else None
+            prompt, continues = None, False
+            if prev is not None and prev.tools is None:  # a reply cut at its budget continues as text too
+                prev_ids = prev.prompt_ids + prev.ids
+                if text is not None and text.startswith(prev.text) and len(text) > len(prev.text):
+                    prompt, continues = prev_ids + self.codec.content_ids(text[len(prev.text) :]), True
+                else:
+                    whole = ids if ids is not None else self.codec.content_ids(text)
+                    if len(whole) > len(prev_ids) and whole[: len(prev_ids)] == prev_ids:
+                        prompt, continues = whole, True
+            if prompt is None:
+                prompt = ids if ids is not None else self.codec.content_ids(text)
+            if not prompt:
+                raise RequestError(400, "`prompt` is empty")
+            if max(prompt) >= len(self.codec.tok):
+                raise RequestError(400, f"token id {max(prompt)} is not in the vocabulary ({len(self.codec.tok)})")
+            call = _Call(prompt, [], None, text if text is not None else self.codec.decode(prompt))
+            job = self._job(track, call, continues)
+        self._queue.put(job)
+        return job
+
+    def _track(self, episode: str) -> _Track:
+        track = self.tracks.get(episode)
+        if track is None:  # an episode the round did not announce: seeds from its id
+            track = self.tracks[episode] = _Track(position=(1 << 31) + zlib.crc32(episode.encode()), sample=0)
+        return track
+
+    def _job(self, track: _Track, call: _Call, continues: bool) -> _Job:
+        """The call's budget (what is left under max_model_len) and seed; counted as pending. Under the lock."""
+        budget = min(self.sampling.max_new_tokens, self.max_model_len - len(call.prompt_ids))
+        if budget < 1:
+            raise RequestError(
+                400,
+                f"the prompt is {len(call.prompt_ids)} tokens: no room left under max_model_len {self.max_model_len}",
+            )
+        seed = turn_seed(self.run_seed, self.step, track.position, track.sample, track.calls)
+        track.calls += 1
+        track.pending += 1
+        return _Job(track, call, seed, budget, concurrent.futures.Future(), continues)
 
     def _work(self) -> None:
         """The engine's one thread: take what is queued (waiting `batch_window_s` for more), one
@@ -479,7 +544,10 @@ class AgentServer:
     def _record(self, job: _Job, ids: list[int], lps: list[float], reason: str) -> None:
         call, track = job.call, job.track
         call.ids, call.logprobs, call.finish = list(ids), list(lps), reason
-        call.messages.append({"role": "assistant", "content": self.codec.action_text(ids)})
+        if call.tools is None:  # a completions call: the text the client gets back continues it
+            call.text += self.codec.action_text(ids)
+        else:
+            call.messages.append({"role": "assistant", "content": self.codec.action_text(ids)})
         if job.continues and track.segments:
             seg = track.segments[-1]
             seg.add(call.prompt_ids[len(seg.prompt_ids) + len(seg.ids) :], model=False)
@@ -637,15 +705,11 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
         )
     ro = assemble(episodes, server.codec, server.engine.pad_id, strict=False)
     checked = [
-        (server.codec_for(tracks[eid].segment_tools[k]), seg, tracks[eid].segment_finish[k])
+        _one_shot(server, tracks[eid].segment_tools[k], seg, tracks[eid].segment_finish[k])
         for eid, ep in zip(ids, episodes)
         for k, seg in enumerate(ep.segments)
     ]
-    mismatched = sum(
-        not codec.matches_one_shot(seg.prompt_ids, seg.messages, seg.ids, cut=finish == "length")
-        for codec, seg, finish in checked
-    )
-    ro.metrics["multi_turn/token_mismatch_fraction"] = mismatched / max(len(checked), 1)
+    ro.metrics["multi_turn/token_mismatch_fraction"] = checked.count(False) / max(len(checked), 1)
     failures = ro.metrics.pop("env/failures")
     for key in ("tools/call_frequency", "tools/failure_frequency"):  # the agent's tools are not seen here
         ro.metrics.pop(key)
@@ -658,6 +722,15 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
         }
     )
     return ro
+
+
+def _one_shot(server: AgentServer, tools: str | None, seg: Segment, finish: str) -> bool:
+    """The strict check of one row: its ids equal the one-shot rendering of its conversation (a text
+    row: the tokenizer over its whole text)."""
+    if tools is None:
+        ours = seg.prompt_ids + seg.ids
+        return server.codec.content_ids(server.codec.decode(ours)) == ours
+    return server.codec_for(tools).matches_one_shot(seg.prompt_ids, seg.messages, seg.ids, cut=finish == "length")
 
 
 __all__ = ["AgentEpisodes", "AgentServer", "run_agents", "arun_agents", "check_agent", "EPISODE_HEADER"]
