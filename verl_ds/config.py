@@ -772,11 +772,6 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
         "rollout.multi_turn.agent",
         "the agent's endpoint renders chat messages: set data.apply_chat_template: true",
     )
-    rule(
-        bool(mt.agent) and r.tensor_parallel_size > 1,
-        "rollout.multi_turn.agent",
-        "agents run on one rank's own engine: rollout.tensor_parallel_size must be 1 for now",
-    )
     pr = r.partial
     rule(
         pr.enabled and bool(mt.agent),

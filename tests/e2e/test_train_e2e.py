@@ -303,13 +303,17 @@ def test_multi_turn_zero3_vllm_lora_filter_groups_partial_kill_resume(tmp_path):
     )
 
 
-def test_an_openai_client_agent_trains_under_the_launcher(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_openai_client_agent_trains_under_the_launcher(tmp_path, tp):
     """`rollout.multi_turn.agent`: an agent written with the real `openai.AsyncOpenAI` client (three
     calls, each offering a tool) trains 3 steps on 2 ranks (vLLM, ZeRO-3), each rank serving its own
-    endpoint. Its rows are the template's one-shot rendering of the conversations, the trainer's
-    logprobs on the model's tokens equal the engine's, the tool/user turns are environment tokens;
-    agents that edit history fork and agents that raise are counted while the run goes on."""
+    endpoint (tp 1), or one vLLM engine over both ranks (tp 2: the first rank runs both ranks' agents
+    on its endpoint, the other takes part in its engine calls and gets its own examples' episodes).
+    Its rows are the template's one-shot rendering of the conversations, the trainer's logprobs on
+    the model's tokens equal the engine's, the tool/user turns are environment tokens; agents that
+    edit history fork and agents that raise are counted while the run goes on."""
     agent = [
+        f"rollout.tensor_parallel_size={tp}",
         "model.tiny.tokenizer=chat",
         "data.apply_chat_template=true",
         "data.reward_fn=none",

@@ -220,6 +220,21 @@ def test_a_completions_prompt_the_endpoint_cannot_serve_is_a_400(chat_model, pro
     assert r.status_code == 400 and message in r.json()["error"]["message"]
 
 
+def test_a_tensor_parallel_groups_episodes_go_back_to_the_rank_whose_examples_they_played():
+    """Under TP the group's first rank plays every member's examples, in rank order; each member gets
+    the episodes of its own examples, their groups renumbered from 0, each with its rows' checks."""
+    from verl_ds.rollout.agent_server import _Played
+    from verl_ds.rollout.episodes import Episode
+
+    eps = [Episode(group=g, sample=j, env=None, reward=10 * g + j) for g in range(4) for j in range(2)]
+    played = _Played(eps, [[bool(e.group % 2)] for e in eps], [3, 5])
+    first, second = played.split([1, 3])
+    assert [(e.group, e.reward) for e in first.episodes] == [(0, 0), (0, 1)]
+    assert [(e.group, e.reward) for e in second.episodes] == [(0, 10), (0, 11), (1, 20), (1, 21), (2, 30), (2, 31)]
+    assert second.exact == [[True], [True], [False], [False], [True], [True]] and first.exact == [[False], [False]]
+    assert first.engine_calls == second.engine_calls == [3, 5]
+
+
 def test_the_key_is_required_and_only_loopback_is_bound(chat_model):
     engine, _, codec = chat_model
     with AgentServer(engine, codec, Sampling(n=1, temperature=1.0, top_p=1.0, max_new_tokens=4), 512) as server:
@@ -386,7 +401,6 @@ def test_a_tool_call_comes_back_as_openai_tool_calls_and_its_result_continues_th
     [
         (["rollout.multi_turn.env=retry", "data.apply_chat_template=true"], "set rollout.multi_turn.env or .agent"),
         ([], "the agent's endpoint renders chat messages: set data.apply_chat_template: true"),
-        (["data.apply_chat_template=true", "rollout.tensor_parallel_size=2"], "tensor_parallel_size must be 1"),
     ],
 )
 def test_an_agent_job_the_endpoint_cannot_serve_is_one_line_at_start(overrides, message):

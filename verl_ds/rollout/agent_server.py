@@ -38,15 +38,16 @@ import threading
 import time
 import uuid
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handler's annotations here
 from fastapi.responses import JSONResponse
 
+from verl_ds import dist as vdist
 from verl_ds.errors import ConfigError, shown
 
-from .distributed import prompt_positions
+from .distributed import GroupLeader, follow, prompt_positions
 from .engine import RolloutEngine
 from .episodes import Episode, Rollout, Sampling, SeedKey, Segment, assemble
 from .seeding import turn_seed
@@ -592,19 +593,16 @@ async def _run_one(agent_fn, server: AgentServer, episode: str, example: dict, t
         await http.aclose()
 
 
-async def arun_agents(
+async def _play(
     agent_fn,
     examples: list[dict],
     server: AgentServer,
     sampling: Sampling,
-    seed: SeedKey = FIRST_STEP,
-    timeout_s: float = 300.0,
-    positions: list[int] | range | None = None,
-) -> Rollout:
-    """`sampling.n` episodes of `agent_fn` per example on a started `server`, concurrently: the rows
-    their calls built, each episode's reward (an agent that raises or times out: 0, counted in
-    `agent/failures`) as `env_rewards`, group = the example's index. `positions`: the examples'
-    global positions in the step, what seeds derive from (default: their indices)."""
+    seed: SeedKey,
+    timeout_s: float,
+    positions: list[int] | range | None,
+) -> _Played:
+    """Run the agents (`arun_agents`); their episodes, before they become rows."""
     check_agent(agent_fn)
     n = sampling.n
     positions = list(positions if positions is not None else range(len(examples)))
@@ -618,7 +616,24 @@ async def arun_agents(
         *[_run_one(agent_fn, server, ids[k], examples[k // n], timeout_s, tls) for k in range(len(ids))]
     )
     await asyncio.to_thread(server.settle)  # calls of agents cancelled at their timeout may still be queued
-    return _rollout(server, ids, results, n)
+    return _episodes(server, ids, results, n)
+
+
+async def arun_agents(
+    agent_fn,
+    examples: list[dict],
+    server: AgentServer,
+    sampling: Sampling,
+    seed: SeedKey = FIRST_STEP,
+    timeout_s: float = 300.0,
+    positions: list[int] | range | None = None,
+) -> Rollout:
+    """`sampling.n` episodes of `agent_fn` per example on a started `server`, concurrently: the rows
+    their calls built, each episode's reward (an agent that raises or times out: 0, counted in
+    `agent/failures`) as `env_rewards`, group = the example's index. `positions`: the examples'
+    global positions in the step, what seeds derive from (default: their indices)."""
+    played = await _play(agent_fn, examples, server, sampling, seed, timeout_s, positions)
+    return _rollout(played, server.codec, server.engine.pad_id)
 
 
 def check_agent(agent_fn, where: str = "agent") -> None:
@@ -669,13 +684,47 @@ class AgentEpisodes:
     server: AgentServer | None = None
 
     def collect(self, examples: list[dict], sampling: Sampling, seed: SeedKey) -> Rollout:
+        """This rank's examples' episodes. Under tensor parallelism the group's first rank runs the
+        agents of the whole group on its endpoint while the others follow its engine calls, then
+        hands each member its own examples' episodes. Collective within a tensor-parallel group."""
+        plain = [{k: v for k, v in ex.items() if k != "prompt_ids"} for ex in examples]
+        positions = list(prompt_positions(len(examples), seed.round_))  # seeds apart across ranks and rounds
+        if self.engine.tp == 1:
+            played = self._round(plain, positions, sampling, seed, self.engine)
+        else:
+            played = self._play_as_group(plain, positions, sampling, seed)
+        return _rollout(played, self.codec, self.engine.pad_id)
+
+    def _round(self, examples, positions, sampling, seed, engine) -> _Played:
         if self.server is None:
             self.server = AgentServer(
-                self.engine, self.codec, sampling, self.max_model_len, tool_parser=self.tool_parser
+                engine, self.codec, sampling, self.max_model_len, tool_parser=self.tool_parser
             ).start()
-        plain = [{k: v for k, v in ex.items() if k != "prompt_ids"} for ex in examples]
-        positions = prompt_positions(len(examples), seed.round_)  # seeds apart across ranks and rounds
-        return asyncio.run(arun_agents(self.agent_fn, plain, self.server, sampling, seed, self.timeout_s, positions))
+        return asyncio.run(_play(self.agent_fn, examples, self.server, sampling, seed, self.timeout_s, positions))
+
+    def _play_as_group(self, examples, positions, sampling, seed) -> _Played:
+        import torch.distributed as dist
+
+        group, members = vdist.tp_group(self.engine.tp)
+        parts: list = [None] * len(members)
+        dist.all_gather_object(parts, (examples, positions), group=group)
+        mine: list = [None]
+        if vdist.rank() != members[0]:
+            follow(self.engine)
+            dist.scatter_object_list(mine, None, src=members[0], group=group)
+            if mine[0] is None:
+                raise RuntimeError(f"rank {members[0]} failed running its tensor-parallel group's agents")
+            return mine[0]
+        leader, out = GroupLeader(self.engine), [None] * len(members)
+        try:
+            played = self._round(
+                [x for ex, _ in parts for x in ex], [p for _, pos in parts for p in pos], sampling, seed, leader
+            )
+            out = played.split([len(ex) for ex, _ in parts])
+        finally:  # the members stop following and get their part (None: this rank failed)
+            leader.release()
+            dist.scatter_object_list(mine, out, src=members[0], group=group)
+        return mine[0]
 
     def close(self) -> None:
         if self.server is not None:
@@ -683,7 +732,26 @@ class AgentEpisodes:
             self.server = None
 
 
-def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> Rollout:
+@dataclass
+class _Played:
+    """A round of agent episodes, before they become rows: per episode its rows' strict checks."""
+
+    episodes: list[Episode]
+    exact: list[list[bool]]  # per episode, per row: equal to the one-shot rendering (`_one_shot`)
+    engine_calls: list[int]  # requests per engine call
+
+    def split(self, sizes: list[int]) -> list[_Played]:
+        """Per consecutive run of `sizes` examples, its episodes (groups renumbered from 0)."""
+        out, start = [], 0
+        for size in sizes:
+            keep = [k for k, ep in enumerate(self.episodes) if start <= ep.group < start + size]
+            eps = [replace(self.episodes[k], group=self.episodes[k].group - start) for k in keep]
+            out.append(_Played(eps, [self.exact[k] for k in keep], self.engine_calls))
+            start += size
+        return out
+
+
+def _episodes(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> _Played:
     calls_per_engine_call = list(server.engine_calls)
     tracks = server.take()
     episodes = []
@@ -703,12 +771,17 @@ def _rollout(server: AgentServer, ids: list[str], results: list[tuple[float, str
                 failure=failure,
             )
         )
-    ro = assemble(episodes, server.codec, server.engine.pad_id, strict=False)
-    checked = [
-        _one_shot(server, tracks[eid].segment_tools[k], seg, tracks[eid].segment_finish[k])
-        for eid, ep in zip(ids, episodes)
-        for k, seg in enumerate(ep.segments)
+    exact = [
+        [_one_shot(server, t.segment_tools[k], seg, t.segment_finish[k]) for k, seg in enumerate(t.segments)]
+        for t in (tracks.get(eid) or _Track(0, 0) for eid in ids)
     ]
+    return _Played(episodes, exact, calls_per_engine_call)
+
+
+def _rollout(played: _Played, codec, pad_id: int) -> Rollout:
+    episodes, calls_per_engine_call = played.episodes, played.engine_calls
+    ro = assemble(episodes, codec, pad_id, strict=False)
+    checked = [x for row in played.exact for x in row]
     ro.metrics["multi_turn/token_mismatch_fraction"] = checked.count(False) / max(len(checked), 1)
     failures = ro.metrics.pop("env/failures")
     for key in ("tools/call_frequency", "tools/failure_frequency"):  # the agent's tools are not seen here

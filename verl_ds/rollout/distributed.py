@@ -160,6 +160,52 @@ def _gather_group(prompts: list[list[int]], seeds: list[int], tp: int) -> tuple[
     return out_p, out_s, sum(counts[:me])
 
 
+class GroupLeader:
+    """A tensor-parallel group's first rank generating for the whole group (the agent endpoint, whose
+    requests arrive one HTTP call at a time on that rank alone): each `generate` is first broadcast to
+    the group's other members, which take part in the same engine call through `follow`. `release()`
+    ends their following. It has the engine's `generate`, `pad_id` and `tp`: what an `AgentServer`
+    generates with."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine, self.tp, self.pad_id = engine, engine.tp, engine.pad_id
+        self.group, self.members = vdist.tp_group(engine.tp)
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        return self.engine.last_metrics
+
+    def generate(self, prompt_token_ids, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seeds=None):
+        args = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds)
+        _broadcast(self, {"prompt_token_ids": prompt_token_ids, **args})
+        return self.engine.generate(prompt_token_ids, **args)
+
+    def release(self) -> None:
+        _broadcast(self, None)
+
+
+def _broadcast(leader: GroupLeader, message: dict | None) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast_object_list([message], src=leader.members[0], group=leader.group)
+
+
+def follow(engine: RolloutEngine) -> int:
+    """A tensor-parallel group member's side of `GroupLeader`: generate what the leader generates,
+    until it releases the group. The number of engine calls taken part in."""
+    import torch.distributed as dist
+
+    group, members = vdist.tp_group(engine.tp)
+    calls = 0
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=members[0], group=group)
+        if message[0] is None:
+            return calls
+        engine.generate(**message[0])
+        calls += 1
+
+
 def sync_distributed(rollout: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
     """Push new weights into this rank's engine. The whole iterator is consumed even after the
     engine refused a tensor (under ZeRO-3 each module's gather is collective): the error is raised
