@@ -7,6 +7,8 @@ needs (gloo takes CPU tensors).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import socket
@@ -51,7 +53,12 @@ def init_distributed(timeout_s: float | None = None) -> None:
     elif os.environ.get("LOCAL_RANK", "0") == "0":
         remove_orphaned_deepspeed_shm()
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    deepspeed.init_distributed("nccl" if on_gpu() else "gloo", **timeout)
+    # DeepSpeed prints its CPU all-reduce op's build ("... shm_comm_op built successfully") on every
+    # start: library chatter, kept off the run's console
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        deepspeed.init_distributed("nccl" if on_gpu() else "gloo", **timeout)
+    for line in printed.getvalue().splitlines():
+        log.debug("deepspeed: %s", line)
     if not on_gpu():
         remove_deepspeed_shm_at_exit()  # DeepSpeed's CPU all-reduce buffer in /dev/shm
 

@@ -325,7 +325,8 @@ def test_an_openai_client_agent_trains_under_the_launcher(tmp_path, tp):
         "trainer.val_n=2",
     ]
     run = tmp_path / "run"
-    run_train("grpo_cpu_tiny.yaml", run, *FAST, *agent)
+    out = run_train("grpo_cpu_tiny.yaml", run, *FAST, *agent)
+    assert "built successfully" not in out.stdout + out.stderr  # DeepSpeed's op-build print stays off the console
     rows = _check_run(run, 3, ["agent/calls/mean", "agent/failures", "multi_turn/forks"])
     for r in rows:
         assert r["multi_turn/token_mismatch_fraction"] == 0.0
