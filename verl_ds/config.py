@@ -779,11 +779,6 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
         "partial rollouts do not pause agent episodes yet: drop rollout.multi_turn.agent (environments work)",
     )
     rule(
-        pr.enabled and r.tensor_parallel_size > 1,
-        "rollout.partial.enabled",
-        "partial rollouts need one engine per rank: rollout.tensor_parallel_size must be 1 for now",
-    )
-    rule(
         pr.enabled and pr.max_staleness > 0 and a.tis_cap is None,
         "algorithm.tis_cap",
         "partial rollouts train tokens sampled by older weights: set the importance-weight cap (e.g. 2.0), "

@@ -148,7 +148,8 @@ def test_kill_after_step_2_then_resume_auto(tmp_path):
 def test_dapo_features_gspo_in_the_loop(tmp_path):
     """Dynamic sampling on the sparse arithmetic reward, overlong shaping, truncated samples masked,
     the GSPO loss, with partial rollouts (each round of dynamic sampling takes more groups from the
-    pool): 3 steps under the launcher."""
+    pool) on one vLLM engine over both ranks (TP 2: each rank's pool, generated in lockstep): 3
+    steps under the launcher."""
     fast = [o for o in FAST if not o.startswith("data.reward_fn")]
     run_train(
         "grpo_cpu_tiny.yaml",
@@ -163,6 +164,7 @@ def test_dapo_features_gspo_in_the_loop(tmp_path):
         "rollout.partial.enabled=true",
         "rollout.partial.chunk_tokens=2",
         "algorithm.tis_cap=2.0",
+        "rollout.tensor_parallel_size=2",
     )
     rows = _check_run(
         tmp_path,
@@ -179,6 +181,7 @@ def test_dapo_features_gspo_in_the_loop(tmp_path):
     for r in rows:  # an untrained model mostly fails every sample: most groups carry no gradient
         assert r["filter/rounds"] >= 1 and r["filter/kept_groups"] <= 8 and r["filter/zero_variance_fraction"] > 0
         assert r["partial/staleness/max"] <= 1  # rollout.partial.max_staleness
+        assert r["partial/rounds"] >= 2  # chunked rounds, each one engine call for the whole TP group
 
 
 def test_cispo_with_fp32_lm_head_in_bf16(tmp_path):
@@ -301,6 +304,31 @@ def test_multi_turn_zero3_vllm_lora_filter_groups_partial_kill_resume(tmp_path):
         rows,
         ("reward/mean", "actor/pg_loss", "multi_turn/turns/mean", "response/env_tokens/mean", "data/position"),
     )
+
+
+def test_partial_multi_turn_under_tensor_parallelism_at_zero_staleness_is_the_synchronous_run(tmp_path):
+    """The retry environment with partial rollouts on one vLLM engine over 2 ranks (TP 2): each rank
+    keeps its own pool and the group generates in lockstep (a round runs while any member cannot
+    train yet). With max_staleness 0 the run is the synchronous TP-2 run bitwise (staleness 1 under
+    TP: the DAPO test)."""
+    mt = [
+        "rollout.tensor_parallel_size=2",
+        "trainer.steps=2",
+        "rollout.max_new_tokens=8",
+        "rollout.n=2",
+        "roles.actor.micro_batch_size=8",
+        "algorithm.tis_cap=2.0",
+    ]
+    partial = ["rollout.partial.enabled=true", "rollout.partial.chunk_tokens=2", "rollout.partial.max_staleness=0"]
+    run_train("grpo_cpu_tiny_retry.yaml", tmp_path / "sync", *FAST, *mt)
+    run_train("grpo_cpu_tiny_retry.yaml", tmp_path / "zero", *FAST, *mt, *partial)
+    skip = ("timing_s/", "perf/", "memory/", "partial/")
+    differ = [
+        {k for k in a.keys() | b.keys() if not k.startswith(skip) and a.get(k) != b.get(k)}
+        for a, b in zip(read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "zero"))
+    ]
+    assert differ == [set(), set()], differ
+    assert read_metrics(tmp_path / "zero")[0]["multi_turn/turns/mean"] > 1.0
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -172,7 +172,6 @@ def test_resumed_episodes_score_as_sampled_and_a_resumed_run_continues_exactly(t
     "override, key",
     [
         (["rollout.multi_turn.agent=tests.e2e.agents:three_calls"], "rollout.partial.enabled"),
-        (["rollout.tensor_parallel_size=2"], "rollout.partial.enabled"),
         (["algorithm.tis_cap=null"], "algorithm.tis_cap"),
     ],
 )

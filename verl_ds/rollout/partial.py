@@ -21,7 +21,8 @@ where a pause falls inside a model turn (the turn goes on at the next round) or 
 Seeds: a new group's first call samples its n episodes in one request seeded as the synchronous
 step seeds that prompt; every later request is one per episode, seeded from (run seed, the group's
 step and position, sample, the episode's call count) (`turn_seed`), so a resumed run continues
-identically. One engine per rank (tensor parallel size 1); `state_dict` holds everything a
+identically. Under tensor parallelism each member keeps its own pool and the group generates in
+lockstep: a round runs while any member cannot pick yet. `state_dict` holds everything a
 checkpoint needs to resume the pool exactly (environments are rebuilt by replaying the actions).
 """
 
@@ -31,6 +32,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 import torch
+
+from verl_ds import dist as vdist
 
 from .batch import RolloutBatch
 from .distributed import prompt_positions
@@ -102,10 +105,11 @@ class PartialRollouts:
         self._admit(version)
         if self._step[0] != version:  # metrics add up over the step's collects (dynamic sampling)
             self._step = (version, [], [], 0, 0)
-        while (picked := self._pick(version)) is None:
+        while self._needs_round(version):
             steps = self._round(version)
             v, ages, spanned, rounds, decode = self._step
             self._step = (v, ages, spanned, rounds + 1, decode + steps)
+        picked = self._pick(version)
         taken = [self.pool[i] for i in picked]
         self.pool = [g for i, g in enumerate(self.pool) if i not in set(picked)]
         eps = [ep for g in taken for ep in g.episodes]
@@ -162,25 +166,39 @@ class PartialRollouts:
                 return None
         return sorted(chosen, key=age.__getitem__)
 
+    def _needs_round(self, version: int) -> bool:
+        """Whether to generate another round: this rank cannot pick yet; in a tensor-parallel group,
+        whether any member cannot (the others take part, their own episodes going on meanwhile)."""
+        need = self._pick(version) is None
+        return self._group_any(need)
+
+    def _group_any(self, flag: bool) -> bool:
+        if self.engine.tp == 1:
+            return flag
+        return vdist.all_reduce_max(float(flag)) > 0
+
     def _round(self, version: int) -> int:
         """One engine call for the new groups' first turn (n samples per prompt, seeded as the
         synchronous step) and one for the episodes going on (one request each). When every live
-        group must train this step, nothing could pause: each call runs to the end of its turn.
+        group must train this step, nothing could pause: each call runs to the end of its turn. In
+        a tensor-parallel group every member makes the calls any member makes, with the same cap.
         -> the decode steps it ran."""
         s = self.limits.max_staleness
         live = [g for g in self.pool if not g.done]
-        cap = None if all(g.born + s <= version for g in live) else self.limits.chunk_tokens
+        pause = self._group_any(any(g.born + s > version for g in live))
+        cap = self.limits.chunk_tokens if pause else None
         go = dict(sampling=self.sampling, run_seed=self.run_seed, spec=self.spec, cap=cap, version=version)
         fresh, steps = [g for g in live if not g.episodes], 0
-        if fresh:
+        if self._group_any(bool(fresh)):
             examples = [self.prompts[g.index] for g in fresh]
             prompt_ids = [list(e["prompt_ids"]) for e in examples]
             eps, batched = start_episodes(examples, prompt_ids, self.sampling.n, self.spec, [g.key for g in fresh])
             for k, g in enumerate(fresh):
                 g.episodes = eps[k * self.sampling.n : (k + 1) * self.sampling.n]
+            batched = not self._group_any(not batched)  # one kind of request for the whole group
             steps += advance(self.engine, eps, batched=batched, **go)
         going = [ep for g in live if g not in fresh for ep in g.episodes if ep.live]
-        if going:
+        if self._group_any(bool(going)):
             steps += advance(self.engine, going, **go)
         return steps
 
