@@ -7,7 +7,8 @@ import math
 
 from verl_ds.config import RunConfig
 from verl_ds.data.chat import ChatCodec
-from verl_ds.data.dataset import load_examples, tokenize_prompts
+from verl_ds.data.dataset import tokenize_prompts
+from verl_ds.data.tasks import load_examples
 from verl_ds.data.tiny import load_tokenizer
 from verl_ds.envs import parse_hermes_tool_calls, tool_schemas
 from verl_ds.errors import ConfigError
