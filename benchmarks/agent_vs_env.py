@@ -30,22 +30,21 @@ def main() -> None:
     args = ap.parse_args()
 
     from verl_ds.config import load_config
-    from verl_ds.ds_config import resolve
-    from verl_ds.envs import calculator, load_tools, parse_hermes_tool_calls, tool_schemas
+    from verl_ds.data.chat import ChatCodec
+    from verl_ds.envs import calculator, parse_hermes_tool_calls, tool_schemas
     from verl_ds.rollout import make_rollout
     from verl_ds.rollout.agent_server import AgentEpisodes
     from verl_ds.rollout.episodes import Sampling, SeedKey, collect
     from verl_ds.trainer import builder
+    from verl_ds.trainer.setup import resolve_setup
 
-    cfg = load_config(args.config, ["logging.wandb.mode=disabled", *args.overrides], world_size=1)
-    r, mt = cfg.rollout, cfg.rollout.multi_turn
-    path = cfg.model.path
-    tok = builder.build_tokenizer(cfg, path)
-    tools = load_tools(cfg.data.tools)
-    codec = builder.build_codec(cfg, tok, path, tools)
-    spec = builder.build_episodes(cfg, codec, tools)
-    prompts, _ = builder.build_prompts(cfg, tok, codec)
-    engine = make_rollout(r, path, resolve(cfg).rollout, cfg.trainer.seed)
+    overrides = ["logging.wandb.mode=disabled", "trainer.resume=none", *args.overrides]
+    s = resolve_setup(load_config(args.config, overrides, world_size=1))
+    cfg, path = s.cfg, s.model_path
+    r, mt, d = cfg.rollout, cfg.rollout.multi_turn, cfg.data
+    data = builder.build_data(s)  # the job's tokenizer, codec (with data.tools), episodes and prompts
+    spec, prompts = data.episode_spec, data.prompts
+    engine = make_rollout(r, path, s.precision.rollout, cfg.trainer.seed)
     schema = tool_schemas([calculator])
     few_shot = [dict(m) for m in cfg.data.few_shot]
 
@@ -67,7 +66,15 @@ def main() -> None:
         return 0.0
 
     # the endpoint's codec: the agent sends its own messages and tools (no data.tools system prompt)
-    plain = builder.build_codec(cfg, tok, path, [])
+    plain = ChatCodec(
+        data.tokenizer,
+        d.apply_chat_template,
+        None,
+        d.system_prompt,
+        model=path,
+        eos_ids=list(data.codec.eos_ids),
+        few_shot=d.few_shot,
+    )
     agents = AgentEpisodes(agent, engine, plain, r.max_model_len, mt.agent_timeout_s, parse_hermes_tool_calls)
     sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
     k = cfg.trainer.prompts_per_step

@@ -8,7 +8,7 @@ Prints one JSON line last: {"job", "steps", "s_per_step", "episodes_per_s", "wal
 
 The job is read from the same YAML verl-ds trains on (verl_ds.config.load_config, with the same
 overrides), so both sides share one source of truth: the tiny model (verl_ds.data.tiny, same seed, so
-the same initial weights), the prompts (verl_ds.data.dataset.load_examples: the same train split) and
+the same initial weights), the prompts (verl_ds.data.tasks.load_examples: the same train split) and
 the reward function (verl_ds.data.reward). verl_ds is imported from the repo root (it needs only torch,
 transformers, tokenizers and pyyaml here).
 
@@ -226,8 +226,9 @@ def main() -> None:
 
     from verl_ds.config import token_budget
     from verl_ds.data.chat import ChatCodec
-    from verl_ds.data.dataset import load_examples, tokenize_prompts
+    from verl_ds.data.dataset import tokenize_prompts
     from verl_ds.data.reward import task_reward_fn
+    from verl_ds.data.tasks import load_examples
     from verl_ds.data.tiny import build_char_tokenizer, build_tiny_llama, load_tokenizer
     from verl_ds.envs.tools import load_tools, tool_schemas
 

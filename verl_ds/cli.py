@@ -206,13 +206,16 @@ def cmd_debug(args) -> int:
         return cmd_debug_precision(args)
     from pathlib import Path
 
-    from verl_ds.config import load_config
+    from verl_ds.config import load_config, validate_paths
+    from verl_ds.data.tiny import resolve_model_path
     from verl_ds.diagnostics import memory
     from verl_ds.ds_config import render_ds_configs, resolve
-    from verl_ds.trainer.setup import resolve_model_path
 
     def shape_of(cfg):
-        return memory.load_shape(args.model_config or str(Path(resolve_model_path(cfg)) / "config.json"))
+        if args.model_config:
+            return memory.load_shape(args.model_config)
+        validate_paths(cfg)
+        return memory.load_shape(str(Path(resolve_model_path(cfg.model, cfg.trainer.run_dir)) / "config.json"))
 
     world = args.world_size or 1
     if args.plan:

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from verl_ds.data.dataset import PromptSampler, load_examples, tokenize_prompts
+from verl_ds.data.dataset import PromptSampler, tokenize_prompts
 from verl_ds.data.reward import arithmetic_reward, get_reward_fn, gsm8k_reward, last_number_reward
-from verl_ds.data.tasks import arithmetic_examples
+from verl_ds.data.tasks import arithmetic_examples, load_examples
 from verl_ds.errors import ConfigError
 
 
@@ -87,7 +87,7 @@ def test_tokenize_prompts_batched_equals_one_call_per_row(tokenizer):
 
 
 def test_held_out_split_is_disjoint_and_seeded():
-    from verl_ds.data.dataset import held_out_split
+    from verl_ds.data.tasks import held_out_split
 
     rows = arithmetic_examples(2000, seed=0)
     train, val = held_out_split(rows, 0.2, seed=0)

@@ -1,4 +1,4 @@
-"""The run's setup: every fact derived once, before any engine (no process group: one rank)."""
+"""The run's setup: every fact derived once, before any engine (a one-rank process group)."""
 
 import dataclasses
 
@@ -40,6 +40,7 @@ def test_the_setup_reads_each_roles_json_once_and_holds_what_the_run_derives(tmp
     assert s.cfg.rollout.engine == "hf" and s.model_path == str(tmp_path / "init_model")
     assert (s.rank, s.world, s.gpu) == (0, 1, False)
     assert s.mini_rows == 8 and s.tools == () and s.env_factory is None and s.agent is None
+    assert s.resume_from is None  # trainer.resume: none
     assert s.reward_fn("1", "1") == 1.0  # data.reward_fn: arithmetic
     # the rendered configs are what the renderer gives for the ZeRO stage auto chose
     stage = s.ds["actor"]["zero_optimization"]["stage"]

@@ -1,4 +1,4 @@
-"""Tokenized prompts and a resumable sampler over them."""
+"""Tokenized prompts and a resumable sampler over them (the examples come from `tasks.load_examples`)."""
 
 from __future__ import annotations
 
@@ -6,40 +6,9 @@ import logging
 import random
 
 from verl_ds.data.chat import ChatCodec
-from verl_ds.data.tasks import arithmetic_examples, file_examples
 from verl_ds.dist import rank
 
 log = logging.getLogger(__name__)
-
-
-def load_examples(data_cfg) -> tuple[list[dict], list[dict]]:
-    """(train, validation) examples. Files: `train_files` / `val_files`. The built-in task holds out
-    `val_fraction` of its distinct prompts (seeded): they never appear in training."""
-    if data_cfg.task == "arithmetic":
-        a = data_cfg.arithmetic
-        rows = arithmetic_examples(a.size, data_cfg.seed, a.min_value, a.max_value, a.num_operands, a.ops)
-        return held_out_split(rows, data_cfg.val_fraction, data_cfg.seed)
-    if data_cfg.task == "reasoning_gym":
-        from verl_ds.data.reasoning_gym import reasoning_gym_examples
-
-        g = data_cfg.reasoning_gym
-        train = reasoning_gym_examples(g.name, g.size, g.seed, g.config)
-        seen = {e["prompt"] for e in train}
-        val = [e for e in reasoning_gym_examples(g.name, g.val_size, g.val_seed, g.config) if e["prompt"] not in seen]
-        return train, val
-    train = file_examples(data_cfg.train_files, data_cfg.prompt_key, data_cfg.answer_key)
-    val = file_examples(data_cfg.val_files, data_cfg.prompt_key, data_cfg.answer_key) if data_cfg.val_files else []
-    return train, val
-
-
-def held_out_split(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """Hold out a seeded `fraction` of the distinct prompts: (train rows without them, one row each)."""
-    distinct = sorted({r["prompt"]: r for r in rows}.items())
-    if fraction <= 0 or len(distinct) < 2:
-        return rows, []
-    random.Random(seed).shuffle(distinct)
-    held = dict(distinct[: max(1, round(fraction * len(distinct)))])
-    return [r for r in rows if r["prompt"] not in held], list(held.values())
 
 
 def tokenize_prompts(

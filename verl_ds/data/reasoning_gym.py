@@ -34,6 +34,15 @@ def reasoning_gym_examples(name: str, size: int, seed: int, config: dict) -> lis
     return [{"prompt": e["question"] + INSTRUCTION, "answer": json.dumps(e, default=str)} for e in ds]
 
 
+def reasoning_gym_split(g) -> tuple[list[dict], list[dict]]:
+    """`data.reasoning_gym`'s (train, validation) examples: the validation seed's problems that the
+    training set does not hold."""
+    train = reasoning_gym_examples(g.name, g.size, g.seed, g.config)
+    seen = {e["prompt"] for e in train}
+    val = [e for e in reasoning_gym_examples(g.name, g.val_size, g.val_seed, g.config) if e["prompt"] not in seen]
+    return train, val
+
+
 def final_answer(response: str, numeric: bool = False) -> str:
     """What follows the last `Answer:`, else the last non-empty line; for a numeric task the last
     number in that text (a "flexible extract": `Answer: 3 + 4 = 7` and `3 + 4 = 7` both give 7)."""

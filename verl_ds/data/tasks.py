@@ -1,4 +1,5 @@
-"""Prompt sources: the built-in offline `arithmetic` task and local jsonl/parquet files."""
+"""Prompt sources: the built-in offline `arithmetic` task, local jsonl/parquet files and reasoning-gym's
+generators, as (train, validation) examples (`load_examples`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,32 @@ import random
 from pathlib import Path
 
 from verl_ds.errors import ConfigError, shown
+
+
+def load_examples(data_cfg) -> tuple[list[dict], list[dict]]:
+    """(train, validation) examples. Files: `train_files` / `val_files`. The built-in task holds out
+    `val_fraction` of its distinct prompts (seeded): they never appear in training."""
+    if data_cfg.task == "arithmetic":
+        a = data_cfg.arithmetic
+        rows = arithmetic_examples(a.size, data_cfg.seed, a.min_value, a.max_value, a.num_operands, a.ops)
+        return held_out_split(rows, data_cfg.val_fraction, data_cfg.seed)
+    if data_cfg.task == "files":
+        train = file_examples(data_cfg.train_files, data_cfg.prompt_key, data_cfg.answer_key)
+        val = file_examples(data_cfg.val_files, data_cfg.prompt_key, data_cfg.answer_key) if data_cfg.val_files else []
+        return train, val
+    from verl_ds.data.reasoning_gym import reasoning_gym_split  # task: reasoning_gym (an optional package)
+
+    return reasoning_gym_split(data_cfg.reasoning_gym)
+
+
+def held_out_split(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """Hold out a seeded `fraction` of the distinct prompts: (train rows without them, one row each)."""
+    distinct = sorted({r["prompt"]: r for r in rows}.items())
+    if fraction <= 0 or len(distinct) < 2:
+        return rows, []
+    random.Random(seed).shuffle(distinct)
+    held = dict(distinct[: max(1, round(fraction * len(distinct)))])
+    return [r for r in rows if r["prompt"] not in held], list(held.values())
 
 
 def arithmetic_examples(

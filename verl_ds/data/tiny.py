@@ -1,4 +1,6 @@
-"""A character-level tokenizer and tiny Llama models built offline, for tests and the quickstart.
+"""A character-level tokenizer and tiny Llama models built offline, for tests and the quickstart;
+and how a run finds its model (`resolve_model_path`) and loads its tokenizers (`load_tokenizer`, a
+teacher's checked against the student's).
 
 No hub access at run time: everything here is constructed in-process and saved as a normal HF
 directory (config.json, model.safetensors, tokenizer.json), which DeepSpeed roles, HF and vLLM load.
@@ -7,6 +9,9 @@ directory (config.json, model.safetensors, tokenizer.json), which DeepSpeed role
 from __future__ import annotations
 
 from pathlib import Path
+
+from verl_ds.dist import barrier, rank
+from verl_ds.errors import ConfigError
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*=# ")
@@ -109,6 +114,20 @@ def build_tiny_llama(
     return out
 
 
+def resolve_model_path(model_cfg, run_dir: str | Path) -> str:
+    """`model.path`; `tiny` builds a random-init char-level Llama (`model.tiny`) once, under the run
+    dir: rank 0 builds it, every rank waits for it."""
+    if model_cfg.path != "tiny":
+        return model_cfg.path
+    out = Path(run_dir) / "init_model"
+    if rank() == 0 and not (out / "config.json").exists():
+        t = model_cfg.tiny
+        tokenizer = build_chat_tokenizer() if t.tokenizer == "chat" else build_char_tokenizer()
+        build_tiny_llama(out, tokenizer, hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn, seed=t.seed)
+    barrier()
+    return str(out)
+
+
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """Load a saved tokenizer, keeping a char tokenizer's pre-tokenizer intact (AutoTokenizer on a
     qwen2/llama config replaces a saved pre-tokenizer)."""
@@ -123,3 +142,19 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
+
+
+def check_teacher_tokenizer(student: str | Path, teacher: str | Path, trust_remote_code: bool = False) -> None:
+    """Distillation compares the two models' logprobs of the same token ids, so every id must name
+    the same token in both vocabularies (a smaller or larger model of one family shares them).
+    `student`, `teacher`: the directories of their tokenizers."""
+    vocabs = (load_tokenizer(p, trust_remote_code).get_vocab() for p in (student, teacher))
+    s_vocab, t_vocab = ({i: tok for tok, i in v.items()} for v in vocabs)
+    for i in sorted(set(s_vocab) | set(t_vocab)):
+        a, b = s_vocab.get(i), t_vocab.get(i)
+        if a != b:
+            raise ConfigError(
+                "model.teacher_path",
+                f"the teacher's tokenizer differs from the student's at id {i} (student {a!r}, teacher {b!r}): "
+                "distillation needs the same token ids",
+            )

@@ -1,13 +1,17 @@
-"""Builds everything one run needs from its `RunSetup` (trainer/setup.py): the tokenizer, prompts,
-every role's DeepSpeed engine, the job's episodes (DeepSpeed-Chat's rlhf_engine.py, in one place)."""
+"""Builds everything one run needs from its `RunSetup` (trainer/setup.py): its data side in one call
+(`build_data`: the tokenizer, the codec, the job's episodes, the prompts and their sampler), every
+role's DeepSpeed engine (`build_roles`, DeepSpeed-Chat's rlhf_engine.py in one place), and what runs
+on the rollout engine besides the loop's own episodes (`build_agents`, `build_partial`)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
-from verl_ds.config import RunConfig
 from verl_ds.data.chat import ChatCodec
-from verl_ds.data.dataset import load_examples, tokenize_prompts
+from verl_ds.data.dataset import PromptSampler, tokenize_prompts
+from verl_ds.data.tasks import load_examples
 from verl_ds.data.tiny import load_tokenizer
 from verl_ds.envs import parse_hermes_tool_calls, tool_schemas
 from verl_ds.errors import ConfigError
@@ -32,42 +36,48 @@ from verl_ds.rollout.weights import eos_token_ids
 from verl_ds.trainer.setup import RunSetup
 
 
-def build_codec(setup: RunSetup, tokenizer) -> ChatCodec:
-    """How prompts and observations become ids: the chat template (with the `tools` of `data.tools`
-    and `data.system_prompt`), or the tokenizer alone. Multi-turn runs check the template now."""
-    cfg, tools, eos_ids = setup.cfg, setup.tools, eos_token_ids(setup.model_path)
-    d = cfg.data
-    schemas = tool_schemas(tools) if tools else None
-    codec = ChatCodec(
-        tokenizer,
-        d.apply_chat_template,
-        schemas,
-        d.system_prompt,
-        model=cfg.model.path,
-        eos_ids=eos_ids,
-        few_shot=d.few_shot,
-    )
-    if cfg.rollout.multi_turn.enabled:
-        codec.check_turns()
-    return codec
+@dataclass(frozen=True)
+class RunData:
+    """The run's data side, built once (`build_data`) and read by the loop."""
+
+    tokenizer: Any  # the student's
+    codec: ChatCodec  # prompts and observations as ids
+    episode_spec: EpisodeSpec | None  # a multi-turn job's episodes; None: single-turn
+    prompts: list[dict]  # the training prompts, tokenized
+    val_prompts: list[dict]  # the held-out prompts, tokenized ([]: no validation)
+    sampler: PromptSampler  # the order the training prompts are drawn in (resumable)
 
 
-def build_episodes(setup: RunSetup, codec: ChatCodec) -> EpisodeSpec | None:
-    """A multi-turn job's `EpisodeSpec` for `episodes.collect`: the environment factory, the codec,
-    the limits, the tokenization check. None: single-turn (no `rollout.multi_turn.env`)."""
+def build_data(setup: RunSetup) -> RunData:
+    """The student's tokenizer (a teacher's gives the same ids: the setup checked it); the codec: the
+    chat template with the `tools` of `data.tools` and `data.system_prompt`, or the tokenizer alone
+    (multi-turn runs check the template now); a multi-turn job's `EpisodeSpec` (the environment
+    factory, the codec, the limits, the tokenization check); the (train, validation) prompts and the
+    sampler over the first."""
     cfg = setup.cfg
-    mt = cfg.rollout.multi_turn
-    if setup.env_factory is None:
-        return None
-    limits = TurnLimits(
-        mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len, mt.max_env_failure_fraction
+    m, d, mt = cfg.model, cfg.data, cfg.rollout.multi_turn
+    eos_ids = eos_token_ids(setup.model_path)
+    tokenizer = load_tokenizer(m.tokenizer_path or setup.model_path, m.trust_remote_code)
+    schemas = tool_schemas(setup.tools) if setup.tools else None
+    codec = ChatCodec(
+        tokenizer, d.apply_chat_template, schemas, d.system_prompt, model=m.path, eos_ids=eos_ids, few_shot=d.few_shot
     )
-    return EpisodeSpec(
-        env_factory=setup.env_factory,
-        codec=codec,
-        limits=limits,
-        strict=mt.tokenization_check == "strict",
+    if mt.enabled:
+        codec.check_turns()
+    spec = None
+    if setup.env_factory is not None:
+        limits = TurnLimits(
+            mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len, mt.max_env_failure_fraction
+        )
+        spec = EpisodeSpec(setup.env_factory, codec, limits, strict=mt.tokenization_check == "strict")
+    train, val = load_examples(d)
+    if not train:
+        raise ConfigError("data", "the prompt dataset is empty")
+    sampler = PromptSampler(len(train), d.seed, d.shuffle)
+    prompts, val_prompts = (
+        tokenize_prompts(x, tokenizer, d.max_prompt_length, d.apply_chat_template, codec) for x in (train, val)
     )
+    return RunData(tokenizer, codec, spec, prompts, val_prompts, sampler)
 
 
 def build_agents(setup: RunSetup, codec: ChatCodec, engine) -> AgentEpisodes | None:
@@ -99,17 +109,6 @@ def build_partial(
     )
     sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
     return PartialRollouts(engine, limits, prompts, draw, sampling, cfg.trainer.seed, spec)
-
-
-def build_prompts(cfg: RunConfig, tokenizer, codec: ChatCodec | None = None) -> tuple[list[dict], list[dict]]:
-    """Tokenized (train, validation) prompts."""
-    d = cfg.data
-    train, val = (
-        tokenize_prompts(x, tokenizer, d.max_prompt_length, d.apply_chat_template, codec) for x in load_examples(d)
-    )
-    if not train:
-        raise ConfigError("data", "the prompt dataset is empty")
-    return train, val
 
 
 def build_roles(setup: RunSetup) -> dict:
@@ -156,27 +155,3 @@ def build_roles(setup: RunSetup) -> dict:
         if isinstance(role, PolicyRole):
             role.share_prompts = m.share_prompt and can_share_prompts(role.module)
     return roles
-
-
-def build_tokenizer(setup: RunSetup):
-    """The student's tokenizer; with a teacher, checked to give the teacher's ids (`check_teacher_tokenizer`)."""
-    m = setup.cfg.model
-    tokenizer = load_tokenizer(m.tokenizer_path or setup.model_path, m.trust_remote_code)
-    teacher = load_tokenizer(m.teacher_path, m.trust_remote_code) if m.teacher_path else None
-    if teacher is not None:
-        check_teacher_tokenizer(tokenizer, teacher)
-    return tokenizer
-
-
-def check_teacher_tokenizer(student, teacher) -> None:
-    """Distillation compares the two models' logprobs of the same token ids, so every id must name
-    the same token in both vocabularies (a smaller or larger model of one family shares them)."""
-    s_vocab, t_vocab = ({i: tok for tok, i in x.get_vocab().items()} for x in (student, teacher))
-    for i in sorted(set(s_vocab) | set(t_vocab)):
-        a, b = s_vocab.get(i), t_vocab.get(i)
-        if a != b:
-            raise ConfigError(
-                "model.teacher_path",
-                f"the teacher's tokenizer differs from the student's at id {i} (student {a!r}, teacher {b!r}): "
-                "distillation needs the same token ids",
-            )

@@ -15,19 +15,11 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import RunConfig
-from verl_ds.data.dataset import PromptSampler
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.plots import plot_curves
-from verl_ds.dist import (
-    all_gather_object,
-    all_reduce_max,
-    all_reduce_min,
-    all_reduce_sum,
-    init_distributed,
-    rank,
-)
+from verl_ds.dist import all_gather_object, all_reduce_max, all_reduce_min, all_reduce_sum
 from verl_ds.errors import RunFailure
 from verl_ds.gemm import fp32_gemm
 from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_params
@@ -36,7 +28,7 @@ from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import RolloutBatch, episodes, make_rollout, sync_distributed
 from verl_ds.rollout.episodes import Sampling, SeedKey
 from verl_ds.trainer import builder
-from verl_ds.trainer.checkpoint import last_good, load_checkpoint, pick_resume, probe_writable, save_checkpoint
+from verl_ds.trainer.checkpoint import last_good, load_checkpoint, save_checkpoint
 from verl_ds.trainer.groups import Collected, varied_groups
 from verl_ds.trainer.setup import resolve_setup
 
@@ -50,24 +42,16 @@ class RLTrainer:
 
     def __init__(self, cfg: RunConfig, reward_fn=None):
         _import_heavy_libraries()
-        init_distributed(cfg.trainer.collective_timeout_s)
-        # rank 0 logs at logging.level; other ranks only warnings
-        logging.getLogger("verl_ds").setLevel(cfg.logging.level if rank() == 0 else logging.WARNING)
         self.rollout = self.logger = self.agents = None
-        # every fact the run derives from its config, derived once (trainer/setup.py)
+        # the process group and every fact the run derives from its config, derived once (trainer/setup.py)
         self.setup = s = resolve_setup(cfg, reward_fn)
         self.cfg = cfg = s.cfg  # rollout.engine resolved
         self.rank, self.world, self.precision, self.model_path = s.rank, s.world, s.precision, s.model_path
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.tokenizer = builder.build_tokenizer(s)
-        self.codec = builder.build_codec(s, self.tokenizer)
-        self.episode_spec = builder.build_episodes(s, self.codec)  # None: single-turn
-        self.prompts, self.val_prompts = builder.build_prompts(cfg, self.tokenizer, self.codec)
-        self.sampler = PromptSampler(len(self.prompts), cfg.data.seed, cfg.data.shuffle)
         self.reward_fn = s.reward_fn
-        # the checkpoint to resume from, checked whole, and the run's directories writable, before any engine
-        probe_writable(self.run_dir / "checkpoints", "trainer.run_dir")
-        self.resume_from = pick_resume(self.run_dir / "checkpoints", cfg.trainer.resume, s.trained, self.world)
+        data = builder.build_data(s)  # the tokenizer, codec, episodes, prompts and their sampler
+        self.tokenizer, self.codec, self.episode_spec = data.tokenizer, data.codec, data.episode_spec
+        self.prompts, self.val_prompts, self.sampler = data.prompts, data.val_prompts, data.sampler
         self.roles = builder.build_roles(s)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
         self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")
@@ -97,9 +81,10 @@ class RLTrainer:
         random.seed(cfg.trainer.seed + self.rank)
         self.global_step = 0
         self.observers: list[TrainerObserver] = []  # diagnostics and tests watch the loop through these
+        if s.resume_from is not None:  # roles, RNG, sampler and step from the checkpoint
+            self._resume(s.resume_from)
         self.logger = MetricsLogger(self.run_dir, cfg.logging.wandb, asdict(cfg), enabled=self.rank == 0)
-        resumed = self._maybe_resume()  # roles, RNG, sampler and step from the checkpoint, if any
-        self.logger.rewind(self.global_step if resumed else -1)  # metrics past it are dropped
+        self.logger.rewind(self.global_step if s.resume_from is not None else -1)  # metrics past it are dropped
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -561,11 +546,12 @@ class RLTrainer:
         self._sleep_roles()
         return path
 
-    def _maybe_resume(self) -> bool:
-        path = self.resume_from  # checked before the engines were built (`pick_resume`)
-        if path is None:
-            return False
-        state = load_checkpoint(path, self._trained_roles())
+    def _resume(self, path: Path) -> None:
+        """Continue from checkpoint `path` (`setup.resume_from`: checked whole before any engine was
+        built): the trained roles, this rank's RNG, the sampler, the KL and reward statistics, the
+        partial rollouts in flight and the step."""
+        trained = self._trained_roles()
+        state = load_checkpoint(path, trained)
         self.global_step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
@@ -579,7 +565,6 @@ class RLTrainer:
         sync_distributed(self.rollout, iter_full_params(self.actor.engine))  # the engine started from step 0
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.global_step)
-        return True
 
     def export(self, out_dir: Path, dtype: str) -> None:
         """The actor as an HF model (safetensors) in `dtype`, written atomically."""

@@ -1,7 +1,8 @@
 """`RunSetup`: what one run derives from its config, derived once at the start of `RLTrainer.__init__`
 (`resolve_setup`) and read by everything after it: the builder, the loop, the programs. Nothing
-else re-derives these facts (the model path, the rollout engine, the device, the precision, the
-roles and their DeepSpeed configs, the names the run resolves, the world, the mini-batch)."""
+else re-derives these facts (the process group, the model path, the rollout engine, the device, the
+precision, the roles and their DeepSpeed configs, the names the run resolves, the world, the
+mini-batch, the checkpoint to resume from)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from types import MappingProxyType
 from typing import Callable, Mapping
 
 from verl_ds.config import RunConfig, resolve_names, token_budget, validate_paths
-from verl_ds.data.tiny import build_char_tokenizer, build_chat_tokenizer, build_tiny_llama
+from verl_ds.data.tiny import check_teacher_tokenizer, resolve_model_path
 from verl_ds.diagnostics.memory import (
     BYTES,
     ModelShape,
@@ -23,11 +24,12 @@ from verl_ds.diagnostics.memory import (
     rollout_memory,
     workload,
 )
-from verl_ds.dist import barrier, on_gpu, rank, world_size
+from verl_ds.dist import init_distributed, on_gpu, rank, world_size
 from verl_ds.ds_config import read_ds_files, render_ds_configs, resolve
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
 from verl_ds.rollout import resolve_engine
+from verl_ds.trainer.checkpoint import pick_resume, probe_writable
 
 log = logging.getLogger(__name__)
 
@@ -51,25 +53,36 @@ class RunSetup:
     agent: Callable | None  # `rollout.multi_turn.agent`; None: not an agent job
     reward_fn: Callable  # `data.reward_fn` (or the caller's)
     mini_rows: int  # this rank's rows per mini-batch; 0: all of them (`trainer.mini_batch_size: 0`)
+    resume_from: Path | None  # the intact checkpoint `trainer.resume` names (None: a fresh start)
 
 
 def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup:
-    """The run's facts, in the order each needs the ones before: the model, the engine, every active
-    role's DeepSpeed JSON (read once), the names, the precision, the batch checked against this
-    rank's memory and the configs rendered (with `zero_stage: auto` chosen)."""
-    gpu, world = on_gpu(), world_size()
+    """The run's facts, each after the ones it needs, what the config alone decides first: every
+    active role's DeepSpeed JSON (read once), the paths, token budgets and names the config gives;
+    then the process group (rank and world), the precision, the model (a teacher's tokenizer checked
+    against it), the engine, the batch checked against this rank's memory, the configs rendered (with
+    `zero_stage: auto` chosen), and last the checkpoint to resume from."""
+    files = read_ds_files(cfg)  # one per active role
+    validate_paths(cfg)
+    token_budgets = {r: token_budget(cfg, r) for r in files}
+    names, errors = resolve_names(cfg)  # validation resolved them too: a cfg not from load_config
+    raise_all(errors)
+    init_distributed(cfg.trainer.collective_timeout_s)
+    me, world, gpu = rank(), world_size(), on_gpu()
+    # rank 0 logs at logging.level; other ranks only warnings
+    logging.getLogger("verl_ds").setLevel(cfg.logging.level if me == 0 else logging.WARNING)
     if cfg.trainer.device == "cpu" and gpu:
         log.warning(
             "trainer.device: cpu sets the precision rule only; the engines run on the GPU "
             "(hide it to train on the CPU: CUDA_VISIBLE_DEVICES=)"
         )
-    model_path = resolve_model_path(cfg)
+    precision = resolve(cfg, files=files)  # the one place `auto` meets the hardware
+    model_path = resolve_model_path(cfg.model, cfg.trainer.run_dir)
+    m = cfg.model
+    if m.teacher_path:  # distillation compares the two models' logprobs of the same ids
+        check_teacher_tokenizer(m.tokenizer_path or model_path, m.teacher_path, m.trust_remote_code)
     # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
     cfg = replace(cfg, rollout=replace(cfg.rollout, engine=resolve_engine(cfg.rollout, model_path)))
-    files = read_ds_files(cfg)  # one per active role
-    names, errors = resolve_names(cfg)  # validation resolved them too: a cfg not from load_config
-    raise_all(errors)
-    precision = resolve(cfg, files=files)  # the one place `auto` meets the hardware
     trained = tuple(r for r in files if r in TRAINED_ROLES)
     sleepers = [r for r in trained if getattr(cfg.roles, r).sleep]
     if sleepers and not gpu:
@@ -77,37 +90,30 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     budget, shape = rank_budget(cfg, world, gpu), load_shape(model_path)
     check_batch_fits(cfg, shape, precision, world, gpu, budget)
     stages = zero_stages(cfg, shape, files, precision, world, budget)
+    ds = render_ds_configs(cfg, world, precision, stages, files)
+    # last, once the config's own mistakes are refused (a refused run leaves no checkpoints dir): the
+    # run's directories writable and the checkpoint to resume from checked whole, before any engine
+    checkpoints = Path(cfg.trainer.run_dir) / "checkpoints"
+    probe_writable(checkpoints, "trainer.run_dir")
+    resume_from = pick_resume(checkpoints, cfg.trainer.resume, trained, world)
     return RunSetup(
         cfg=cfg,
         model_path=model_path,
         gpu=gpu,
-        rank=rank(),
+        rank=me,
         world=world,
         precision=precision,
         roles=tuple(files),
         trained=trained,
-        ds=MappingProxyType(render_ds_configs(cfg, world, precision, stages, files)),
-        token_budgets=MappingProxyType({r: token_budget(cfg, r) for r in files}),
+        ds=MappingProxyType(ds),
+        token_budgets=MappingProxyType(token_budgets),
         tools=names.tools,
         env_factory=names.env_factory,
         agent=names.agent,
         reward_fn=reward_fn or names.reward_fn,
         mini_rows=cfg.trainer.mini_batch_size // world,
+        resume_from=resume_from,
     )
-
-
-def resolve_model_path(cfg: RunConfig) -> str:
-    """`model.path: tiny` builds a random-init char-level Llama once, under the run dir."""
-    validate_paths(cfg)
-    if cfg.model.path != "tiny":
-        return cfg.model.path
-    out = Path(cfg.trainer.run_dir) / "init_model"
-    if rank() == 0 and not (out / "config.json").exists():
-        t = cfg.model.tiny
-        tokenizer = build_chat_tokenizer() if t.tokenizer == "chat" else build_char_tokenizer()
-        build_tiny_llama(out, tokenizer, hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn, seed=t.seed)
-    barrier()
-    return str(out)
 
 
 def rank_budget(cfg: RunConfig, world: int, gpu: bool) -> float:
