@@ -34,6 +34,26 @@ def test_a_game_is_played_by_its_own_rules_and_seeded_by_the_example():
     assert "invalid move" in obs.lower() and not done  # the game's own complaint, as the next message
 
 
+def _repeat_a_wrong_guess(env, seed):
+    """Guess a wrong number, then repeat it (an invalid move) until the game ends: the final reward."""
+    env.reset({"prompt": "play", "seed": seed})
+    wrong = next(g for g in range(1, 9) if env.env.state.game_state["game_number"] != g)
+    done = False
+    while not done:
+        _, reward, done, info = env.step(f"[{wrong}]")
+    assert info["invalid_move"] == 1.0
+    return reward
+
+
+def test_an_invalid_move_scores_the_games_partial_credit_or_the_configured_reward():
+    """TextArena ends a game on repeated invalid moves with its partial credit (GuessTheNumber: the
+    closeness of the last valid guess), which a policy can farm by repeating its first guess;
+    `invalid_move_reward` replaces it."""
+    game = {"min_number": 1, "max_number": 8, "max_turns": 4}
+    assert _repeat_a_wrong_guess(TextArenaEnv("GuessTheNumber-v0", game), seed=5) > 0.0
+    assert _repeat_a_wrong_guess(TextArenaEnv("GuessTheNumber-v0", game, invalid_move_reward=0.0), seed=5) == 0.0
+
+
 def test_an_unknown_game_is_one_line_at_start():
     overrides = ["rollout.multi_turn.env=textarena", "rollout.multi_turn.env_kwargs={env_id: GuessTheNumbr-v0}"]
     with pytest.raises(ConfigError, match="TextArena has no game 'GuessTheNumbr-v0'"):

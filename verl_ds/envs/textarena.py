@@ -4,7 +4,10 @@
 its constructor's arguments (its difficulty); the game's own code runs each episode.
 The game's messages are the conversation: its opening (rules and first prompt) follows the data
 row's prompt, and after every model turn the game's answer (a hint, the next board, a complaint
-about an invalid move) is the next user message. The reward is the game's own, given at its end.
+about an invalid move) is the next user message. The reward is the game's own, given at its end;
+`invalid_move_reward` replaces it for an episode that ends on an invalid move (TextArena scores
+one with the game's partial credit: in GuessTheNumber the closeness of the last valid guess, which
+a policy can farm by repeating its first guess).
 
 TextArena's registered ids wrap a game so that each observation repeats the whole history as one
 text (for a stateless LLM agent); a chat already holds the history, so the adapter plays the
@@ -23,13 +26,14 @@ PLAYER = 0  # single-player games: the model is player 0; the game itself writes
 
 
 class TextArenaEnv:
-    def __init__(self, env_id: str, game_kwargs: dict | None = None):
+    def __init__(self, env_id: str, game_kwargs: dict | None = None, invalid_move_reward: float | None = None):
         import textarena as ta
 
         self.env_id, self.env = env_id, ta.make(env_id=self.check_kwargs(env_id), **(game_kwargs or {}))
+        self.invalid_move_reward = invalid_move_reward
 
     @staticmethod
-    def check_kwargs(env_id: str, game_kwargs: dict | None = None) -> str:
+    def check_kwargs(env_id: str, game_kwargs: dict | None = None, invalid_move_reward: float | None = None) -> str:
         """At start (`load_env_factory`): the game exists; its unwrapped id."""
         try:
             import textarena as ta
@@ -59,7 +63,10 @@ class TextArenaEnv:
             return self._news(), 0.0, False, {}
         rewards, info = self.env.close()
         invalid = bool((info or {}).get(PLAYER, {}).get("invalid_move"))
-        return None, float((rewards or {}).get(PLAYER, 0.0)), True, {"invalid_move": float(invalid)}
+        reward = float((rewards or {}).get(PLAYER, 0.0))
+        if invalid and self.invalid_move_reward is not None:
+            reward = float(self.invalid_move_reward)
+        return None, reward, True, {"invalid_move": float(invalid)}
 
     def _news(self) -> str:
         """The game's messages since the model's last action (the model's own echo left out)."""
