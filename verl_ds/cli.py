@@ -128,11 +128,11 @@ def cmd_render(args) -> int:
     """The run config, its precision and every role's DeepSpeed JSON, on any machine: a model or
     data path absent here is listed, not an error (what is present is checked as a run would)."""
     from verl_ds.config import load_config, to_dict, validate_paths
-    from verl_ds.ds_config import render_ds_configs, resolve
+    from verl_ds.ds_config import render_ds_configs, run_precision
 
     cfg = load_config(args.config, args.overrides, args.world_size)
     absent = validate_paths(cfg, missing_ok=True)
-    precision = resolve(cfg)
+    precision = run_precision(cfg)
     rendered = render_ds_configs(cfg, args.world_size, precision)
     print("# run config (as given; `auto` resolves to the precision below)")
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
@@ -207,15 +207,15 @@ def cmd_debug(args) -> int:
     from pathlib import Path
 
     from verl_ds.config import load_config, validate_paths
-    from verl_ds.data.tiny import resolve_model_path
+    from verl_ds.data.tiny import prepare_model
     from verl_ds.diagnostics import memory
-    from verl_ds.ds_config import render_ds_configs, resolve
+    from verl_ds.ds_config import render_ds_configs, run_precision
 
     def shape_of(cfg):
         if args.model_config:
             return memory.load_shape(args.model_config)
         validate_paths(cfg)
-        return memory.load_shape(str(Path(resolve_model_path(cfg.model, cfg.trainer.run_dir)) / "config.json"))
+        return memory.load_shape(str(Path(prepare_model(cfg.model, cfg.trainer.run_dir)) / "config.json"))
 
     world = args.world_size or 1
     if args.plan:
@@ -224,7 +224,7 @@ def cmd_debug(args) -> int:
         tables = []
         for path in args.compare:
             cfg = load_config(path, args.overrides)
-            precision = resolve(cfg)
+            precision = run_precision(cfg)
             est = memory.estimate_memory(
                 cfg,
                 shape_of(cfg),
@@ -263,7 +263,7 @@ def _debug_memory_plan(args, world: int) -> int:
     from verl_ds.config import load_config
     from verl_ds.diagnostics import memory
     from verl_ds.diagnostics.memory import plan
-    from verl_ds.ds_config import render_ds_configs, resolve
+    from verl_ds.ds_config import render_ds_configs, run_precision
 
     for flag, value in (("--config", args.config), ("--model-config", args.model_config)):
         if not value:
@@ -277,7 +277,7 @@ def _debug_memory_plan(args, world: int) -> int:
     if args.reward_config:
         shapes["reward"] = memory.load_shape(args.reward_config)
     plans = plan.search(
-        cfg, shapes, render_ds_configs(cfg, world, resolve(cfg)), world, args.gpu_memory_gb, args.host_memory_gb
+        cfg, shapes, render_ds_configs(cfg, world, run_precision(cfg)), world, args.gpu_memory_gb, args.host_memory_gb
     )
     print(plan.render_plans(plans, args.top, world, args.gpu_memory_gb, args.host_memory_gb))
     return 0

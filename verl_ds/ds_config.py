@@ -162,7 +162,7 @@ def json_dtypes(cfg, files: dict[str, dict] | None = None) -> dict[str, str]:
     return {role: ds_dtype(ds) for role, ds in (files or read_ds_files(cfg)).items()}
 
 
-def resolve(cfg, hw: Hardware | None = None, files: dict[str, dict] | None = None) -> ResolvedPrecision:
+def run_precision(cfg, hw: Hardware | None = None, files: dict[str, dict] | None = None) -> ResolvedPrecision:
     """The run's precision, resolved once against this machine's (or the injected) hardware."""
     dtypes = json_dtypes(cfg, files)
     return resolve_precision(cfg.precision, hw or detect_hardware(cfg.trainer.device), dtypes)
@@ -181,7 +181,7 @@ def render_ds_configs(
     see trainer/setup.py), else its JSON file's."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))  # `cfg` was validated at load (config.validate)
     files = files or read_ds_files(cfg)
-    precision = precision or resolve(cfg, files=files)
+    precision = precision or run_precision(cfg, files=files)
     mini = mini_batch(cfg)
     out = {}
     for role, ds in files.items():

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         rc = e.code if isinstance(e.code, int) else int(e.code is not None)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(rc)  # the ranks are gone; skip the ~1 s teardown of an interpreter holding torch
+    os._exit(rc)  # the ranks are gone; skip the teardown of an interpreter holding torch
 
 
 def visible_gpus() -> list:

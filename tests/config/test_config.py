@@ -164,11 +164,11 @@ def test_resolution_explicit_wins_then_json_then_hardware():
 
 
 def test_rendered_configs_follow_injected_hardware_not_this_machine():
-    from verl_ds.ds_config import resolve
+    from verl_ds.ds_config import run_precision
 
     cfg = load_config(CPU_GRPO, ["precision.actor_dtype=auto"])
     for hw, block in ((AVX2, None), (AVX512_BF16, "bf16"), (V100, "fp16")):
-        actor = render_ds_configs(cfg, 1, resolve(cfg, hw))["actor"]
+        actor = render_ds_configs(cfg, 1, run_precision(cfg, hw))["actor"]
         assert ("bf16" in actor, "fp16" in actor) == (block == "bf16", block == "fp16")
 
 

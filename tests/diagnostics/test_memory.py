@@ -12,7 +12,7 @@ from tests.diagnostics.helpers import LLAMA_8B, parse_md_tables, tiny_overrides,
 from verl_ds import cli
 from verl_ds.config import load_config
 from verl_ds.diagnostics import memory as M
-from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.ds_config import render_ds_configs, run_precision
 from verl_ds.roles.batch import TrainBatch
 
 
@@ -32,7 +32,7 @@ def test_estimate_matches_tensor_bytes(ppo_step):
     cfg, trainer, metrics = ppo_step
     shape = M.ModelShape.from_hf_config(json.loads(Path(trainer.model_path, "config.json").read_text()))
     assert shape.params("lm") == sum(p.numel() for p in trainer.reference.module.parameters())
-    est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1, resolve(cfg).rollout)["update"]
+    est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1, run_precision(cfg).rollout)["update"]
     measured = M.stages_from_metrics(metrics)["update"]
     for role, comps in {
         "actor": ("weights_fp32", "master", "grads", "optimizer"),
@@ -230,7 +230,7 @@ def test_a_teacher_larger_than_the_student_is_estimated_with_its_own_shape(tmp_p
 def _ours(cfg_overrides, world):
     cfg = load_config(None, cfg_overrides + ["model.tiny.hidden=32"])
     shape = M.load_shape(str(LLAMA_8B))
-    ds = render_ds_configs(cfg, world, resolve(cfg))["actor"]
+    ds = render_ds_configs(cfg, world, run_precision(cfg))["actor"]
     st = M.model_states(shape, ds, head="lm", trainable=True, world=world)
     device = sum(st["device"].values())  # grads_update / grads_fp32_update included: DeepSpeed counts them too
     return shape, device, sum(st["host"].values())

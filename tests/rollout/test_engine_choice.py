@@ -62,7 +62,7 @@ def test_a_trainer_resolves_auto_before_building_and_a_bad_engine_names_the_choi
 
 def test_the_memory_estimate_follows_auto():
     from verl_ds.diagnostics.memory.estimate import ModelShape, estimate_memory
-    from verl_ds.ds_config import render_ds_configs, resolve
+    from verl_ds.ds_config import render_ds_configs, run_precision
 
     tiny = ModelShape(vocab=64, hidden=128, layers=2, heads=4, kv_heads=4, ffn=256, head_dim=32)
     cfg = load_config(
@@ -74,7 +74,7 @@ def test_the_memory_estimate_follows_auto():
             "precision.reference_dtype=fp32",
         ],
     )
-    ds = render_ds_configs(cfg, 1, precision=resolve(cfg))
+    ds = render_ds_configs(cfg, 1, precision=run_precision(cfg))
     cpu = estimate_memory(cfg, tiny, ds, 1, "fp32")
     gpu = estimate_memory(cfg, tiny, ds, 1, "fp32", gpu_gib=80.0)
     # HF generate holds its KV cache only while generating; vLLM reserves its pool for the whole step,

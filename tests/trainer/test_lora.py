@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from tests.diagnostics.helpers import tiny_overrides
 from verl_ds.config import load_config
 from verl_ds.diagnostics import memory as M
-from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.ds_config import render_ds_configs, run_precision
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.ds_internals import full_numel
 from verl_ds.trainer.rl_trainer import RLTrainer
@@ -82,7 +82,7 @@ def test_memory_estimate_accounts_lora(trained):
     out, _ = trained
     cfg, t = out["cfg"], out["trainer"]
     shape = M.ModelShape.from_hf_config(json.loads(Path(t.model_path, "config.json").read_text()))
-    est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1, resolve(cfg).rollout)["update"]
+    est = M.estimate_memory(cfg, shape, render_ds_configs(cfg, 1), 1, run_precision(cfg).rollout)["update"]
     measured = M.stages_from_metrics(out["metrics"][-1])["update"]
     adapters = shape.lora_params(4, cfg.model.lora.target_modules)
     assert adapters == sum(full_numel(p) for n, p in t.actor.module.named_parameters() if "lora_" in n)

@@ -11,7 +11,7 @@ from tests.diagnostics.helpers import tiny_overrides
 from tests.subprocess_env import child_env
 from verl_ds.config import load_config
 from verl_ds.diagnostics import memory as M
-from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.ds_config import render_ds_configs, run_precision
 from verl_ds.roles import ds_internals as dsi
 from verl_ds.trainer.rl_trainer import RLTrainer
 
@@ -37,7 +37,7 @@ def test_an_offloaded_optimizer_is_deepspeeds_cpu_adam_and_its_host_bytes_are_th
             if k in ("exp_avg", "exp_avg_sq")
         )
         shape = M.load_shape(trainer.model_path)
-    host = M.host_memory(cfg, shape, render_ds_configs(cfg, 1, resolve(cfg)), 1)["actor"]
+    host = M.host_memory(cfg, shape, render_ds_configs(cfg, 1, run_precision(cfg)), 1)["actor"]
     assert host["master"] == master_bytes
     assert host["optimizer"] == adam_bytes
 

@@ -6,7 +6,7 @@ import pytest
 
 from verl_ds import config
 from verl_ds.config import load_config
-from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.ds_config import render_ds_configs, run_precision
 from verl_ds.trainer.setup import resolve_setup
 
 
@@ -44,7 +44,7 @@ def test_the_setup_reads_each_roles_json_once_and_holds_what_the_run_derives(tmp
     assert s.reward_fn("1", "1") == 1.0  # data.reward_fn: arithmetic
     # the rendered configs are what the renderer gives for the ZeRO stage auto chose
     stage = s.ds["actor"]["zero_optimization"]["stage"]
-    assert dict(s.ds) == render_ds_configs(s.cfg, 1, resolve(s.cfg), {"actor": stage})
+    assert dict(s.ds) == render_ds_configs(s.cfg, 1, run_precision(s.cfg), {"actor": stage})
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.world = 2
     with pytest.raises(TypeError):

@@ -16,8 +16,8 @@ def tokenize_prompts(
 ) -> list[dict]:
     """Add `prompt_ids` to each example (chat template optional; `codec`, a `ChatCodec`, also adds
     its system prompt and tools); over-long prompts keep their tail. Each distinct text is
-    tokenized once, all in one batched call (the built-in task repeats 25 prompts 10,000 times:
-    one call a row took 0.6 s of every rank's start-up)."""
+    tokenized once, all in one batched call (the built-in task repeats a few prompts many times: one
+    call a row was a visible share of every rank's start-up)."""
 
     codec = codec or ChatCodec(tokenizer, apply_chat_template)
     distinct = list(dict.fromkeys(ex["prompt"] for ex in examples))

@@ -1,5 +1,5 @@
 """A character-level tokenizer and tiny Llama models built offline, for tests and the quickstart;
-and how a run finds its model (`resolve_model_path`) and loads its tokenizers (`load_tokenizer`, a
+and how a run finds its model (`prepare_model`) and loads its tokenizers (`load_tokenizer`, a
 teacher's checked against the student's).
 
 No hub access at run time: everything here is constructed in-process and saved as a normal HF
@@ -114,7 +114,7 @@ def build_tiny_llama(
     return out
 
 
-def resolve_model_path(model_cfg, run_dir: str | Path) -> str:
+def prepare_model(model_cfg, run_dir: str | Path) -> str:
     """`model.path`; `tiny` builds a random-init char-level Llama (`model.tiny`) once, under the run
     dir: rank 0 builds it, every rank waits for it."""
     if model_cfg.path != "tiny":

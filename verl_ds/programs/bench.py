@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from verl_ds.data.tiny import build_tiny_llama
-from verl_ds.ds_config import resolve
+from verl_ds.ds_config import run_precision
 from verl_ds.rollout import HFRollout, VLLMRollout
 from verl_ds.rollout.seeding import prompt_seeds
 
@@ -75,7 +75,7 @@ def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
     """Print and return tokens/s (vLLM, HF, ratio) and sync vs train-step seconds."""
 
     rc = cfg.rollout
-    dtype = resolve(cfg).rollout
+    dtype = run_precision(cfg).rollout
     with tempfile.TemporaryDirectory(prefix="verl_ds_bench_") as tmp:
         path = _model_dir(cfg, tmp)
         plen = min(16, cfg.data.max_prompt_length)

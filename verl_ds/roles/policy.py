@@ -28,8 +28,8 @@ def load_causal_lm(
 def _contiguous_head_input(model) -> None:
     """`logits_to_keep` hands the LM head a strided slice of the hidden states. With a frozen head
     (the reference, a LoRA actor) torch.matmul cannot fold that into one mm and expands the [V, H]
-    weight per sequence instead (SmolLM2-135M reference pass, 64 x 76 tokens, bf16: 7.5 s; with a
-    contiguous [B, R+1, H] input, one small copy: 1.5 s)."""
+    weight per sequence instead, several times slower than one small copy to a contiguous
+    [B, R+1, H] input."""
     head = model.get_output_embeddings()
     if head is not None:
         head.register_forward_pre_hook(lambda _m, args: (args[0].contiguous(), *args[1:]))

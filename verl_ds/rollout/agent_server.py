@@ -608,8 +608,8 @@ async def _play(
     positions = list(positions if positions is not None else range(len(examples)))
     ids = [f"{seed.step}-{seed.round_}-{p}-{j}" for p in positions for j in range(n)]
     server.begin(sampling, seed, {e: (positions[k // n], k % n) for k, e in enumerate(ids)})
-    # one SSL context for the round (an HTTP client builds one by default, ~20 ms each: most of a
-    # tiny model's round); a connection pool per episode (one shared pool's bookkeeping grows with
+    # one SSL context for the round (an HTTP client builds one by default, and on a tiny model those
+    # were most of a round); a connection pool per episode (one shared pool's bookkeeping grows with
     # its connections per request)
     tls = ssl.create_default_context()
     results = await asyncio.gather(

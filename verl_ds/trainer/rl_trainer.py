@@ -632,7 +632,7 @@ class RLTrainer:
 def _import_heavy_libraries() -> None:
     """Every rank imports what it needs before the first barrier. Imported lazily, rank 0 paid for
     transformers while building the tiny model, and rank 1 only after the barrier while rank 0 waited
-    at the next collective: the ranks took turns (quickstart start-up: 3-4 s)."""
+    at the next collective: the ranks took turns."""
     import deepspeed  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 

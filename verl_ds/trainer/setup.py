@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Callable, Mapping
 
 from verl_ds.config import RunConfig, resolve_names, token_budget, validate_paths
-from verl_ds.data.tiny import check_teacher_tokenizer, resolve_model_path
+from verl_ds.data.tiny import check_teacher_tokenizer, prepare_model
 from verl_ds.diagnostics.memory import (
     BYTES,
     ModelShape,
@@ -25,7 +25,7 @@ from verl_ds.diagnostics.memory import (
     workload,
 )
 from verl_ds.dist import init_distributed, on_gpu, rank, world_size
-from verl_ds.ds_config import read_ds_files, render_ds_configs, resolve
+from verl_ds.ds_config import read_ds_files, render_ds_configs, run_precision
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
 from verl_ds.rollout import resolve_engine
@@ -76,8 +76,8 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
             "trainer.device: cpu sets the precision rule only; the engines run on the GPU "
             "(hide it to train on the CPU: CUDA_VISIBLE_DEVICES=)"
         )
-    precision = resolve(cfg, files=files)  # the one place `auto` meets the hardware
-    model_path = resolve_model_path(cfg.model, cfg.trainer.run_dir)
+    precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
+    model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
     m = cfg.model
     if m.teacher_path:  # distillation compares the two models' logprobs of the same ids
         check_teacher_tokenizer(m.tokenizer_path or model_path, m.teacher_path, m.trust_remote_code)

@@ -18,7 +18,7 @@ from verl_ds.diagnostics.memory.estimate import (
     stage_totals,
     verdict,
 )
-from verl_ds.ds_config import render_ds_configs, resolve
+from verl_ds.ds_config import render_ds_configs, run_precision
 from verl_ds.errors import ConfigError
 
 
@@ -123,7 +123,7 @@ def report(
 ) -> str:
     """The Markdown `debug memory` prints: a header, one table per stage, and the verdict."""
 
-    precision = resolve(cfg)
+    precision = run_precision(cfg)
     ds = render_ds_configs(cfg, world, precision)
     shapes = role_shapes(cfg)  # read once: the estimate and the host share both use them
     est = estimate_memory(cfg, shape, ds, world, precision.rollout, gpu_gib, shapes)
