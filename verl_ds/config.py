@@ -334,7 +334,7 @@ class PartialConfig:
 
     Instead of every step waiting for its slowest episode (docs/GUIDE.md, "Partial rollouts")."""
 
-    enabled: bool = opt(False, "keep unfinished episodes in flight across steps (one engine per rank; no agents yet)")
+    enabled: bool = opt(False, "keep unfinished episodes in flight across steps (agents: one engine per rank)")
     max_staleness: int = opt(
         1,
         "a group admitted at weights version v trains at version v + max_staleness at the latest (admission "
@@ -774,9 +774,9 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
     )
     pr = r.partial
     rule(
-        pr.enabled and bool(mt.agent),
+        pr.enabled and bool(mt.agent) and r.tensor_parallel_size > 1,
         "rollout.partial.enabled",
-        "partial rollouts do not pause agent episodes yet: drop rollout.multi_turn.agent (environments work)",
+        "partial rollouts of agent episodes run one engine per rank: set rollout.tensor_parallel_size: 1",
     )
     rule(
         pr.enabled and pr.max_staleness > 0 and a.tis_cap is None,

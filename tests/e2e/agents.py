@@ -43,3 +43,15 @@ async def three_calls(client: openai.AsyncOpenAI, example: dict) -> float:
         messages = [messages[0], {"role": "user", "content": "redo " + example["prompt"]}]
     last = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
     return len(last.choices[0].message.content or "") / 4.0
+
+
+async def one_to_four_calls(client: openai.AsyncOpenAI, example: dict) -> float:
+    """A conversation of 1 to 4 calls, how many chosen by the first sampled token: episodes of
+    one prompt end at different times (partial rollouts pause the ones still going)."""
+    messages = [{"role": "user", "content": example["prompt"]}]
+    r = await client.chat.completions.create(model="policy", messages=messages)
+    calls = 1 + r.model_extra["generation_token_ids"][0] % 4
+    for _ in range(calls - 1):
+        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "go on"}]
+        r = await client.chat.completions.create(model="policy", messages=messages)
+    return float(calls)

@@ -3,6 +3,7 @@ roles. The pool's scheduling is checked on the engine alone; the trainer checks 
 equivalence at max_staleness 0, the rollout-vs-trainer gap of resumed episodes, and exact resume."""
 
 import json
+import math
 
 import pytest
 
@@ -43,6 +44,16 @@ MULTI_TURN = [
     "data.reward_fn=none",
     "rollout.partial.chunk_tokens=3",  # (in effect only with rollout.partial.enabled)
     "algorithm.tis_mode=mask",  # AReaL's decoupled loss: a token whose behaviour weight passes the cap drops out
+]
+# an agent written with the openai client (three calls, tools offered): its calls wait on the
+# endpoint through the steps it spans, and may be cut inside a call
+AGENT = [
+    "model.tiny.tokenizer=chat",
+    "data.apply_chat_template=true",
+    "data.reward_fn=none",
+    "rollout.multi_turn.agent=tests.e2e.agents:three_calls",
+    "rollout.max_new_tokens=8",
+    "rollout.partial.chunk_tokens=3",
 ]
 JOBS = {"single_turn": [], "multi_turn": MULTI_TURN}
 
@@ -147,7 +158,7 @@ def test_max_staleness_zero_is_the_synchronous_step_bitwise(tmp_path, job):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("job", sorted(JOBS))
+@pytest.mark.parametrize("job", ["multi_turn", "single_turn"])
 def test_resumed_episodes_score_as_sampled_and_a_resumed_run_continues_exactly(tmp_path, job):
     partial = [*PARTIAL, *JOBS[job]]
     # lr 0: the weights never change, so every token's rollout logprob must equal the trainer's on
@@ -168,10 +179,46 @@ def test_resumed_episodes_score_as_sampled_and_a_resumed_run_continues_exactly(t
     assert [a["partial/staleness/mean"] for a in straight[2:]] == [b["partial/staleness/mean"] for b in again[2:]]
 
 
+@pytest.mark.numerics
+def test_an_agent_job_at_max_staleness_zero_samples_what_the_synchronous_one_samples(tmp_path):
+    """The same tokens, rewards and calls; logprobs and what follows from them within float noise:
+    the synchronous endpoint batches calls by their arrival, the pool by rounds, and the HF engine's
+    logprobs move by ~1e-7 with a batch's composition."""
+    sync = _run(tmp_path / "sync", AGENT, steps=3)
+    part = _run(tmp_path / "part", [*PARTIAL, *AGENT, "rollout.partial.max_staleness=0"], steps=3)
+    exact = ("reward/", "response_length/", "agent/calls/", "agent/failures", "multi_turn/", "score/")
+    for a, b in zip(sync, part):
+        diff = _same(a, b)
+        diff.pop("agent/requests_per_engine_call/mean", None)  # how calls were grouped, not what they drew
+        assert not [k for k in diff if k.startswith(exact)], diff
+        assert all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6) for x, y in diff.values()), diff
+
+
+@pytest.mark.numerics
+def test_agent_episodes_wait_through_steps_and_score_as_sampled(tmp_path, caplog):
+    """Agents in flight across steps: their calls wait on the endpoint while the step trains and go
+    on after the sync, some cut inside a call; on frozen weights (lr 0) every model token's rollout
+    logprob equals the trainer's on the rows as assembled, which are the template's one-shot
+    rendering. A resume restarts the agent groups in flight from their prompts, in one line."""
+    frozen = [*PARTIAL, *AGENT, "rollout.multi_turn.agent=tests.e2e.agents:one_to_four_calls", "roles.actor.lr=0.0"]
+    _run(tmp_path / "run", [*frozen, "checkpoint.every=2"], steps=2)
+    rows = _run(tmp_path / "run", [*frozen, "trainer.resume=auto"], steps=4)
+    assert [m["step"] for m in rows] == [1, 2, 3, 4]
+    assert any("agent group(s) in flight restart from their prompts" in r.getMessage() for r in caplog.records)
+    assert max(m["partial/resumed_fraction"] for m in rows) > 0, "no agent episode spanned two versions"
+    assert max(m["partial/staleness/max"] for m in rows) <= 2
+    assert all(m["rollout_corr/logprob_abs_diff_max"] < 1e-5 for m in rows)
+    assert all(m["multi_turn/token_mismatch_fraction"] == 0.0 and m["agent/calls/mean"] > 1.2 for m in rows)
+    assert all(m["partial/in_flight_groups"] > 0 for m in rows)
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
-        (["rollout.multi_turn.agent=tests.e2e.agents:three_calls"], "rollout.partial.enabled"),
+        (
+            ["rollout.multi_turn.agent=tests.e2e.agents:three_calls", "rollout.tensor_parallel_size=2"],
+            "rollout.partial.enabled",
+        ),
         (["algorithm.tis_cap=null"], "algorithm.tis_cap"),
     ],
 )

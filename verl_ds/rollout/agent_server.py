@@ -61,6 +61,10 @@ _OWNED = ("temperature", "top_p", "max_tokens", "max_completion_tokens", "seed",
 _IGNORED = ("stop", "tool_choice", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty")
 
 
+class RunEnded(Exception):
+    """A call still waiting when the endpoint stops (rounds mode): it fails, quietly."""
+
+
 class RequestError(Exception):
     """A request the server cannot serve: answered with `status` and the message, never raised out."""
 
@@ -87,6 +91,7 @@ class _Track:
 
     position: int  # seeds: its prompt's global position in the step (`prompt_positions`)
     sample: int  # seeds: 0 .. n-1 among its prompt's episodes
+    step: int | None = None  # seeds: the step its prompt was drawn at (None: the server's round)
     segments: list[Segment] = field(default_factory=list)
     last: _Call | None = None  # the previous finished call, what the next may continue
     calls: int = 0
@@ -94,6 +99,9 @@ class _Track:
     last_action: list[int] = field(default_factory=list)
     segment_tools: list[str | None] = field(default_factory=list)  # per row: its tools (None: a text row)
     segment_finish: list[str] = field(default_factory=list)  # per row: how its last call ended
+    requests: int = 0  # engine requests made for it (rounds mode: later requests' seeds count them)
+    versions: list[int] = field(default_factory=list)  # rounds mode: per model token, the weights version
+    reply_ids: list[str] = field(default_factory=list)  # its replies' tool call ids (forgotten with it)
 
     @property
     def finish(self) -> str:
@@ -109,6 +117,9 @@ class _Job:
     budget: int
     future: concurrent.futures.Future
     continues: bool  # extends the track's last segment (False: a new row)
+    ids: list[int] = field(default_factory=list)  # rounds mode: sampled so far (a call paused at a cap)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 def _text(content) -> str:
@@ -196,7 +207,11 @@ class AgentServer:
     """The endpoint over `engine` (a `RolloutEngine`) and `codec` (a `ChatCodec` with a chat
     template). `start()` binds 127.0.0.1 on a free port; `base_url` and `api_key` are what a client
     needs. `begin(...)` opens a round of episodes with its sampling and seeds, `take()` hands back
-    their records."""
+    their records.
+
+    `rounds=True` (partial rollouts): no worker thread; calls wait in the queue until the trainer
+    runs `round(cap, version)`, so a step can stop between engine calls while agents wait on their
+    calls, and go on after the weight sync. `add(...)` registers episodes without dropping others."""
 
     def __init__(
         self,
@@ -208,6 +223,7 @@ class AgentServer:
         max_batch: int = 64,
         api_key: str | None = None,
         tool_parser: Callable[[str], list] | None = None,
+        rounds: bool = False,
     ):
         if not codec.use_template:
             raise ValueError("the agent endpoint renders chat messages: the codec needs a chat template")
@@ -224,6 +240,9 @@ class AgentServer:
         self.engine_calls: list[int] = []  # requests per engine call (how well calls were batched)
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
+        self.rounds = rounds
+        self._held: list[_Job] = []  # rounds mode: calls paused at the last round's cap
+        self._closing = False
         self._server = self._thread = self._worker = None
         self.host, self.port = "127.0.0.1", 0
 
@@ -241,8 +260,9 @@ class AgentServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self._app(), log_level="warning", access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
-        self._worker = threading.Thread(target=self._work, name="agent-server-engine", daemon=True)
-        self._worker.start()
+        if not self.rounds:
+            self._worker = threading.Thread(target=self._work, name="agent-server-engine", daemon=True)
+            self._worker.start()
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name="agent-server-http", daemon=True
         )
@@ -255,13 +275,24 @@ class AgentServer:
         return self
 
     def stop(self) -> None:
-        """Stop serving; requests already queued are generated and recorded first."""
-        if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join()
+        """Stop serving; requests already queued are generated and recorded first (rounds mode: they
+        fail, so the agents waiting on them end and the server can drain)."""
+        if self._server is None:
+            return
+        if self.rounds:
+            with self._lock:
+                self._closing = True
+                jobs, self._held = self._held + self._drain(), []
+                for j in jobs:
+                    j.track.pending -= 1
+            for j in jobs:
+                j.future.set_exception(RunEnded())
+        self._server.should_exit = True
+        self._thread.join()
+        if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
-            self._server = None
+        self._server = None
 
     def __enter__(self) -> AgentServer:
         return self.start()
@@ -287,10 +318,103 @@ class AgentServer:
                     return
             time.sleep(0.01)
 
-    def take(self) -> dict[str, _Track]:
+    def take(self, ids: list[str] | None = None) -> dict[str, _Track]:
+        """The episodes' records, forgotten here: `ids`' (rounds mode), else every one."""
         with self._lock:
-            tracks, self.tracks = self.tracks, {}
+            if ids is None:
+                tracks, self.tracks = self.tracks, {}
+                return tracks
+            tracks = {e: self.tracks.pop(e) for e in ids if e in self.tracks}
+            for t in tracks.values():
+                for c in t.reply_ids:
+                    self._replies.pop(c, None)
         return tracks
+
+    # ------------------------------------------------------------------ rounds mode (partial rollouts)
+    def add(self, run_seed: int, episodes: dict[str, tuple[int, int, int]]) -> None:
+        """Register episodes, each id -> (its prompt's step, global position, sample): what its
+        requests' seeds derive from, whenever they run."""
+        with self._lock:
+            self.run_seed = run_seed
+            for e, (step, position, sample) in episodes.items():
+                self.tracks[e] = _Track(position=position, sample=sample, step=step)
+
+    def waiting(self, ids: list[str]) -> bool:
+        """Every one of these episodes has a call queued or paused (its agent waits on the server)."""
+        with self._lock:
+            return all(self.tracks[e].pending > 0 for e in ids if e in self.tracks)
+
+    def settled(self, ids: list[str]) -> bool:
+        """None of these episodes has a call left to generate."""
+        with self._lock:
+            return all(self.tracks[e].pending == 0 for e in ids if e in self.tracks)
+
+    def round(self, cap: int | None, version: int) -> int:
+        """Rounds mode: one engine call for every queued call and every call paused at the last
+        round's cap, each generating the rest of its budget, or at most `cap` tokens (a call cut at
+        the cap stays held and goes on at the next round, from its prompt and the ids sampled so far;
+        its tokens keep the `version` that sampled them). Each request's seed: (run seed, its
+        episode's step, position and sample, the episode's request count), so a call that is not
+        cut draws what the synchronous round draws. -> the call's decode steps (its longest output)."""
+        with self._lock:
+            jobs, self._held = self._held + self._drain(), []
+            seeds = []
+            for j in jobs:
+                t = j.track
+                seeds.append(turn_seed(self.run_seed, t.step, t.position, t.sample, t.requests))
+                t.requests += 1
+                if not j.ids:  # the seed the response reports: its first request's
+                    j.seed = seeds[-1]
+        if not jobs:
+            return 0
+        asks = [j.budget - len(j.ids) if cap is None else min(cap, j.budget - len(j.ids)) for j in jobs]
+        try:
+            out = self.engine.generate(
+                [j.call.prompt_ids + j.ids for j in jobs],
+                1,
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
+                max_new_tokens=max(asks),
+                seeds=seeds,
+            )
+            rows = out.to_lists()
+        except Exception as e:
+            self._fail(jobs, e)
+            return 0
+        self.engine_calls.append(len(jobs))
+        done = []
+        with self._lock:
+            outs = zip(jobs, asks, rows["responses"], rows["logprobs"], rows["finish_reasons"])
+            for j, ask, ids, lps, reason in outs:
+                if len(ids) > ask:  # this call's own limit (the engine ran to the largest one)
+                    ids, lps, reason = ids[:ask], lps[:ask], "length"
+                j.ids, j.logprobs, j.versions = j.ids + ids, j.logprobs + lps, j.versions + [version] * len(ids)
+                if reason != "stop" and len(j.ids) < j.budget:  # cut at the cap: goes on next round
+                    self._held.append(j)
+                    continue
+                self._record(j, j.ids, j.logprobs, reason)
+                j.track.versions += j.versions
+                done.append(j)
+        for j in done:
+            j.future.set_result(None)
+        return max((len(ids) for ids in rows["responses"]), default=0)
+
+    def _drain(self) -> list[_Job]:
+        jobs = []
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is not None:
+                jobs.append(job)
+
+    def _fail(self, jobs: list[_Job], e: Exception) -> None:
+        with self._lock:
+            for j in jobs:
+                j.track.pending -= 1
+        for j in jobs:
+            j.future.set_exception(e)
 
     # ------------------------------------------------------------------ HTTP
     def _app(self):
@@ -320,6 +444,8 @@ class AgentServer:
                 return error(e.status, str(e))
             try:
                 await asyncio.wrap_future(job.future)
+            except RunEnded:
+                return error(503, "the run ended")
             except Exception as e:  # the engine failed: this request fails, the server keeps serving
                 log.warning("agent endpoint: generation failed", exc_info=e)
                 return error(500, f"generation failed: {type(e).__name__}: {e}")
@@ -368,6 +494,7 @@ class AgentServer:
             content, tool_calls = _tool_calls(content, self.tool_parser)
             with self._lock:
                 self._replies.update({c["id"]: call.messages[-1]["content"] for c in tool_calls})
+                job.track.reply_ids += [c["id"] for c in tool_calls]
         message = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -482,13 +609,16 @@ class AgentServer:
 
     def _job(self, track: _Track, call: _Call, continues: bool) -> _Job:
         """The call's budget (what is left under max_model_len) and seed; counted as pending. Under the lock."""
+        if self._closing:
+            raise RequestError(503, "the run is ending")
         budget = min(self.sampling.max_new_tokens, self.max_model_len - len(call.prompt_ids))
         if budget < 1:
             raise RequestError(
                 400,
                 f"the prompt is {len(call.prompt_ids)} tokens: no room left under max_model_len {self.max_model_len}",
             )
-        seed = turn_seed(self.run_seed, self.step, track.position, track.sample, track.calls)
+        step = self.step if track.step is None else track.step
+        seed = turn_seed(self.run_seed, step, track.position, track.sample, track.calls)
         track.calls += 1
         track.pending += 1
         return _Job(track, call, seed, budget, concurrent.futures.Future(), continues)
@@ -527,11 +657,7 @@ class AgentServer:
             )
             rows = out.to_lists()
         except Exception as e:
-            with self._lock:
-                for j in jobs:
-                    j.track.pending -= 1
-            for j in jobs:
-                j.future.set_exception(e)
+            self._fail(jobs, e)
             return
         self.engine_calls.append(len(jobs))
         with self._lock:
@@ -567,7 +693,7 @@ class AgentServer:
 # ---------------------------------------------------------------------------- the runner
 
 
-async def _run_one(agent_fn, server: AgentServer, episode: str, example: dict, timeout_s: float, tls):
+async def run_agent(agent_fn, server: AgentServer, episode: str, example: dict, timeout_s: float, tls):
     """One agent with its own client; (reward, failure message)."""
     import httpx
     import openai
@@ -613,10 +739,10 @@ async def _play(
     # its connections per request)
     tls = ssl.create_default_context()
     results = await asyncio.gather(
-        *[_run_one(agent_fn, server, ids[k], examples[k // n], timeout_s, tls) for k in range(len(ids))]
+        *[run_agent(agent_fn, server, ids[k], examples[k // n], timeout_s, tls) for k in range(len(ids))]
     )
     await asyncio.to_thread(server.settle)  # calls of agents cancelled at their timeout may still be queued
-    return _episodes(server, ids, results, n)
+    return played_episodes(server, ids, results, n)
 
 
 async def arun_agents(
@@ -633,7 +759,7 @@ async def arun_agents(
     `agent/failures`) as `env_rewards`, group = the example's index. `positions`: the examples'
     global positions in the step, what seeds derive from (default: their indices)."""
     played = await _play(agent_fn, examples, server, sampling, seed, timeout_s, positions)
-    return _rollout(played, server.codec, server.engine.pad_id)
+    return played_rollout(played, server.codec, server.engine.pad_id)
 
 
 def check_agent(agent_fn, where: str = "agent") -> None:
@@ -693,7 +819,7 @@ class AgentEpisodes:
             played = self._round(plain, positions, sampling, seed, self.engine)
         else:
             played = self._play_as_group(plain, positions, sampling, seed)
-        return _rollout(played, self.codec, self.engine.pad_id)
+        return played_rollout(played, self.codec, self.engine.pad_id)
 
     def _round(self, examples, positions, sampling, seed, engine) -> _Played:
         if self.server is None:
@@ -751,9 +877,9 @@ class _Played:
         return out
 
 
-def _episodes(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> _Played:
+def played_episodes(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> _Played:
     calls_per_engine_call = list(server.engine_calls)
-    tracks = server.take()
+    tracks = server.take(ids if server.rounds else None)
     episodes = []
     for k, (eid, (reward, failure)) in enumerate(zip(ids, results)):
         t = tracks.get(eid) or _Track(position=k // n, sample=k % n)
@@ -769,6 +895,7 @@ def _episodes(server: AgentServer, ids: list[str], results: list[tuple[float, st
                 last_action=list(t.last_action),
                 live=False,
                 failure=failure,
+                versions=list(t.versions),
             )
         )
     exact = [
@@ -778,7 +905,7 @@ def _episodes(server: AgentServer, ids: list[str], results: list[tuple[float, st
     return _Played(episodes, exact, calls_per_engine_call)
 
 
-def _rollout(played: _Played, codec, pad_id: int) -> Rollout:
+def played_rollout(played: _Played, codec, pad_id: int) -> Rollout:
     episodes, calls_per_engine_call = played.episodes, played.engine_calls
     ro = assemble(episodes, codec, pad_id, strict=False)
     checked = [x for row in played.exact for x in row]

@@ -112,8 +112,14 @@ class PartialRollouts:
         picked = self._pick(version)
         taken = [self.pool[i] for i in picked]
         self.pool = [g for i, g in enumerate(self.pool) if i not in set(picked)]
+        rollout, eps = self._rows(taken)
+        rollout.metrics.update(self._metrics(eps, version))
+        return rollout, [self.prompts[g.index] for g in taken]
+
+    def _rows(self, taken: list[InFlight]) -> tuple[Rollout, list[Episode]]:
+        """The taken groups' rows (the rows' group ids index `taken`), and their episodes."""
         eps = [ep for g in taken for ep in g.episodes]
-        for i, g in enumerate(taken):  # the rows' group ids index the step's examples
+        for i, g in enumerate(taken):
             for ep in g.episodes:
                 ep.group = i
         if self.spec is None:  # single-turn: the engine's rows as the synchronous step builds them
@@ -129,8 +135,13 @@ class PartialRollouts:
         else:
             check_failures(eps, self.spec.limits)
             rollout = assemble(eps, self.spec.codec, self.engine.pad_id, self.spec.strict)
-        rollout.metrics.update(self._metrics(eps, version))
-        return rollout, [self.prompts[g.index] for g in taken]
+        return rollout, eps
+
+    def _done(self, g: InFlight) -> bool:
+        return g.done
+
+    def close(self) -> None:
+        """Nothing runs outside the step here (agent pools stop their endpoint)."""
 
     def _admit(self, version: int) -> None:
         lim = self.limits
@@ -154,7 +165,7 @@ class PartialRollouts:
         lim, s = self.limits, self.limits.max_staleness
         b = lim.groups_per_step
         age = {i: (g.born, g.order) for i, g in enumerate(self.pool)}
-        finished = sorted((i for i, g in enumerate(self.pool) if g.done), key=age.__getitem__)
+        finished = sorted((i for i, g in enumerate(self.pool) if self._done(g)), key=age.__getitem__)
         if len(finished) < b:
             return None
         chosen = set(finished[:b])
@@ -184,7 +195,7 @@ class PartialRollouts:
         a tensor-parallel group every member makes the calls any member makes, with the same cap.
         -> the decode steps it ran."""
         s = self.limits.max_staleness
-        live = [g for g in self.pool if not g.done]
+        live = [g for g in self.pool if not self._done(g)]
         pause = self._group_any(any(g.born + s > version for g in live))
         cap = self.limits.chunk_tokens if pause else None
         go = dict(sampling=self.sampling, run_seed=self.run_seed, spec=self.spec, cap=cap, version=version)

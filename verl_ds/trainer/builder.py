@@ -32,6 +32,7 @@ from verl_ds.roles.policy import can_share_prompts
 from verl_ds.rollout.agent_server import AgentEpisodes
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
 from verl_ds.rollout.partial import PartialLimits, PartialRollouts
+from verl_ds.rollout.partial_agents import PartialAgents
 from verl_ds.rollout.weights import eos_token_ids
 from verl_ds.trainer.setup import RunSetup
 
@@ -92,10 +93,11 @@ def build_agents(setup: RunSetup, codec: ChatCodec, engine) -> AgentEpisodes | N
 
 
 def build_partial(
-    setup: RunSetup, engine, prompts: list[dict], draw, spec: EpisodeSpec | None
+    setup: RunSetup, engine, prompts: list[dict], draw, spec: EpisodeSpec | None, agents: AgentEpisodes | None
 ) -> PartialRollouts | None:
     """This rank's pool of partial rollouts (`rollout.partial`) over `prompts`; `draw()` gives the
-    indices of this rank's next prompts. None: every step generates its own batch to the end."""
+    indices of this rank's next prompts; an agent job's pool runs `agents`' agent. None: every step
+    generates its own batch to the end."""
     cfg = setup.cfg
     r = cfg.rollout
     if not r.partial.enabled:
@@ -108,6 +110,8 @@ def build_partial(
         chunk_tokens=r.partial.chunk_tokens or max(1, r.max_new_tokens // 4),
     )
     sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
+    if agents is not None:
+        return PartialAgents(engine, limits, prompts, draw, sampling, cfg.trainer.seed, agents)
     return PartialRollouts(engine, limits, prompts, draw, sampling, cfg.trainer.seed, spec)
 
 

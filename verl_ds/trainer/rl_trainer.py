@@ -42,7 +42,7 @@ class RLTrainer:
 
     def __init__(self, cfg: RunConfig, reward_fn=None):
         _import_heavy_libraries()
-        self.rollout = self.logger = self.agents = None
+        self.rollout = self.logger = self.agents = self.partial = None
         # the process group and every fact the run derives from its config, derived once (trainer/setup.py)
         self.setup = s = resolve_setup(cfg, reward_fn)
         self.cfg = cfg = s.cfg  # rollout.engine resolved
@@ -75,7 +75,7 @@ class RLTrainer:
         )
         self.agents = builder.build_agents(s, self.codec, self.rollout)  # None: not an agent job
         # None: each step generates its own batch to the end; else groups stay in flight across steps
-        self.partial = builder.build_partial(s, self.rollout, self.prompts, self._draw, self.episode_spec)
+        self.partial = builder.build_partial(s, self.rollout, self.prompts, self._draw, self.episode_spec, self.agents)
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
@@ -615,8 +615,10 @@ class RLTrainer:
         logger, rollout, self.logger, self.rollout = self.logger, self.rollout, None, None
         if logger is not None:
             logger.finish()
-        agents, self.agents = self.agents, None
-        if agents is not None:  # the endpoint first: it generates on the engine
+        partial, agents, self.partial, self.agents = self.partial, self.agents, None, None
+        if partial is not None:  # the endpoints first: they generate on the engine
+            partial.close()
+        if agents is not None:
             agents.close()
         if rollout is not None:
             rollout.shutdown(release=not exiting)
