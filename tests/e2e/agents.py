@@ -52,6 +52,7 @@ async def one_to_four_calls(client: openai.AsyncOpenAI, example: dict) -> float:
     r = await client.chat.completions.create(model="policy", messages=messages)
     calls = 1 + r.model_extra["generation_token_ids"][0] % 4
     for _ in range(calls - 1):
-        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "go on"}]
+        reply = {"role": "assistant", "content": r.choices[0].message.content}
+        messages += [reply, {"role": "user", "content": "go on"}]
         r = await client.chat.completions.create(model="policy", messages=messages)
     return float(calls)
