@@ -100,7 +100,7 @@ class _Track:
     segment_tools: list[str | None] = field(default_factory=list)  # per row: its tools (None: a text row)
     segment_finish: list[str] = field(default_factory=list)  # per row: how its last call ended
     requests: int = 0  # engine requests made for it (rounds mode: later requests' seeds count them)
-    versions: list[int] = field(default_factory=list)  # rounds mode: per model token, the weights version
+    versions: list[int] = field(default_factory=list)  # per model token, the weights version that sampled it
     reply_ids: list[str] = field(default_factory=list)  # its replies' tool call ids (forgotten with it)
 
     @property
@@ -117,7 +117,7 @@ class _Job:
     budget: int
     future: concurrent.futures.Future
     continues: bool  # extends the track's last segment (False: a new row)
-    ids: list[int] = field(default_factory=list)  # rounds mode: sampled so far (a call paused at a cap)
+    ids: list[int] = field(default_factory=list)  # sampled so far (rounds mode: a call may pause at a cap)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
 
@@ -281,12 +281,9 @@ class AgentServer:
             return
         if self.rounds:
             with self._lock:
-                self._closing = True
+                self._closing = True  # no call is queued after this
                 jobs, self._held = self._held + self._drain(), []
-                for j in jobs:
-                    j.track.pending -= 1
-            for j in jobs:
-                j.future.set_exception(RunEnded())
+            self._fail(jobs, RunEnded())
         self._server.should_exit = True
         self._thread.join()
         if self._worker is not None:
@@ -318,12 +315,10 @@ class AgentServer:
                     return
             time.sleep(0.01)
 
-    def take(self, ids: list[str] | None = None) -> dict[str, _Track]:
-        """The episodes' records, forgotten here: `ids`' (rounds mode), else every one."""
+    def take(self, ids: list[str]) -> dict[str, _Track]:
+        """These episodes' records, forgotten here (others stay: rounds mode keeps episodes in
+        flight; a round's `begin` drops what is left)."""
         with self._lock:
-            if ids is None:
-                tracks, self.tracks = self.tracks, {}
-                return tracks
             tracks = {e: self.tracks.pop(e) for e in ids if e in self.tracks}
             for t in tracks.values():
                 for c in t.reply_ids:
@@ -360,44 +355,11 @@ class AgentServer:
             jobs, self._held = self._held + self._drain(), []
             seeds = []
             for j in jobs:
-                t = j.track
-                seeds.append(turn_seed(self.run_seed, t.step, t.position, t.sample, t.requests))
-                t.requests += 1
+                seeds.append(self._seed(j.track, j.track.requests))
+                j.track.requests += 1
                 if not j.ids:  # the seed the response reports: its first request's
                     j.seed = seeds[-1]
-        if not jobs:
-            return 0
-        asks = [j.budget - len(j.ids) if cap is None else min(cap, j.budget - len(j.ids)) for j in jobs]
-        try:
-            out = self.engine.generate(
-                [j.call.prompt_ids + j.ids for j in jobs],
-                1,
-                temperature=self.sampling.temperature,
-                top_p=self.sampling.top_p,
-                max_new_tokens=max(asks),
-                seeds=seeds,
-            )
-            rows = out.to_lists()
-        except Exception as e:
-            self._fail(jobs, e)
-            return 0
-        self.engine_calls.append(len(jobs))
-        done = []
-        with self._lock:
-            outs = zip(jobs, asks, rows["responses"], rows["logprobs"], rows["finish_reasons"])
-            for j, ask, ids, lps, reason in outs:
-                if len(ids) > ask:  # this call's own limit (the engine ran to the largest one)
-                    ids, lps, reason = ids[:ask], lps[:ask], "length"
-                j.ids, j.logprobs, j.versions = j.ids + ids, j.logprobs + lps, j.versions + [version] * len(ids)
-                if reason != "stop" and len(j.ids) < j.budget:  # cut at the cap: goes on next round
-                    self._held.append(j)
-                    continue
-                self._record(j, j.ids, j.logprobs, reason)
-                j.track.versions += j.versions
-                done.append(j)
-        for j in done:
-            j.future.set_result(None)
-        return max((len(ids) for ids in rows["responses"]), default=0)
+        return self._generate(jobs, seeds, cap, version) if jobs else 0
 
     def _drain(self) -> list[_Job]:
         jobs = []
@@ -617,11 +579,15 @@ class AgentServer:
                 400,
                 f"the prompt is {len(call.prompt_ids)} tokens: no room left under max_model_len {self.max_model_len}",
             )
-        step = self.step if track.step is None else track.step
-        seed = turn_seed(self.run_seed, step, track.position, track.sample, track.calls)
+        seed = self._seed(track, track.calls)
         track.calls += 1
         track.pending += 1
         return _Job(track, call, seed, budget, concurrent.futures.Future(), continues)
+
+    def _seed(self, track: _Track, turn: int) -> int:
+        """A request's seed: (run seed, its episode's step, position and sample, `turn`). Under the lock."""
+        step = self.step if track.step is None else track.step
+        return turn_seed(self.run_seed, step, track.position, track.sample, turn)
 
     def _work(self) -> None:
         """The engine's one thread: take what is queued (waiting `batch_window_s` for more), one
@@ -641,32 +607,46 @@ class AgentServer:
                     stop = True
                     break
                 jobs.append(job)
-            self._generate(jobs)
+            self._generate(jobs, [j.seed for j in jobs], None, self.step)
             if stop:
                 return
 
-    def _generate(self, jobs: list[_Job]) -> None:
+    def _generate(self, jobs: list[_Job], seeds: list[int], cap: int | None, version: int) -> int:
+        """One engine call for `jobs`, from each call's prompt and the ids it sampled so far: each
+        generates the rest of its budget, or at most `cap` tokens (a call cut there is held for the
+        next round); the calls that end are recorded and answered; tokens are tagged `version`.
+        -> the call's decode steps (its longest output)."""
+        asks = [j.budget - len(j.ids) if cap is None else min(cap, j.budget - len(j.ids)) for j in jobs]
         try:
             out = self.engine.generate(
-                [j.call.prompt_ids for j in jobs],
+                [j.call.prompt_ids + j.ids for j in jobs],
                 1,
                 temperature=self.sampling.temperature,
                 top_p=self.sampling.top_p,
-                max_new_tokens=max(j.budget for j in jobs),
-                seeds=[j.seed for j in jobs],
+                max_new_tokens=max(asks),
+                seeds=seeds,
             )
             rows = out.to_lists()
         except Exception as e:
             self._fail(jobs, e)
-            return
+            return 0
         self.engine_calls.append(len(jobs))
+        done = []
         with self._lock:
-            for j, ids, lps, reason in zip(jobs, rows["responses"], rows["logprobs"], rows["finish_reasons"]):
-                if len(ids) > j.budget:  # this call's own budget (the engine ran to the largest one)
-                    ids, lps, reason = ids[: j.budget], lps[: j.budget], "length"
-                self._record(j, ids, lps, reason)
-        for j in jobs:
+            outs = zip(jobs, asks, rows["responses"], rows["logprobs"], rows["finish_reasons"])
+            for j, ask, ids, lps, reason in outs:
+                if len(ids) > ask:  # this call's own limit (the engine ran to the largest one)
+                    ids, lps, reason = ids[:ask], lps[:ask], "length"
+                j.ids, j.logprobs, j.versions = j.ids + ids, j.logprobs + lps, j.versions + [version] * len(ids)
+                if cap is not None and reason != "stop" and len(j.ids) < j.budget:  # goes on next round
+                    self._held.append(j)
+                    continue
+                self._record(j, j.ids, j.logprobs, reason)
+                j.track.versions += j.versions
+                done.append(j)
+        for j in done:
             j.future.set_result(None)
+        return max((len(ids) for ids in rows["responses"]), default=0)
 
     def _record(self, job: _Job, ids: list[int], lps: list[float], reason: str) -> None:
         call, track = job.call, job.track
@@ -879,7 +859,7 @@ class _Played:
 
 def played_episodes(server: AgentServer, ids: list[str], results: list[tuple[float, str]], n: int) -> _Played:
     calls_per_engine_call = list(server.engine_calls)
-    tracks = server.take(ids if server.rounds else None)
+    tracks = server.take(ids)
     episodes = []
     for k, (eid, (reward, failure)) in enumerate(zip(ids, results)):
         t = tracks.get(eid) or _Track(position=k // n, sample=k % n)
