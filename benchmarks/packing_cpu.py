@@ -40,14 +40,19 @@ def make_rows(seed: int) -> list[tuple[list[int], int]]:
     return rows
 
 
+def run_tokens(rows, idx: list[int], packed: bool) -> int:
+    """The tokens a micro-batch's forward runs: its rows' real tokens packed, else rows x the longest."""
+    lengths = [len(rows[i][0]) for i in idx]
+    return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
 def micro_batches(rows, budget: int, packed: bool) -> list[list[int]]:
     """Row indices by length, cut where the next row would pass the budget (padded: rows x longest)."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
     out, cur = [], []
     for i in order:
         cand = cur + [i]
-        cost = sum(len(rows[k][0]) for k in cand) if packed else len(cand) * max(len(rows[k][0]) for k in cand)
-        if cur and cost > budget:
+        if cur and run_tokens(rows, cand, packed) > budget:
             out.append(cur)
             cand = [i]
         cur = cand
@@ -93,7 +98,7 @@ def run(model, rows, budget: int, packed: bool) -> tuple[float, float, int, list
     fn = packed_logprobs if packed else padded_logprobs
     mbs = micro_batches(rows, budget, packed)
     real = sum(len(s) for s, _ in rows)
-    ran = sum(sum(len(rows[i][0]) for i in g) if packed else len(g) * max(len(rows[i][0]) for i in g) for g in mbs)
+    ran = sum(run_tokens(rows, g, packed) for g in mbs)
     lps: dict[int, torch.Tensor] = {}
     t0 = time.perf_counter()
     for g in mbs:
