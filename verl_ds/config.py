@@ -158,7 +158,20 @@ class ModelConfig:
     share_prompt: bool = opt(
         True,
         "actor/reference passes run each distinct prompt once and share its keys/values with its n responses "
-        "(exact; off by itself under gradient checkpointing, which drops caches)",
+        "(exact; off by itself under gradient checkpointing, which drops caches, and under packing)",
+    )
+    attn_implementation: str = opt(
+        "auto",
+        "the policy models' attention in training (actor, reference, teacher): auto: flash_attention_2 on a GPU "
+        "with the flash-attn package installed, else sdpa",
+        choices=("auto", "sdpa", "eager", "flash_attention_2"),
+    )
+    packing: Any = opt(
+        "auto",
+        "padding-free rows in the policy models' passes: a micro-batch's rows run as one sequence, positions "
+        "restarting per row and attention kept inside each row (exact); auto: on with flash_attention_2 (varlen "
+        "attention runs no padding), off elsewhere (on CPU SDPA's masked pack measured slower than token budgets)",
+        choices=("auto", True, False),
     )
 
 

@@ -24,6 +24,7 @@ from verl_ds.roles import (
     load_causal_lm,
     load_reward_model,
     load_value_model,
+    policy,
 )
 from verl_ds.roles.base import pack_by_tokens, trim_padding
 from verl_ds.roles.batch import TrainBatch
@@ -402,6 +403,68 @@ def test_shared_prompt_pass_runs_each_prompt_once_with_the_same_gradient(tiny_mo
     grads = [accumulated_grads(a, batch) for a in actors]
     assert actors[1].engine.global_steps == actors[0].engine.global_steps == 1
     assert_same_gradients(grads[1], grads[0])
+
+
+def _packed_batch(vocab: int) -> TrainBatch:
+    """GRPO rows of 3 prompts (2-5 tokens, left-padded) x 4 responses (1-3 tokens), one response empty."""
+    batch = make_group_batch(vocab)
+    mask, loss = batch.attention_mask.clone(), batch.loss_mask.clone()
+    mask[5, -loss.shape[1] :], loss[5] = 0, 0
+    return batch.replace(attention_mask=mask, loss_mask=loss)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("stage", [0, 3])
+def test_packed_rows_score_and_train_as_padded_rows(tiny_model_dir, stage):
+    """`model.packing`: a micro-batch's rows run as one sequence of their real tokens (positions
+    restarting per row) under a 20-token budget: the logprobs and entropies of every response token
+    and the accumulated gradient equal the padded rows' (fp32), nothing but real tokens runs, and
+    the rows come back in their order."""
+    torch.manual_seed(0)
+    cfg = ds_config("actor", stage, "fp32", micro=12, total=12)
+    actors = [Actor(load_causal_lm(tiny_model_dir), cfg, Cfg()) for _ in range(2)]
+    actors[1].packing, actors[1].max_tokens = True, 20
+    batch = ppo_batch(actors[0], _packed_batch(actors[0].module.config.vocab_size))
+    shapes = []
+    actors[1].module.register_forward_pre_hook(
+        lambda _m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    real = batch.loss_mask.bool()
+    lp, ent = actors[1].logprobs(batch, with_entropy=True)
+    _, ent_padded = actors[0].logprobs(batch, with_entropy=True)
+    torch.testing.assert_close(lp[real], batch.old_logprobs[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent[real], ent_padded[real], rtol=0, atol=1e-5)
+    assert lp.shape == ent.shape == batch.loss_mask.shape
+    tokens = batch.attention_mask.sum() + 1  # the empty response runs one (masked) token
+    assert all(s[0] == 1 and s[1] <= 20 for s in shapes) and sum(s[1] for s in shapes) == tokens
+    assert tokens == 69 and len(shapes) == 4  # rows in order, each micro-batch filled up to the budget
+    real_tokens, processed = actors[1].take_token_counts()["score"]
+    assert real_tokens == processed == tokens
+    grads = [accumulated_grads(a, batch) for a in actors]
+    assert_same_gradients(grads[1], grads[0])
+
+
+def test_a_pack_whose_rows_attend_across_each_other_fails_the_check(tiny_model_dir, monkeypatch):
+    """The packed-rows check catches a pack whose positions run on across rows (transformers then
+    sees one sequence and each row attends to the rows before it)."""
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_model_dir)
+    cfg = ds_config("reference", 0, "fp32", micro=12, total=12)
+    ref = Reference(model, cfg)
+    batch = _packed_batch(model.config.vocab_size)
+    padded = ref.logprobs(batch)
+    ref.packing = True
+    real = batch.loss_mask.bool()
+    torch.testing.assert_close(ref.logprobs(batch)[real], padded[real], rtol=0, atol=1e-5)
+    pack_rows = policy.pack_rows
+
+    def run_on(batch):
+        inputs, keep, where = pack_rows(batch)
+        n = inputs["position_ids"].shape[1]
+        return {**inputs, "position_ids": torch.arange(n)[None]}, keep, where
+
+    monkeypatch.setattr(policy, "pack_rows", run_on)
+    assert float((ref.logprobs(batch)[real] - padded[real]).abs().max()) > 1e-2
 
 
 def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():

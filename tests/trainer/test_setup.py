@@ -7,7 +7,9 @@ import pytest
 from verl_ds import config
 from verl_ds.config import load_config
 from verl_ds.ds_config import render_ds_configs, run_precision
-from verl_ds.trainer.setup import resolve_setup
+from verl_ds.errors import ConfigError
+from verl_ds.trainer import setup
+from verl_ds.trainer.setup import resolve_attention, resolve_setup
 
 
 def _cfg(tmp_path, *extra):
@@ -57,3 +59,22 @@ def test_the_callers_reward_function_wins_and_mini_batch_size_0_is_every_row(tmp
 
     s = resolve_setup(_cfg(tmp_path, "trainer.mini_batch_size=0"), reward_fn=fn)
     assert s.reward_fn is fn and s.mini_rows == 0
+
+
+def test_attention_and_packing_are_resolved_in_the_setup(tmp_path, monkeypatch):
+    """`model.attn_implementation` / `model.packing` auto: flash-attention and packed rows where
+    flash-attn runs (a GPU with the package), SDPA and padded rows elsewhere (on CPU the masked pack
+    measured slower); an explicit choice stands; flash_attention_2 without it is one error, before
+    any engine."""
+    s = resolve_setup(_cfg(tmp_path))
+    assert (s.attention, s.packing) == ("sdpa", False)
+    s = resolve_setup(_cfg(tmp_path, "model.attn_implementation=eager", "model.packing=true"))
+    assert (s.attention, s.packing) == ("eager", True)
+    with pytest.raises(ConfigError, match="model.attn_implementation: flash_attention_2 needs a CUDA GPU"):
+        resolve_setup(_cfg(tmp_path, "model.attn_implementation=flash_attention_2"))
+    monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name: None)  # a GPU without flash-attn
+    assert resolve_attention("auto", "auto", gpu=True) == ("sdpa", False)
+    monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
+    assert resolve_attention("auto", "auto", gpu=True) == ("flash_attention_2", True)
+    assert resolve_attention("auto", False, gpu=True) == ("flash_attention_2", False)
+    assert resolve_attention("auto", "auto", gpu=False) == ("sdpa", False)

@@ -44,6 +44,43 @@ def test_lr_zero_on_policy_ratio_is_one(tmp_path):
 
 
 @pytest.mark.numerics
+def test_a_packed_step_trains_as_the_padded_step(tmp_path):
+    """`model.packing: true`: the actor's and the reference's passes run padding-free rows; the step
+    scores the rollout as the rollout engine did (fp32: its logprobs within 1e-4) and its losses
+    equal the padded step's on the same rollout, with no padding run in the update."""
+    steps = {}
+    for packing in ("false", "true"):
+        cfg = load_config(
+            None,
+            [
+                "rollout.engine=hf",
+                "trainer.prompts_per_step=4",
+                "rollout.n=4",
+                *FP32,
+                f"model.packing={packing}",
+                "algorithm.use_kl_loss=true",
+                "algorithm.kl_coef=0.01",
+                f"trainer.run_dir={tmp_path / packing}",
+                "data.reward_fn=tests.e2e.helpers:length_reward",
+                "logging.wandb.mode=disabled",
+                "roles.actor.micro_batch_size=4",
+                "roles.reference.micro_batch_size=8",
+                "model.tiny.hidden=32",
+                "model.tiny.ffn=64",
+            ],
+        )
+        with RLTrainer(cfg) as trainer:
+            assert trainer.actor.packing == trainer.reference.packing == (packing == "true")
+            steps[packing] = trainer.step()
+    padded, packed = steps["false"], steps["true"]
+    assert packed["rollout_corr/logprob_abs_diff_max"] < 1e-4
+    for k in ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/kl_ref"):
+        assert math.isclose(packed[k], padded[k], rel_tol=1e-4, abs_tol=1e-6), k
+    assert packed["perf/padding_efficiency/actor/update"] == 1.0
+    assert padded["perf/padding_efficiency/actor/update"] < 1.0
+
+
+@pytest.mark.numerics
 @pytest.mark.parametrize("budget", [0, 40])
 def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
     """One mini-batch per epoch: epoch 2's old logprobs come from epoch 1's forward (no separate

@@ -64,19 +64,25 @@ def _row_lengths(batch: TrainBatch, shared: bool) -> tuple[list[int], list[int],
     return plen, rlen, pid.tolist()
 
 
-def _run_tokens(rows: list[int], plen: list[int], rlen: list[int], pid: list[int]) -> tuple[int, int]:
+def _run_tokens(
+    rows: list[int], plen: list[int], rlen: list[int], pid: list[int], packed: bool = False
+) -> tuple[int, int]:
     """(real, run) tokens of a micro-batch of `rows` after `trim_padding`: each prompt pass runs the
-    micro-batch's longest prompt, each row its longest response."""
-    wp, wr = max(plen[i] for i in rows), max(rlen[i] for i in rows)
+    micro-batch's longest prompt, each row its longest response; `packed` (`pack_rows`): each row
+    its own tokens."""
     prompts = {pid[i]: plen[i] for i in rows}
-    return sum(prompts.values()) + sum(rlen[i] for i in rows), len(prompts) * wp + len(rows) * wr
+    real = sum(prompts.values()) + sum(rlen[i] for i in rows)
+    if packed:
+        return real, real
+    wp, wr = max(plen[i] for i in rows), max(rlen[i] for i in rows)
+    return real, len(prompts) * wp + len(rows) * wr
 
 
-def token_counts(batch: TrainBatch, shared: bool = False) -> tuple[float, float]:
+def token_counts(batch: TrainBatch, shared: bool = False, packed: bool = False) -> tuple[float, float]:
     """(real tokens, tokens its forward runs) of one micro-batch (`_run_tokens`); their ratio is
     `perf/padding_efficiency`. A `pad_row` entry is all waste."""
     plen, rlen, pid = _row_lengths(batch, shared)
-    real, run = _run_tokens(list(range(len(plen))), plen, rlen, pid)
+    real, run = _run_tokens(list(range(len(plen))), plen, rlen, pid, packed)
     return (0.0 if batch.pad_row else float(real)), float(run)
 
 
@@ -94,16 +100,32 @@ MICRO_BATCH_COST = {"cpu": 128, "cuda": 2048}  # CPU measured (docs/BENCHMARKS.m
 
 
 def pack_by_tokens(
-    batch: TrainBatch, budget: int, shared: bool = False, cost: float = 0, rows_per_micro: int = 0
+    batch: TrainBatch,
+    budget: int,
+    shared: bool = False,
+    cost: float = 0,
+    rows_per_micro: int = 0,
+    packed: bool = False,
 ) -> list[torch.Tensor]:
     """Row indices of micro-batches under a token budget, counted after padding removal ((longest
     prompt + longest response) x rows fits `budget`, or one row). Two candidates, the one with less
     `_work` + `cost` per micro-batch wins: rows sorted by length, cut where that runs the least
     (`_cut`: similar lengths share a micro-batch, a long tail gets its own); and, given
     `rows_per_micro` when each fits the budget, the rows in order in micro-batches of that many (a
-    GRPO batch's groups stay whole, so each prompt runs once: better when answers are short)."""
+    GRPO batch's groups stay whole, so each prompt runs once: better when answers are short).
+    `packed` rows (`pack_rows`) run their own tokens only, in any order: the rows in order, each
+    micro-batch filled up to the budget."""
     plen, rlen, pid = _row_lengths(batch, shared)
     n = len(plen)
+    if packed:
+        groups, size = [[]], 0
+        for i in range(n):
+            if groups[-1] and size + plen[i] + rlen[i] > budget:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += plen[i] + rlen[i]
+        return [torch.tensor(g, dtype=torch.long) for g in groups if g]
     by_length = _cut(sorted(range(n), key=lambda i: (plen[i] + rlen[i], i)), plen, rlen, pid, budget, cost)
     candidates = [by_length]
     if rows_per_micro:
@@ -264,6 +286,7 @@ class Role:
 
     max_tokens = 0  # roles.<role>.max_tokens_per_micro_batch resolved; 0: micro_batch_size rows each
     share_prompts = False  # policy roles: the builder's choice (model.share_prompt and can_share_prompts)
+    packing = False  # policy roles: padding-free rows (`pack_rows`), `RunSetup.packing`
     PASSES = ("score", "update")
 
     def take_token_counts(self) -> dict[str, tuple[float, float]]:
@@ -272,7 +295,7 @@ class Role:
         return {k: counts.get(k, (0.0, 0.0)) for k in self.PASSES}
 
     def _count_tokens(self, kind: str, mb: TrainBatch) -> None:
-        real, processed = token_counts(mb, self.share_prompts)
+        real, processed = token_counts(mb, self.share_prompts, self.packing)
         r, p = self._tokens.get(kind, (0.0, 0.0))
         self._tokens[kind] = (r + real, p + processed)
 
@@ -281,7 +304,9 @@ class Role:
         in every forward, ZeRO-2/3 reduce in every backward; the ranks' lengths differ): a rank with
         fewer gets empty entries, run as one masked-out row."""
         cost = MICRO_BATCH_COST.get(self.device.type, MICRO_BATCH_COST["cuda"])
-        groups = pack_by_tokens(batch, self.max_tokens, self.share_prompts, cost, self.micro_batch_size)
+        groups = pack_by_tokens(
+            batch, self.max_tokens, self.share_prompts, cost, self.micro_batch_size, packed=self.packing
+        )
         k = int(all_reduce_max(float(len(groups))))
         return groups + [torch.zeros(0, dtype=torch.long)] * (k - len(groups))
 

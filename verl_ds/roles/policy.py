@@ -11,11 +11,17 @@ from verl_ds.roles.batch import TrainBatch
 
 
 def load_causal_lm(
-    path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False, lm_head_fp32: bool = False
+    path: str,
+    trust_remote_code: bool = False,
+    grad_checkpointing: bool = False,
+    lm_head_fp32: bool = False,
+    attn_implementation: str = "sdpa",
 ):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+    )
     if lm_head_fp32:
         algos.use_fp32_lm_head(model)
     _contiguous_head_input(model)
@@ -70,11 +76,32 @@ def shared_prompt_logits(model, inputs: dict, resp_len: int) -> torch.Tensor:
     return torch.cat([pre.logits[inv], out.logits[:, :-1]], 1)
 
 
+def pack_rows(batch: TrainBatch) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Padding-free inputs for one micro-batch: every row's real tokens in one `[1, N]` sequence, the
+    rows in order, positions restarting at 0 in each (transformers reads a restart as a new sequence:
+    flash-attention's varlen kernels, or a block-diagonal mask for SDPA and eager, keep attention
+    inside each row; `use_cache=False`, else it keeps the plain causal mask). Returns (model inputs,
+    the pack positions whose logits predict response tokens `[K]`, where those tokens sit in the
+    response `[B, R]` bool). A row's first response column always runs, so an empty
+    response still has a (masked) token to score and the pass is never empty."""
+    mask = batch.attention_mask.bool()
+    p = mask.shape[1] - batch.response_width
+    take = mask.clone()
+    take[:, p] = True
+    order = take.flatten().long().cumsum(0).view_as(take) - 1  # each taken token's place in the pack
+    pos = take.long().cumsum(1) - 1  # counts real tokens, as `model_inputs` does for padded rows
+    resp = take[:, p:]
+    inputs = {"input_ids": batch.input_ids[take][None], "position_ids": pos[take][None]}
+    return inputs, order[:, p:][resp] - 1, resp
+
+
 class PolicyRole(Role):
     """Log-probabilities of the response tokens: batch tensors are `[B, P + R]` with the response
     in the last R positions; outputs are fp32 `[B, R]`."""
 
     def forward(self, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False):
+        if self.packing:
+            return self._packed_forward(batch, temperature, with_entropy)
         width = batch.response_width
         inputs, resp_len = trim_padding(batch)  # only the columns some row uses
         if self.share_prompts and inputs["input_ids"].shape[1] > resp_len:
@@ -86,7 +113,25 @@ class PolicyRole(Role):
             logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
         if temperature != 1.0:
             logits = logits / temperature  # match the rollout's processed logprobs
-        labels = inputs["input_ids"][:, -resp_len:]
+        logprob, entropy = self._score(logits, inputs["input_ids"][:, -resp_len:], with_entropy)
+        return pad_response(logprob, width), pad_response(entropy, width)
+
+    def _packed_forward(self, batch: TrainBatch, temperature: float, with_entropy: bool):
+        """`forward` over `pack_rows`: one sequence, logits only where they predict a response token."""
+        inputs, keep, where = pack_rows(batch)
+        logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
+        if temperature != 1.0:
+            logits = logits / temperature
+        labels = batch.input_ids[:, -batch.response_width :][where][None]
+        logprob, entropy = self._score(logits, labels, with_entropy)
+
+        def unpack(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.new_zeros(where.shape).masked_scatter(where, x[0])
+
+        return unpack(logprob), unpack(entropy)
+
+    def _score(self, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+        """(logprob, entropy or None) of `labels` under `[.., V]` logits, chunked over positions."""
         entropy = None
         if with_entropy and not (torch.is_grad_enabled() and self._entropy_needs_grad):
             logprob, entropy = algos.logprobs_and_entropy(logits, labels, chunk_size=1024)  # a metric
@@ -94,7 +139,7 @@ class PolicyRole(Role):
             logprob = algos.logprobs_from_logits(logits, labels, chunk_size=1024)
             if with_entropy:  # an entropy bonus: its gradient too
                 entropy = algos.entropy_from_logits(logits, chunk_size=1024)
-        return pad_response(logprob, width), pad_response(entropy, width)
+        return logprob, entropy
 
     _entropy_needs_grad = False  # only an entropy bonus needs its gradient
 

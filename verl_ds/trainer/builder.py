@@ -121,7 +121,8 @@ def build_roles(setup: RunSetup) -> dict:
     p, m = cfg.precision, cfg.model
     gc = p.enable_grad_checkpointing
     fp32_head, lora = precision.lm_head_fp32, m.lora
-    policy = load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head)
+    attn = setup.attention
+    policy = load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head, attn)
     if lora.rank:
         tied = tied_embedding_targets(policy, lora.target_modules)
         if tied:  # adapters on a tied embedding cannot be merged into the engine's one matrix
@@ -139,7 +140,8 @@ def build_roles(setup: RunSetup) -> dict:
         )
     if "reference" in setup.roles:
         roles["reference"] = Reference(
-            load_causal_lm(model_path, m.trust_remote_code, lm_head_fp32=fp32_head), ds["reference"]
+            load_causal_lm(model_path, m.trust_remote_code, lm_head_fp32=fp32_head, attn_implementation=attn),
+            ds["reference"],
         )
     if "reward" in setup.roles:
         roles["reward"] = RewardModel(
@@ -149,13 +151,14 @@ def build_roles(setup: RunSetup) -> dict:
         )
     if "teacher" in setup.roles:
         roles["teacher"] = Teacher(
-            load_causal_lm(m.teacher_path, m.trust_remote_code, lm_head_fp32=fp32_head),
+            load_causal_lm(m.teacher_path, m.trust_remote_code, lm_head_fp32=fp32_head, attn_implementation=attn),
             ds["teacher"],
             int8_activation=precision.teacher_activation if precision.teacher == "int8" else None,
         )
     for name, role in roles.items():
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = setup.token_budgets[name]
-        if isinstance(role, PolicyRole):
-            role.share_prompts = m.share_prompt and can_share_prompts(role.module)
+        if isinstance(role, PolicyRole):  # packed rows run every prompt in its own row
+            role.packing = setup.packing
+            role.share_prompts = m.share_prompt and can_share_prompts(role.module) and not setup.packing
     return roles

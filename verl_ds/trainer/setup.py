@@ -6,6 +6,7 @@ mini-batch, the checkpoint to resume from)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -48,6 +49,8 @@ class RunSetup:
     trained: tuple[str, ...]  # those with an optimizer
     ds: Mapping[str, dict]  # each active role's DeepSpeed config, as its engine receives it
     token_budgets: Mapping[str, int]  # each active role's tokens per micro-batch (`config.token_budget`)
+    attention: str  # the policy models' attention implementation (`resolve_attention`)
+    packing: bool  # the policy models' passes run padding-free rows (`resolve_attention`)
     tools: tuple[Callable, ...]  # `data.tools`
     env_factory: Callable | None  # `rollout.multi_turn.env`; None: no environment
     agent: Callable | None  # `rollout.multi_turn.agent`; None: not an agent job
@@ -77,6 +80,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
             "(hide it to train on the CPU: CUDA_VISIBLE_DEVICES=)"
         )
     precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
+    attention, packing = resolve_attention(cfg.model.attn_implementation, cfg.model.packing, gpu)
     model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
     m = cfg.model
     if m.teacher_path:  # distillation compares the two models' logprobs of the same ids
@@ -107,6 +111,8 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         trained=trained,
         ds=MappingProxyType(ds),
         token_budgets=MappingProxyType(token_budgets),
+        attention=attention,
+        packing=packing,
         tools=names.tools,
         env_factory=names.env_factory,
         agent=names.agent,
@@ -114,6 +120,23 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         mini_rows=cfg.trainer.mini_batch_size // world,
         resume_from=resume_from,
     )
+
+
+def resolve_attention(attn: str, packing, gpu: bool) -> tuple[str, bool]:
+    """`model.attn_implementation` and `model.packing` resolved: flash-attention where it runs (a GPU
+    and the flash-attn package), and packed rows where the attention runs them without a mask
+    (flash-attention's varlen kernels skip what lies between rows; SDPA's masked pack runs it, which
+    measured slower than padded rows under token budgets on CPU, docs/BENCHMARKS.md)."""
+    has_flash = gpu and importlib.util.find_spec("flash_attn") is not None
+    if attn == "auto":
+        attn = "flash_attention_2" if has_flash else "sdpa"
+    elif attn == "flash_attention_2" and not has_flash:
+        raise ConfigError(
+            "model.attn_implementation",
+            "flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install flash-attn); "
+            "auto or sdpa run without it",
+        )
+    return attn, attn == "flash_attention_2" if packing == "auto" else bool(packing)
 
 
 def rank_budget(cfg: RunConfig, world: int, gpu: bool) -> float:
