@@ -52,11 +52,12 @@ timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RAN
   > "$out/sleep.log" 2>&1
 echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/sleep.log" | tail -n 6
 # an int8 reward model (torchao weight-only, its own ZeRO-0 engine) scoring next to the bf16 actor: the
-# bf16 run's random-init model as a sequence classifier
-echo "== int8 reward model, actor bf16, rollout $engine"
+# bf16 run's random-init model as a sequence classifier; the actor and reference on packed rows
+# (model.packing: varlen flash-attention where flash-attn is installed, else SDPA's masked pack)
+echo "== int8 reward model, actor bf16 on packed rows, rollout $engine"
 timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RANDOM % 1000)) -- \
   --module verl_ds.cli train --config examples/grpo_cpu_tiny.yaml "${common[@]}" model.reward_path=$out/bf16/init_model \
-  precision.reward_dtype=int8 roles.reward.ds_config=reward_zero0.json precision.actor_dtype=bf16 \
+  precision.reward_dtype=int8 roles.reward.ds_config=reward_zero0.json precision.actor_dtype=bf16 model.packing=true \
   precision.reference_dtype=bf16 trainer.run_dir=$out/int8_reward > "$out/int8_reward.log" 2>&1
 echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/int8_reward.log" | tail -n 6
 echo "== bench step (bf16 actor, rollout $engine)"
@@ -98,7 +99,7 @@ def rows_of(run):
 def verdict(name, ok, detail):
     print(f"CHECK {'PASS' if ok else 'FAIL'} {name}: {detail}")
 for run, what in (("bf16", "bf16 actor"), ("fp16", "fp16 actor, dynamic loss scaling"), ("sleep", "ZeRO-3 actor asleep"),
-                  ("int8_reward", "int8 reward model")):
+                  ("int8_reward", "int8 reward model, packed rows")):
     rows = rows_of(run)
     last = rows[-1] if rows else {}
     finite = all(v == v for k, v in last.items() if isinstance(v, float) and not k.startswith("val/"))
@@ -113,7 +114,9 @@ for run, what in (("bf16", "bf16 actor"), ("fp16", "fp16 actor, dynamic loss sca
         ok, extra = ok and asleep, f", actor MiB rollout/update {last.get('memory/rollout/actor/total_mib')}/" \
             f"{last.get('memory/update/actor/total_mib')}"
     if run == "int8_reward":
-        extra = f", reward weight bytes {last.get('precision/reward/weight_bytes')}"
+        packed = last.get("perf/padding_efficiency/actor/update")
+        ok = ok and packed == 1.0
+        extra = f", reward weight bytes {last.get('precision/reward/weight_bytes')}, actor update padding eff. {packed}"
     verdict(what, ok, f"{len(rows)} steps, all metrics finite: {finite}, sync read back {checked:.0f} params{extra}")
 for run in ("bf16", "sleep"):  # the actor's device memory per stage, awake vs asleep during generation
     try:
