@@ -9,6 +9,20 @@ from verl_ds.config import load_config
 from verl_ds.trainer.rl_trainer import RLTrainer
 
 FP32 = [f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "rollout", "buffer")]
+# 4 prompts x 4 samples on the HF engine, fp32, a KL loss to the reference, rewarded by length
+KL_JOB = [
+    "rollout.engine=hf",
+    "trainer.prompts_per_step=4",
+    "rollout.n=4",
+    *FP32,
+    "algorithm.use_kl_loss=true",
+    "data.reward_fn=tests.e2e.helpers:length_reward",
+    "logging.wandb.mode=disabled",
+    "roles.actor.micro_batch_size=4",
+    "roles.reference.micro_batch_size=8",
+    "model.tiny.hidden=32",
+    "model.tiny.ffn=64",
+]
 
 
 @pytest.mark.numerics
@@ -50,25 +64,8 @@ def test_a_packed_step_trains_as_the_padded_step(tmp_path):
     equal the padded step's on the same rollout, with no padding run in the update."""
     steps = {}
     for packing in ("false", "true"):
-        cfg = load_config(
-            None,
-            [
-                "rollout.engine=hf",
-                "trainer.prompts_per_step=4",
-                "rollout.n=4",
-                *FP32,
-                f"model.packing={packing}",
-                "algorithm.use_kl_loss=true",
-                "algorithm.kl_coef=0.01",
-                f"trainer.run_dir={tmp_path / packing}",
-                "data.reward_fn=tests.e2e.helpers:length_reward",
-                "logging.wandb.mode=disabled",
-                "roles.actor.micro_batch_size=4",
-                "roles.reference.micro_batch_size=8",
-                "model.tiny.hidden=32",
-                "model.tiny.ffn=64",
-            ],
-        )
+        job = [f"model.packing={packing}", "algorithm.kl_coef=0.01", f"trainer.run_dir={tmp_path / packing}"]
+        cfg = load_config(None, [*KL_JOB, *job])
         with RLTrainer(cfg) as trainer:
             assert trainer.actor.packing == trainer.reference.packing == (packing == "true")
             steps[packing] = trainer.step()
@@ -86,25 +83,8 @@ def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
     """One mini-batch per epoch: epoch 2's old logprobs come from epoch 1's forward (no separate
     pass) and equal what a separate old-policy pass gives on the same rows, also when a token budget
     packs the micro-batches by length, out of row order."""
-    cfg = load_config(
-        None,
-        [
-            "rollout.engine=hf",
-            "trainer.prompts_per_step=4",
-            "rollout.n=4",
-            *FP32,
-            f"roles.actor.max_tokens_per_micro_batch={budget}",
-            "algorithm.ppo_epochs=2",
-            "algorithm.use_kl_loss=true",
-            f"trainer.run_dir={tmp_path}",
-            "data.reward_fn=tests.e2e.helpers:length_reward",
-            "logging.wandb.mode=disabled",
-            "roles.actor.micro_batch_size=4",
-            "roles.reference.micro_batch_size=8",
-            "model.tiny.hidden=32",
-            "model.tiny.ffn=64",
-        ],
-    )
+    job = [f"roles.actor.max_tokens_per_micro_batch={budget}", "algorithm.ppo_epochs=2", f"trainer.run_dir={tmp_path}"]
+    cfg = load_config(None, [*KL_JOB, *job])
     from verl_ds.diagnostics.observers import TrainerObserver
 
     class Spy(TrainerObserver):
