@@ -100,38 +100,9 @@ class PolicyRole(Role):
     in the last R positions; outputs are fp32 `[B, R]`."""
 
     def forward(self, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False):
-        if self.packing:
-            return self._packed_forward(batch, temperature, with_entropy)
-        width = batch.response_width
-        inputs, resp_len = trim_padding(batch)  # only the columns some row uses
-        if self.share_prompts and inputs["input_ids"].shape[1] > resp_len:
-            logits = shared_prompt_logits(self.engine, inputs, resp_len)
-        else:  # only the R positions that predict response tokens: no [B, P, V] logits for the prompt,
-            # and contiguous ones (a [:, :-1] slice would be copied by every pass over the logits)
-            width_in = inputs["input_ids"].shape[1]
-            keep = torch.arange(width_in - resp_len - 1, width_in - 1, device=inputs["input_ids"].device)
-            logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
+        logits, labels, to_rows = self._packed_logits(batch) if self.packing else self._padded_logits(batch)
         if temperature != 1.0:
             logits = logits / temperature  # match the rollout's processed logprobs
-        logprob, entropy = self._score(logits, inputs["input_ids"][:, -resp_len:], with_entropy)
-        return pad_response(logprob, width), pad_response(entropy, width)
-
-    def _packed_forward(self, batch: TrainBatch, temperature: float, with_entropy: bool):
-        """`forward` over `pack_rows`: one sequence, logits only where they predict a response token."""
-        inputs, keep, where = pack_rows(batch)
-        logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
-        if temperature != 1.0:
-            logits = logits / temperature
-        labels = batch.input_ids[:, -batch.response_width :][where][None]
-        logprob, entropy = self._score(logits, labels, with_entropy)
-
-        def unpack(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x.new_zeros(where.shape).masked_scatter(where, x[0])
-
-        return unpack(logprob), unpack(entropy)
-
-    def _score(self, logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
-        """(logprob, entropy or None) of `labels` under `[.., V]` logits, chunked over positions."""
         entropy = None
         if with_entropy and not (torch.is_grad_enabled() and self._entropy_needs_grad):
             logprob, entropy = algos.logprobs_and_entropy(logits, labels, chunk_size=1024)  # a metric
@@ -139,7 +110,29 @@ class PolicyRole(Role):
             logprob = algos.logprobs_from_logits(logits, labels, chunk_size=1024)
             if with_entropy:  # an entropy bonus: its gradient too
                 entropy = algos.entropy_from_logits(logits, chunk_size=1024)
-        return logprob, entropy
+        return to_rows(logprob), None if entropy is None else to_rows(entropy)
+
+    def _padded_logits(self, batch: TrainBatch):
+        """(logits `[B, r, V]`, the response tokens `[B, r]`, back to the batch's `[B, R]`) over the
+        columns some row uses (`trim_padding`)."""
+        width = batch.response_width
+        inputs, resp_len = trim_padding(batch)
+        if self.share_prompts and inputs["input_ids"].shape[1] > resp_len:
+            logits = shared_prompt_logits(self.engine, inputs, resp_len)
+        else:  # only the R positions that predict response tokens: no [B, P, V] logits for the prompt,
+            # and contiguous ones (a [:, :-1] slice would be copied by every pass over the logits)
+            width_in = inputs["input_ids"].shape[1]
+            keep = torch.arange(width_in - resp_len - 1, width_in - 1, device=inputs["input_ids"].device)
+            logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
+        return logits, inputs["input_ids"][:, -resp_len:], lambda x: pad_response(x, width)
+
+    def _packed_logits(self, batch: TrainBatch):
+        """(logits `[1, K, V]`, the response tokens `[1, K]`, back to `[B, R]`) over `pack_rows`: one
+        sequence, logits only where they predict a response token."""
+        inputs, keep, where = pack_rows(batch)
+        logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
+        labels = batch.input_ids[:, -batch.response_width :][where][None]
+        return logits, labels, lambda x: x.new_zeros(where.shape).masked_scatter(where, x[0])
 
     _entropy_needs_grad = False  # only an entropy bonus needs its gradient
 
