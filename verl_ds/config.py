@@ -163,8 +163,9 @@ class ModelConfig:
     attn_implementation: str = opt(
         "auto",
         "the policy models' attention in training (actor, reference, teacher): auto: flash_attention_2 on a GPU "
-        "with the flash-attn package installed, else sdpa",
-        choices=("auto", "sdpa", "eager", "flash_attention_2"),
+        "with the flash-attn package installed, sdpa on other GPUs, sdpa_cpu16 on CPU (SDPA, except 16-bit passes "
+        "under grad, which run the plain attention math: CPU's fused 16-bit SDPA backward is slower)",
+        choices=("auto", "sdpa", "sdpa_cpu16", "eager", "flash_attention_2"),
     )
     packing: Any = opt(
         "auto",

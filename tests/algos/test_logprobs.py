@@ -133,14 +133,14 @@ def test_phantom_clip_fraction_counts_ratios_outside_the_clip_range():
 
 
 def test_chunked_sliced_logits_take_few_blocks_not_one_per_sequence():
-    # logits[:, :-1] of 64 short sequences fit in one 1024-row chunk: one logsumexp, not 64
+    # logits[:, :-1] of 64 short sequences fit in one 1024-row chunk: one log-softmax, not 64
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += func is torch.ops.aten.logsumexp.default
+            Count.n += func is torch.ops.aten._log_softmax.default
             return func(*args, **(kwargs or {}))
 
     x = torch.randn(64, 9, 20)

@@ -64,10 +64,10 @@ def test_the_callers_reward_function_wins_and_mini_batch_size_0_is_every_row(tmp
 def test_attention_and_packing_are_resolved_in_the_setup(tmp_path, monkeypatch):
     """`model.attn_implementation` / `model.packing` auto: flash-attention and packed rows where
     flash-attn runs (a GPU with the package), SDPA and padded rows elsewhere (on CPU the masked pack
-    measured slower); an explicit choice stands; flash_attention_2 without it is one error, before
-    any engine."""
+    measured slower; SDPA with the math for 16-bit backward passes there); an explicit choice stands;
+    flash_attention_2 without it is one error, before any engine."""
     s = resolve_setup(_cfg(tmp_path))
-    assert (s.attention, s.packing) == ("sdpa", False)
+    assert (s.attention, s.packing) == ("sdpa_cpu16", False)
     s = resolve_setup(_cfg(tmp_path, "model.attn_implementation=eager", "model.packing=true"))
     assert (s.attention, s.packing) == ("eager", True)
     with pytest.raises(ConfigError, match="model.attn_implementation: flash_attention_2 needs a CUDA GPU"):
@@ -77,4 +77,5 @@ def test_attention_and_packing_are_resolved_in_the_setup(tmp_path, monkeypatch):
     monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
     assert resolve_attention("auto", "auto", gpu=True) == ("flash_attention_2", True)
     assert resolve_attention("auto", False, gpu=True) == ("flash_attention_2", False)
-    assert resolve_attention("auto", "auto", gpu=False) == ("sdpa", False)
+    assert resolve_attention("auto", "auto", gpu=False) == ("sdpa_cpu16", False)
+    assert resolve_attention("sdpa", "auto", gpu=False) == ("sdpa", False)

@@ -94,13 +94,13 @@ def _row_blocks(x: torch.Tensor, max_rows: int) -> Iterator[tuple[int, torch.Ten
 
 
 def _chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (first flattened row, [<=chunk_size, V] fp32 chunk) covering ``x`` ``[..., V]``."""
+    """Yield (first flattened row, [<=chunk_size, V] chunk in the logits' dtype) covering ``x``
+    ``[..., V]``; the softmaxes upcast inside their kernels (``dtype=``), not as a separate copy."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    dtype = _compute_dtype(x.dtype)
     for offset, block in _row_blocks(x, chunk_size):
         for s in range(0, block.shape[0], chunk_size):
-            yield offset + s, block[s : s + chunk_size].to(dtype)
+            yield offset + s, block[s : s + chunk_size]
 
 
 class _ChunkedLogprob(torch.autograd.Function):
@@ -109,12 +109,15 @@ class _ChunkedLogprob(torch.autograd.Function):
         flat_labels = labels.reshape(-1)
         out = torch.empty(flat_labels.shape, dtype=_compute_dtype(logits.dtype), device=logits.device)
         ent = torch.empty(flat_labels.shape if with_entropy else (0,), dtype=out.dtype, device=out.device)
+        dtype = out.dtype
         for r, x in _chunks(logits, chunk_size):
-            lab = flat_labels[r : r + x.shape[0]].unsqueeze(-1)
-            lse = torch.logsumexp(x, dim=-1)
-            out[r : r + x.shape[0]] = x.gather(-1, lab).squeeze(-1) - lse
-            if with_entropy:  # H = sum -p log p with p = exp(x - lse); entr(0) = 0 for -inf logits
-                ent[r : r + x.shape[0]] = torch.special.entr(torch.exp(x - lse.unsqueeze(-1))).sum(-1)
+            n = x.shape[0]
+            # one fused log-softmax per chunk (torch.logsumexp is several passes over [n, V] on CPU)
+            logp = torch.log_softmax(x, dim=-1, dtype=dtype)
+            out[r : r + n] = logp.gather(-1, flat_labels[r : r + n].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:  # H = -sum p log p; -inf logits: log p clamped finite, so 0 * log p = 0
+                logp.clamp_min_(torch.finfo(dtype).min)
+                ent[r : r + n] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(logits, labels)
         ctx.chunk_size = chunk_size
         ent = ent.view(labels.shape) if with_entropy else ent
@@ -127,11 +130,12 @@ class _ChunkedLogprob(torch.autograd.Function):
         flat_labels, flat_grad = labels.reshape(-1), grad_out.reshape(-1)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_rows = grad.view(-1, logits.shape[-1])
+        dtype = _compute_dtype(logits.dtype)
         for r, x in _chunks(logits, ctx.chunk_size):
             n = x.shape[0]
-            g = flat_grad[r : r + n].to(x.dtype).unsqueeze(-1)
+            g = flat_grad[r : r + n].to(dtype).unsqueeze(-1)
             # d logp[label] / d x = onehot(label) - softmax(x)
-            gx = -g * torch.softmax(x, dim=-1)
+            gx = torch.softmax(x, dim=-1, dtype=dtype).mul_(-g)
             gx.scatter_add_(-1, flat_labels[r : r + n].unsqueeze(-1), g)
             grad_rows[r : r + n] = gx.to(grad.dtype)
         return grad, None, None, None
@@ -143,7 +147,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         n_rows = logits.numel() // logits.shape[-1]
         out = torch.empty(n_rows, dtype=_compute_dtype(logits.dtype), device=logits.device)
         for r, x in _chunks(logits, chunk_size):
-            out[r : r + x.shape[0]] = _entropy(x)
+            out[r : r + x.shape[0]] = _entropy(x.to(out.dtype))
         ctx.save_for_backward(logits)
         ctx.chunk_size = chunk_size
         return out.view(logits.shape[:-1])
@@ -156,12 +160,12 @@ class _ChunkedEntropy(torch.autograd.Function):
         grad_rows = grad.view(-1, logits.shape[-1])
         for r, x in _chunks(logits, ctx.chunk_size):
             n = x.shape[0]
-            logp = torch.log_softmax(x, dim=-1)
+            logp = torch.log_softmax(x, dim=-1, dtype=_compute_dtype(x.dtype))
             logp = logp.clamp_min(torch.finfo(logp.dtype).min)
             p = logp.exp()
             ent = -(p * logp).sum(-1, keepdim=True)
             # dH/dx_j = -p_j * (log p_j + H)
-            gx = -flat_grad[r : r + n].to(x.dtype).unsqueeze(-1) * p * (logp + ent)
+            gx = -flat_grad[r : r + n].to(logp.dtype).unsqueeze(-1) * p * (logp + ent)
             grad_rows[r : r + n] = gx.to(grad.dtype)
         return grad, None
 

@@ -6,6 +6,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
+from verl_ds.roles import attention
 from verl_ds.roles.base import Role, pad_response, trim_padding
 from verl_ds.roles.batch import TrainBatch
 
@@ -19,6 +20,8 @@ def load_causal_lm(
 ):
     from transformers import AutoModelForCausalLM
 
+    if attn_implementation == attention.NAME:
+        attention.register()
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
     )

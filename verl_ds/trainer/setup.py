@@ -124,12 +124,15 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
 
 def resolve_attention(attn: str, packing, gpu: bool) -> tuple[str, bool]:
     """`model.attn_implementation` and `model.packing` resolved: flash-attention where it runs (a GPU
-    and the flash-attn package), and packed rows where the attention runs them without a mask
+    and the flash-attn package), SDPA on other GPUs, on CPU SDPA with the plain math for 16-bit
+    backward passes (roles/attention.py), and packed rows where the attention runs them without a mask
     (flash-attention's varlen kernels skip what lies between rows; SDPA's masked pack runs it, which
     measured slower than padded rows under token budgets on CPU, docs/BENCHMARKS.md)."""
+    from verl_ds.roles import attention
+
     has_flash = gpu and importlib.util.find_spec("flash_attn") is not None
     if attn == "auto":
-        attn = "flash_attention_2" if has_flash else "sdpa"
+        attn = "flash_attention_2" if has_flash else "sdpa" if gpu else attention.NAME
     elif attn == "flash_attention_2" and not has_flash:
         raise ConfigError(
             "model.attn_implementation",
