@@ -19,8 +19,9 @@ def require_model() -> None:
         sys.exit("the demo's model is missing: run `bash launch/demo.sh` once (it converts SmolLM2-135M-Instruct)")
 
 
-def train_demo(run_dir: Path, overrides: list[str], steps: int, seed: int) -> list[dict]:
-    """One run of `steps` steps with `overrides` -> its metrics rows (the script exits on a failure)."""
+def train_demo(run_dir: Path, overrides: list[str], steps: int, seed: int, root: Path = ROOT) -> list[dict]:
+    """One run of `steps` steps with `overrides` -> its metrics rows (the script exits on a failure).
+    `root`: the checkout whose `launch/train.sh` runs it (another one: the code of another commit)."""
     args = [
         f"trainer.run_dir={run_dir}",
         f"trainer.steps={steps}",
@@ -33,7 +34,7 @@ def train_demo(run_dir: Path, overrides: list[str], steps: int, seed: int) -> li
     ]
     env = {**os.environ, "NUM_RANKS": os.environ.get("NUM_RANKS", "1")}
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
-    done = subprocess.run(["bash", "launch/train.sh", CONFIG, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(["bash", "launch/train.sh", CONFIG, *args], cwd=root, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{run_dir}: training failed\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -6,12 +6,16 @@ measured in one interleaved run; prints a Markdown table of ratios.
 
 The job is `examples/grpo_cpu_smollm2_rg.yaml` (SmolLM2-135M-Instruct, 8 prompts x 8 samples, made by
 `bash launch/demo.sh` once) through `bash launch/train.sh` (the demo's layout: one rank x every core),
-without validation. For each `rollout.max_new_tokens` (96: `rollout.max_model_len` raised to fit) two
-cells: `roles.*.max_tokens_per_micro_batch=0` (row micro-batches, the default before) and the
-default `auto`. The cells alternate within each round (this host's speed drifts). Per cell: the median
-over steps 2.. (step 1 warms up) of the step, the actor update, the reference pass and generation,
-mean response tokens, and the update's `perf/padding_efficiency`; per round and `max_new_tokens`, the
-auto / rows ratio of the step. Writes <out>/results.json.
+without validation. For each `rollout.max_new_tokens` (96: `rollout.max_model_len` raised to fit) up
+to three cells: `before` (the defaults before token budgets: row micro-batches and plain SDPA,
+`roles.*.max_tokens_per_micro_batch=0 model.attn_implementation=sdpa`), `rows` (row micro-batches
+under today's attention) and `auto` (today's defaults). The cells alternate within each round (this
+host's speed drifts). Per cell: the median over steps 2.. (step 1 warms up) of the step, the actor
+update, the reference pass and generation, mean response tokens, and the update's
+`perf/padding_efficiency`; per round and `max_new_tokens`, each cell's step over the first cell's.
+`--before-checkout DIR` runs the `before` cell with the code of another checkout instead (e.g. a git
+worktree of the commit before token budgets, with its own `.venv`), on its own defaults. Writes
+<out>/results.json.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from math import nan
 from pathlib import Path
 
 from demo_job import ROOT, require_model, train_demo
@@ -26,14 +31,19 @@ from demo_job import ROOT, require_model, train_demo
 PHASES = ("step", "update_actor", "ref", "gen")
 
 
-def run_cell(run_dir: Path, new_tokens: int, budget: str, steps: int, seed: int) -> list[dict]:
+ROWS = [f"roles.{r}.max_tokens_per_micro_batch=0" for r in ("actor", "reference")]
+CELLS = {"before": [*ROWS, "model.attn_implementation=sdpa"], "rows": ROWS, "auto": []}
+
+
+def run_cell(run_dir: Path, new_tokens: int, cell: str, steps: int, seed: int, before: Path | None) -> list[dict]:
     """One training run of `steps` steps -> its metrics rows."""
     overrides = [
         f"rollout.max_new_tokens={new_tokens}",
         f"rollout.max_model_len={max(160, 96 + new_tokens)}",  # data.max_prompt_length 96 + a full answer
-        *[f"roles.{r}.max_tokens_per_micro_batch={budget}" for r in ("actor", "reference")],
     ]
-    return train_demo(run_dir, overrides, steps, seed)
+    if cell == "before" and before:
+        return train_demo(run_dir, overrides, steps, seed, root=before)
+    return train_demo(run_dir, [*overrides, *CELLS[cell]], steps, seed)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -41,8 +51,9 @@ def summarize(rows: list[dict]) -> dict:
     med = {p: statistics.median(r[f"timing_s/{p}"] for r in timed) for p in PHASES}
     med["response_tokens"] = statistics.mean(r["response_length/mean"] for r in timed)
     med["truncated"] = statistics.mean(r["response/truncated_fraction"] for r in timed)
-    med["update_padding_efficiency"] = statistics.mean(r["perf/padding_efficiency/actor/update"] for r in timed)
-    med["ref_padding_efficiency"] = statistics.mean(r["perf/padding_efficiency/reference/score"] for r in timed)
+    for key, metric in (("update", "actor/update"), ("ref", "reference/score")):  # nan: code before the metric
+        effs = [r.get(f"perf/padding_efficiency/{metric}", nan) for r in timed]
+        med[f"{key}_padding_efficiency"] = statistics.mean(effs)
     return med
 
 
@@ -52,21 +63,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4, help="per run; the first is not timed")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--budgets", nargs="+", default=["0", "auto"], help="max_tokens_per_micro_batch values; 0 first")
+    ap.add_argument("--cells", nargs="+", default=["before", "auto"], choices=list(CELLS), help="the first is the base")
     ap.add_argument("--out", default="runs/bench_padding")
+    ap.add_argument("--before-checkout", type=Path, help="run the `before` cell with this checkout's code, as it is")
     args = ap.parse_args()
     require_model()
     out = ROOT / args.out
     results = []
     for rnd in range(args.rounds):
         for n in args.new_tokens:
-            for budget in args.budgets:
-                run_dir = out / f"r{rnd}_new{n}_{budget}"
+            for cell in args.cells:
+                run_dir = out / f"r{rnd}_new{n}_{cell}"
                 res = {
                     "round": rnd,
                     "max_new_tokens": n,
-                    "budget": budget,
-                    **summarize(run_cell(run_dir, n, budget, args.steps, args.seed)),
+                    "cell": cell,
+                    **summarize(run_cell(run_dir, n, cell, args.steps, args.seed, args.before_checkout)),
                 }
                 results.append(res)
                 print(json.dumps(res), flush=True)
@@ -74,19 +86,18 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(
         "\n| max_new_tokens | micro-batches | mean response tokens | truncated | actor update s | reference s "
-        "| generation s | step s | update padding eff. | ref padding eff. | step auto / rows |"
+        f"| generation s | step s | update padding eff. | ref padding eff. | step / {args.cells[0]} |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        rows = [
+        base = [
             x
             for x in results
-            if x["round"] == r["round"] and x["max_new_tokens"] == r["max_new_tokens"] and x["budget"] == "0"
+            if x["round"] == r["round"] and x["max_new_tokens"] == r["max_new_tokens"] and x["cell"] == args.cells[0]
         ]
-        ratio = f"{r['step'] / rows[0]['step']:.2f}" if rows and r["budget"] != "0" else ""
-        cell = "rows (0)" if r["budget"] == "0" else r["budget"]
+        ratio = f"{r['step'] / base[0]['step']:.2f}" if base and r["cell"] != args.cells[0] else ""
         print(
-            f"| {r['max_new_tokens']} | {cell} | {r['response_tokens']:.1f} "
+            f"| {r['max_new_tokens']} | {r['cell']} | {r['response_tokens']:.1f} "
             f"| {100 * r['truncated']:.0f}% | {r['update_actor']:.2f} | {r['ref']:.2f} | {r['gen']:.2f} "
             f"| {r['step']:.2f} "
             f"| {r['update_padding_efficiency']:.2f} | {r['ref_padding_efficiency']:.2f} | {ratio} |"
