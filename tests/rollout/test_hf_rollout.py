@@ -91,6 +91,29 @@ def test_a_sync_into_a_copy_of_the_model_stops_the_run(model_pair):
         hf.sync_weights(new.named_parameters())
 
 
+def test_the_sync_fingerprint_reads_a_bounded_sample_that_covers_every_row():
+    """A sync's check reads at most FINGERPRINT_VALUES values per tensor (an embedding of ~49k x 576
+    once read 28M values in float64 per sync), yet a change to any one row of a matrix whose rows are
+    longer than the stride still changes the fingerprint; equal values give equal fingerprints."""
+    from verl_ds.rollout.weights import FINGERPRINT_VALUES, fingerprint, same_fingerprint
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(FINGERPRINT_VALUES // 64, 576, generator=g)  # 9 x the sample: stride 9 < 576
+    assert same_fingerprint(fingerprint(t.clone()), fingerprint(t))
+    for row in (0, 1, t.shape[0] // 2, t.shape[0] - 1):
+        moved = t.clone()
+        moved[row] += 1e-3 * torch.randn(576, generator=g)  # one row updated, as a stale row would differ
+        assert not same_fingerprint(fingerprint(moved), fingerprint(t)), row
+    unread = t.clone()
+    unread.view(-1)[1] += 1.0  # between two sampled positions: the sample is what bounds the cost
+    assert same_fingerprint(fingerprint(unread), fingerprint(t))
+    small = torch.randn(100, generator=g)  # under the bound: every value is read
+    for i in range(100):
+        moved = small.clone()
+        moved[i] += 1e-3
+        assert not same_fingerprint(fingerprint(moved), fingerprint(small)), i
+
+
 def test_top_p_keeps_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     lp = processed_logprobs(logits, 1.0, top_p=0.7)
