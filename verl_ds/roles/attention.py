@@ -4,7 +4,7 @@ torch's fused CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) is t
 every dtype, but its bf16/fp16 backward is several times slower than the plain matmul-softmax-matmul
 it replaces (docs/BENCHMARKS.md, "Token budgets by default"). So the policy models register one
 attention implementation with transformers that picks per call: a query that requires grad, on a
-CPU, in a 16-bit dtype runs the explicit math (softmax in fp32, as transformers' eager attention);
+CPU, in a 16-bit dtype runs the model's own eager attention (softmax in fp32);
 everything else (no-grad scoring, fp32, GPUs) runs transformers' SDPA unchanged. The mask is built
 once per forward in the form its attention uses (transformers' mask functions, so packed rows and
 shared prompts are masked as before): SDPA's boolean one (or none for a plain causal pass), or, for a
@@ -14,42 +14,31 @@ for the backward).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 NAME = "sdpa_cpu16"
 _LOW = (torch.bfloat16, torch.float16)
 
 
-def needs_math(query: torch.Tensor) -> bool:
-    """The explicit math pays exactly here: a 16-bit CPU attention whose backward will run."""
-    return query.requires_grad and query.device.type == "cpu" and query.dtype in _LOW
+def _math_pays(dtype: torch.dtype, device) -> bool:
+    return torch.device(device).type == "cpu" and dtype in _LOW
 
 
-def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' attention signature: `query` `[B, H, Q, D]`, `key`/`value` `[B, H_kv, K, D]`,
-    `attention_mask` `[B, 1, Q, K]` bool (True: attend) or None -> (`[B, Q, H, D]`, None)."""
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+def attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention signature (`query` `[B, H, Q, D]`, `key`/`value` `[B, H_kv, K, D]`) ->
+    (`[B, Q, H, D]`, weights or None). A 16-bit CPU query that requires grad runs the model's own
+    eager attention (its modeling module's `eager_attention_forward`: softcapping, sliding windows
+    and the like as the model defines them) on the additive mask `mask` built for it; anything else,
+    or a model without an eager function, runs transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not needs_math(query):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    q_len, k_len = query.shape[2], key.shape[2]
-    if attention_mask is None and q_len > 1 and (is_causal if is_causal is not None else module.is_causal):
-        # SDPA's is_causal: aligned top-left, as transformers only drops the mask when Q == K
-        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        # finite, not -inf: a fully masked (padding) row stays finite
-        attention_mask = torch.zeros((), dtype=query.dtype).masked_fill(~attention_mask, torch.finfo(query.dtype).min)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    weights = torch.matmul(query, key.transpose(2, 3)) * scale
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    probs = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    additive = attention_mask is not None and attention_mask.is_floating_point()
+    if eager is not None and additive and query.requires_grad and _math_pays(query.dtype, query.device):
+        return eager(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def mask(*args, dtype: torch.dtype = torch.float32, device="cpu", **kwargs):
@@ -57,7 +46,7 @@ def mask(*args, dtype: torch.dtype = torch.float32, device="cpu", **kwargs):
     will run the math (a 16-bit CPU forward under grad), SDPA's elsewhere."""
     from transformers.masking_utils import eager_mask, sdpa_mask
 
-    if torch.is_grad_enabled() and torch.device(device).type == "cpu" and dtype in _LOW:
+    if torch.is_grad_enabled() and _math_pays(dtype, device):
         return eager_mask(*args, dtype=dtype, device=device, **kwargs)
     return sdpa_mask(*args, device=device, **kwargs)
 

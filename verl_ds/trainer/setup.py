@@ -29,6 +29,7 @@ from verl_ds.dist import init_distributed, on_gpu, rank, world_size
 from verl_ds.ds_config import read_ds_files, render_ds_configs, run_precision
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
+from verl_ds.roles import attention
 from verl_ds.rollout import resolve_engine
 from verl_ds.trainer.checkpoint import pick_resume, probe_writable
 
@@ -128,8 +129,6 @@ def resolve_attention(attn: str, packing, gpu: bool) -> tuple[str, bool]:
     backward passes (roles/attention.py), and packed rows where the attention runs them without a mask
     (flash-attention's varlen kernels skip what lies between rows; SDPA's masked pack runs it, which
     measured slower than padded rows under token budgets on CPU, docs/BENCHMARKS.md)."""
-    from verl_ds.roles import attention
-
     has_flash = gpu and importlib.util.find_spec("flash_attn") is not None
     if attn == "auto":
         attn = "flash_attention_2" if has_flash else "sdpa" if gpu else attention.NAME
