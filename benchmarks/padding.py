@@ -9,7 +9,8 @@ The job is `examples/grpo_cpu_smollm2_rg.yaml` (SmolLM2-135M-Instruct, 8 prompts
 without validation. For each `rollout.max_new_tokens` (96: `rollout.max_model_len` raised to fit) up
 to three cells: `before` (the defaults before token budgets: row micro-batches and plain SDPA,
 `roles.*.max_tokens_per_micro_batch=0 model.attn_implementation=sdpa`), `rows` (row micro-batches
-under today's attention) and `auto` (today's defaults). The cells alternate within each round (this
+under today's attention) and `auto` (today's defaults); `eager` and `compiled` set
+`rollout.enforce_eager` to true / false. The cells alternate within each round (this
 host's speed drifts). Per cell: the median over steps 2.. (step 1 warms up) of the step, the actor
 update, the reference pass and generation, mean response tokens, and the update's
 `perf/padding_efficiency`; per round and `max_new_tokens`, each cell's step over the first cell's.
@@ -32,7 +33,13 @@ PHASES = ("step", "update_actor", "ref", "gen")
 
 
 ROWS = [f"roles.{r}.max_tokens_per_micro_batch=0" for r in ("actor", "reference")]
-CELLS = {"before": [*ROWS, "model.attn_implementation=sdpa"], "rows": ROWS, "auto": []}
+CELLS = {
+    "before": [*ROWS, "model.attn_implementation=sdpa"],
+    "rows": ROWS,
+    "auto": [],
+    "eager": ["rollout.enforce_eager=true"],
+    "compiled": ["rollout.enforce_eager=false"],
+}
 
 
 def run_cell(run_dir: Path, new_tokens: int, cell: str, steps: int, seed: int, before: Path | None) -> list[dict]:

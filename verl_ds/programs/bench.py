@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from verl_ds.data.tiny import build_tiny_llama
+from verl_ds.dist import on_gpu
 from verl_ds.ds_config import run_precision
-from verl_ds.rollout import HFRollout, VLLMRollout
+from verl_ds.rollout import HFRollout, VLLMRollout, resolve_eager
 from verl_ds.rollout.seeding import prompt_seeds
 
 
@@ -94,7 +95,7 @@ def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
             dtype,
             max_model_len=rc.max_model_len,
             kv_cache_gb=rc.kv_cache_gb,
-            enforce_eager=rc.enforce_eager,
+            enforce_eager=resolve_eager(rc.enforce_eager, on_gpu()),
             bucket_mb=rc.bucket_mb,
             seed=cfg.trainer.seed,
             gpu_memory_utilization=rc.gpu_memory_utilization,

@@ -5,7 +5,14 @@ imported only when a `VLLMRollout` is built, so HFRollout works where vLLM is no
 """
 
 from .batch import RolloutBatch
-from .distributed import choose_engine, generate_distributed, make_rollout, resolve_engine, sync_distributed
+from .distributed import (
+    choose_engine,
+    generate_distributed,
+    make_rollout,
+    resolve_eager,
+    resolve_engine,
+    sync_distributed,
+)
 from .engine import RolloutEngine
 from .hf_rollout import HFRollout
 from .seeding import prompt_seed, prompt_seeds
@@ -17,6 +24,7 @@ __all__ = [
     "HFRollout",
     "VLLMRollout",
     "choose_engine",
+    "resolve_eager",
     "resolve_engine",
     "make_rollout",
     "generate_distributed",

@@ -65,6 +65,13 @@ def resolve_engine(rollout_cfg, model_path: str) -> str:
     return engine
 
 
+def resolve_eager(enforce_eager, gpu: bool) -> bool:
+    """`rollout.enforce_eager` as vLLM takes it. auto: compiled with CUDA graphs on a GPU (vLLM's own
+    default; eager decoding there launches every kernel from Python), eager on CPU, where compiling
+    costs more at start than a short run's generation saves (docs/BENCHMARKS.md)."""
+    return (not gpu) if enforce_eager == "auto" else bool(enforce_eager)
+
+
 def make_rollout(
     rollout_cfg, model_path: str, dtype: str, seed: int, trust_remote_code: bool = False, lm_head_fp32: bool = False
 ) -> RolloutEngine:
@@ -73,6 +80,8 @@ def make_rollout(
 
     if rollout_cfg.engine not in ("vllm", "hf"):
         raise ValueError(f"rollout.engine {rollout_cfg.engine!r}: resolve it first (resolve_engine)")
+    if rollout_cfg.enforce_eager not in (True, False):
+        raise ValueError(f"rollout.enforce_eager {rollout_cfg.enforce_eager!r}: resolve it first (resolve_eager)")
     if rollout_cfg.engine == "hf":
         device = f"cuda:{torch.cuda.current_device()}" if on_gpu() else "cpu"
         return HFRollout(

@@ -30,7 +30,7 @@ from verl_ds.ds_config import read_ds_files, render_ds_configs, run_precision
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
 from verl_ds.roles import attention
-from verl_ds.rollout import resolve_engine
+from verl_ds.rollout import resolve_eager, resolve_engine
 from verl_ds.trainer.checkpoint import pick_resume, probe_writable
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,9 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     if m.teacher_path:  # distillation compares the two models' logprobs of the same ids
         check_teacher_tokenizer(m.tokenizer_path or model_path, m.teacher_path, m.trust_remote_code)
     # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
-    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=resolve_engine(cfg.rollout, model_path)))
+    # and rollout.enforce_eager auto -> compiled on a GPU, eager on CPU
+    engine, eager = resolve_engine(cfg.rollout, model_path), resolve_eager(cfg.rollout.enforce_eager, gpu)
+    cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine, enforce_eager=eager))
     trained = tuple(r for r in files if r in TRAINED_ROLES)
     sleepers = [r for r in trained if getattr(cfg.roles, r).sleep]
     if sleepers and not gpu:
