@@ -484,6 +484,7 @@ def test_train_with_a_data_file_that_is_not_utf8_is_one_line(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {bad}:2: not UTF-8 text"), out.stderr
     assert "Traceback" not in out.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()  # found after the setup: nothing left behind
 
 
 def test_version_flag():

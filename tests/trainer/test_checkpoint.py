@@ -143,7 +143,10 @@ def test_a_run_directory_that_cannot_be_written_is_one_line_before_any_work(tmp_
     ro = tmp_path / "ro"
     ro.mkdir()
     probe_writable(tmp_path / "rw" / "checkpoints", "trainer.run_dir")
-    assert list((tmp_path / "rw" / "checkpoints").iterdir()) == []  # the probe leaves nothing
+    assert not (tmp_path / "rw").exists()  # the probe leaves nothing, not even the folders
+    (tmp_path / "rw").mkdir()
+    probe_writable(tmp_path / "rw", "trainer.run_dir")
+    assert list((tmp_path / "rw").iterdir()) == []
     os.chmod(ro, 0o500)
     try:
         if os.access(ro, os.W_OK):  # root writes anywhere: make the path a file's child instead

@@ -101,11 +101,16 @@ def damage(path: Path, roles: list[str], ranks: int) -> str | None:
 
 
 def probe_writable(path: Path, key: str) -> None:
-    """Create `path` and write a file into it once, before any work: a directory the run cannot write
-    is one line now, not a PermissionError after a step has trained."""
+    """Write a file once where `path` will be made (its nearest existing ancestor), before any work: a
+    directory the run cannot write is one line now, not a PermissionError after a step has trained.
+    Nothing is created, so a run refused later (a data file's mistake) leaves no empty folders."""
+    there = path
+    while not there.exists() and there != there.parent:
+        there = there.parent
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write_probe_{rank()}"
+        if not there.is_dir():
+            raise NotADirectoryError(f"{there} is not a directory")
+        probe = there / f".write_probe_{rank()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
