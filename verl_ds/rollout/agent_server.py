@@ -239,6 +239,7 @@ class AgentServer:
         self.tracks: dict[str, _Track] = {}
         self.engine_calls: list[int] = []  # requests per engine call (how well calls were batched)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a call was queued, or `poke` (an agent ended)
         self._queue: queue.Queue = queue.Queue()
         self.rounds = rounds
         self._held: list[_Job] = []  # rounds mode: calls paused at the last round's cap
@@ -337,7 +338,21 @@ class AgentServer:
     def waiting(self, ids: list[str]) -> bool:
         """Every one of these episodes has a call queued or paused (its agent waits on the server)."""
         with self._lock:
-            return all(self.tracks[e].pending > 0 for e in ids if e in self.tracks)
+            return self._waiting(ids)
+
+    def _waiting(self, ids: list[str]) -> bool:
+        return all(self.tracks[e].pending > 0 for e in ids if e in self.tracks)
+
+    def wait_until_waiting(self, live: Callable[[], list[str]], timeout: float) -> bool:
+        """Block until every episode `live()` names waits on the server (`waiting`), woken by each
+        call queued and each `poke`, not by polling. -> False at the timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._waiting(live()), timeout)
+
+    def poke(self) -> None:
+        """Wake `wait_until_waiting` (an agent ended without a call, so `live()` changed)."""
+        with self._changed:
+            self._changed.notify_all()
 
     def settled(self, ids: list[str]) -> bool:
         """None of these episodes has a call left to generate."""
@@ -582,6 +597,7 @@ class AgentServer:
         seed = self._seed(track, track.calls)
         track.calls += 1
         track.pending += 1
+        self._changed.notify_all()
         return _Job(track, call, seed, budget, concurrent.futures.Future(), continues)
 
     def _seed(self, track: _Track, turn: int) -> int:

@@ -22,7 +22,6 @@ import concurrent.futures
 import logging
 import ssl
 import threading
-import time
 
 from .agent_server import AgentEpisodes, AgentServer, played_episodes, played_rollout, run_agent
 from .engine import RolloutEngine
@@ -82,6 +81,7 @@ class PartialAgents(PartialRollouts):
             for e in self._ids(g):
                 run = run_agent(self.agents.agent_fn, self.server, e, example, self.agents.timeout_s, self.tls)
                 self.runs[e] = asyncio.run_coroutine_threadsafe(run, self.loop)
+                self.runs[e].add_done_callback(lambda _: self.server.poke())
         self._wait_for_agents()
         steps = self.server.round(self.limits.chunk_tokens if pause else None, version)
         self._wait_for_agents()
@@ -90,12 +90,11 @@ class PartialAgents(PartialRollouts):
     def _wait_for_agents(self) -> None:
         """Until every live agent waits on the server or has ended (an agent busy elsewhere past its
         timeout ends: `run_agent` cancels it)."""
-        deadline = time.monotonic() + self.agents.timeout_s + 10.0
-        while time.monotonic() < deadline:
-            live = [e for e, run in self.runs.items() if not run.done()]
-            if self.server.waiting(live):
-                return
-            time.sleep(0.001)
+
+        def live() -> list[str]:
+            return [e for e, run in list(self.runs.items()) if not run.done()]
+
+        self.server.wait_until_waiting(live, self.agents.timeout_s + 10.0)
 
     def _rows(self, taken: list[InFlight]) -> tuple[Rollout, list[Episode]]:
         ids = [e for g in taken for e in self._ids(g)]
