@@ -23,7 +23,10 @@ export HF_HUB_DISABLE_PROGRESS_BARS=1  # transformers' per-load "Loading weights
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"   # vLLM logs every prefix-cache reset at INFO
 if [ "$VERL_DS_DEVICE" = cpu ]; then
   export DS_ACCELERATOR=cpu
+  # launch/train.sh preloads tcmalloc into the training processes (install.sh installs it where it can)
+  source "$ROOT/launch/tcmalloc.sh"
+  VERL_DS_TCMALLOC="$(tcmalloc_path)"
 fi
 # What this file sets, for launch/train.sh to hand to the other nodes of a HOSTFILE run.
 VERL_DS_EXPORTS=(PATH VLLM_CACHE_ROOT TMPDIR HF_HUB_OFFLINE TRANSFORMERS_OFFLINE HF_DATASETS_OFFLINE WANDB_SILENT
-  HF_HUB_DISABLE_PROGRESS_BARS VLLM_LOGGING_LEVEL DS_ACCELERATOR)
+  HF_HUB_DISABLE_PROGRESS_BARS VLLM_LOGGING_LEVEL DS_ACCELERATOR LD_PRELOAD TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD)

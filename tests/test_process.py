@@ -56,3 +56,20 @@ def test_removes_only_the_buffers_no_live_process_has_mapped_or_open(buffers):
     removed = remove_orphaned_deepspeed_shm()
     assert {buffers["map"], buffers["fd"]} <= set(removed)
     assert not any(os.path.exists(p) for p in buffers.values())
+
+
+def test_the_launch_scripts_find_tcmalloc_and_a_preloaded_process_runs_on_it():
+    """launch/install.sh installs libtcmalloc-minimal4 (Debian's) where it can and env.sh finds it for
+    train.sh to preload (the e2e quickstart checks a rank's log says so); `allocator` tells a process
+    on it from one on glibc's malloc."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    find = "source launch/env.sh >/dev/null 2>&1; echo $VERL_DS_TCMALLOC"
+    lib = subprocess.run(["bash", "-c", find], cwd=root, capture_output=True, text=True).stdout.strip()
+    assert lib and os.path.exists(lib), "env.sh found no libtcmalloc_minimal.so.4"
+    code = "from verl_ds.process import allocator; print(allocator())"
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    plain = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    preloaded = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "LD_PRELOAD": lib}, capture_output=True, text=True, check=True
+    )
+    assert (plain.stdout.strip(), preloaded.stdout.strip()) == ("glibc", "tcmalloc")

@@ -57,6 +57,16 @@ def disable_torch_compile() -> None:
     torch._dynamo.config.disable = True
 
 
+def allocator() -> str:
+    """The malloc this process runs on: a preloaded tcmalloc, jemalloc or mimalloc (its library mapped
+    into the process), else glibc's."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return next((name for name in ("tcmalloc", "jemalloc", "mimalloc") if f"lib{name}" in maps), "glibc")
+
+
 def setup_process(*, rank: int, cpu: bool, eager: bool, tensor_parallel: int, freeze_gc: bool = True) -> dict:
     """The process-wide settings an in-process vLLM engine needs, made just before it starts; one log
     line says what was set. Returns {setting: value}.

@@ -87,6 +87,7 @@ def test_quickstart_example_engine_auto_picks_hf_generate(tmp_path):
     """The example as shipped (rollout.engine: auto): HF generate for its 330k model on CPU, 2 ranks."""
     out = run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=3", *[o for o in FAST if o != "rollout.engine=vllm"])
     assert "rollout.engine auto -> hf" in out.stdout + out.stderr
+    assert "memory allocator: tcmalloc" in out.stdout + out.stderr  # train.sh preloads it on CPU
     _check_run(tmp_path, 3)
 
 

@@ -29,6 +29,7 @@ from verl_ds.dist import init_distributed, on_gpu, rank, world_size
 from verl_ds.ds_config import read_ds_files, render_ds_configs, run_precision
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
+from verl_ds.process import allocator
 from verl_ds.roles import attention
 from verl_ds.rollout import resolve_eager, resolve_engine
 from verl_ds.trainer.checkpoint import pick_resume, probe_writable
@@ -80,6 +81,10 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
             "trainer.device: cpu sets the precision rule only; the engines run on the GPU "
             "(hide it to train on the CPU: CUDA_VISIBLE_DEVICES=)"
         )
+    if not gpu and me == 0:
+        malloc = allocator()
+        hint = " (CPU steps take ~1.25x the time: launch/train.sh preloads libtcmalloc-minimal4 where installed)"
+        log.info("memory allocator: %s%s", malloc, hint if malloc == "glibc" else "")
     precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
     attention, packing = resolve_attention(cfg.model.attn_implementation, cfg.model.packing, gpu)
     model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
