@@ -12,7 +12,8 @@ timing_s/step after the first step, rewards from the run's metrics.jsonl), then 
 benchmarks/.venv-trl (made by benchmarks/setup_trl.sh, called here; idempotent) once per TRL thread
 count; with `--rounds N` that sequence N times, interleaved, and the table shows each side's median
 (this host's speed drifted by 1.5x within an hour: one round can catch one side in a slow spell).
-Writes <out>/results.json. Settings that differ between the sides: trl_grpo.py's docstring.
+Writes <out>/results.json. Settings that differ between the sides: trl_grpo.py's docstring; on CPU
+train.sh runs verl-ds on tcmalloc, TRL runs on glibc's malloc unless `--trl-tcmalloc`.
 Ratio = TRL s/step / verl-ds s/step (> 1: verl-ds is faster); episodes/s = trainer.prompts_per_step x
 rollout.n / s/step (an episode: one sampled answer, with all its turns in a tool job; results.json
 also has tool calls per episode and per model turn for tool jobs). Both sides share the machine's cores:
@@ -104,8 +105,16 @@ def run_verl_ds(job: str, steps: int, run_dir: Path, extra: list[str], log) -> d
     }
 
 
-def run_trl(job: str, steps: int, threads: int, extra: list[str], log) -> dict:
+def tcmalloc() -> str:
+    """The tcmalloc launch/train.sh preloads into verl-ds's ranks on CPU ('' where none is installed)."""
+    find = ["bash", "-c", "source launch/tcmalloc.sh && tcmalloc_path"]
+    return subprocess.run(find, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def run_trl(job: str, steps: int, threads: int, extra: list[str], log, preload: str = "") -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if preload:
+        env["LD_PRELOAD"] = preload
     cmd = [str(TRL_PY), "benchmarks/trl_grpo.py", "--job", job, "--steps", str(steps), *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -188,6 +197,11 @@ def main() -> None:
         default=1,
         help="interleaved rounds (verl-ds, TRL, verl-ds, TRL, ...); the table shows medians",
     )
+    ap.add_argument(
+        "--trl-tcmalloc",
+        action="store_true",
+        help="TRL on tcmalloc too (launch/train.sh preloads it into verl-ds's ranks on CPU; TRL runs on glibc's)",
+    )
     ap.add_argument("--out", default="runs/bench_trl", help="run dirs, logs and results.json")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides, passed to both sides")
     args = ap.parse_args()
@@ -205,6 +219,9 @@ def main() -> None:
     threads = sorted({int(x) for x in args.trl_threads.split(",") if x})
 
     subprocess.run(["bash", "benchmarks/setup_trl.sh"], cwd=ROOT, check=True)
+    preload = tcmalloc() if args.trl_tcmalloc else ""
+    if args.trl_tcmalloc and not preload:
+        ap.error("--trl-tcmalloc: no libtcmalloc_minimal.so.4 installed (launch/install.sh installs it)")
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -224,7 +241,7 @@ def main() -> None:
                         file=sys.stderr,
                         flush=True,
                     )
-                    runs[k].append(run_trl(job, steps[job], k, args.overrides, log))
+                    runs[k].append(run_trl(job, steps[job], k, args.overrides, log, preload))
                 print(f"[side_by_side]   {json.dumps(runs[k][-1])}", file=sys.stderr, flush=True)
         rows += [(_median(runs["verl-ds"]), _median(runs[k])) for k in threads]
     (out / "results.json").write_text(json.dumps([{"verl_ds": v, "trl": t} for v, t in rows], indent=1) + "\n")
