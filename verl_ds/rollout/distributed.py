@@ -80,8 +80,6 @@ def make_rollout(
 
     if rollout_cfg.engine not in ("vllm", "hf"):
         raise ValueError(f"rollout.engine {rollout_cfg.engine!r}: resolve it first (resolve_engine)")
-    if rollout_cfg.enforce_eager not in (True, False):
-        raise ValueError(f"rollout.enforce_eager {rollout_cfg.enforce_eager!r}: resolve it first (resolve_eager)")
     if rollout_cfg.engine == "hf":
         device = f"cuda:{torch.cuda.current_device()}" if on_gpu() else "cpu"
         return HFRollout(
@@ -96,7 +94,7 @@ def make_rollout(
         max_model_len=rollout_cfg.max_model_len,
         kv_cache_gb=rollout_cfg.kv_cache_gb,
         gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
-        enforce_eager=rollout_cfg.enforce_eager,
+        enforce_eager=resolve_eager(rollout_cfg.enforce_eager, on_gpu()),  # the setup's value, or auto's
         bucket_mb=rollout_cfg.bucket_mb,
         block_size=rollout_cfg.block_size,
         seed=seed,
