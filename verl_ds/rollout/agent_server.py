@@ -335,16 +335,12 @@ class AgentServer:
             for e, (step, position, sample) in episodes.items():
                 self.tracks[e] = _Track(position=position, sample=sample, step=step)
 
-    def waiting(self, ids: list[str]) -> bool:
-        """Every one of these episodes has a call queued or paused (its agent waits on the server)."""
-        with self._lock:
-            return self._waiting(ids)
-
     def _waiting(self, ids: list[str]) -> bool:
+        """Every one of these episodes has a call queued or paused (its agent waits on the server). Under the lock."""
         return all(self.tracks[e].pending > 0 for e in ids if e in self.tracks)
 
     def wait_until_waiting(self, live: Callable[[], list[str]], timeout: float) -> bool:
-        """Block until every episode `live()` names waits on the server (`waiting`), woken by each
+        """Block until every episode `live()` names waits on the server (`_waiting`), woken by each
         call queued and each `poke`, not by polling. -> False at the timeout."""
         with self._changed:
             return self._changed.wait_for(lambda: self._waiting(live()), timeout)

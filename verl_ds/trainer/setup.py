@@ -81,7 +81,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
             "trainer.device: cpu sets the precision rule only; the engines run on the GPU "
             "(hide it to train on the CPU: CUDA_VISIBLE_DEVICES=)"
         )
-    if not gpu and me == 0:
+    if not gpu:  # other ranks log warnings only
         malloc = allocator()
         hint = " (CPU steps take ~1.25x the time: launch/train.sh preloads libtcmalloc-minimal4 where installed)"
         log.info("memory allocator: %s%s", malloc, hint if malloc == "glibc" else "")
