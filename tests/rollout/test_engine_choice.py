@@ -93,10 +93,18 @@ def test_both_engines_implement_the_whole_rollout_engine_protocol(tiny_model_dir
     from verl_ds.rollout import RolloutEngine, VLLMRollout
 
     methods = [n for n, v in vars(RolloutEngine).items() if callable(v) and not n.startswith("_")]
-    assert set(methods) == {"generate", "sync_weights", "sleep", "wake_up", "shutdown"}
+    assert set(methods) == {"generate", "stream", "sync_weights", "sleep", "wake_up", "shutdown"}
     for cls in (HFRollout, VLLMRollout):
         for name in methods:
             want = list(inspect.signature(getattr(RolloutEngine, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls.__name__, name)
+    from verl_ds.rollout.engine import TokenStream
+    from verl_ds.rollout.hf_rollout import ChunkedStream
+    from verl_ds.rollout.vllm_rollout import VLLMStream
+
+    for cls in (ChunkedStream, VLLMStream):  # what `stream` returns: the whole TokenStream
+        for name in ("add", "step", "close", "__len__"):
+            want = list(inspect.signature(getattr(TokenStream, name)).parameters)
             assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls.__name__, name)
     hf = make_rollout(RolloutConfig(engine="hf"), str(tiny_model_dir), "fp32", seed=0)
     assert isinstance(hf, RolloutEngine) and hf.tp == 1  # data members too (runtime check)

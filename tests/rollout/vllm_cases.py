@@ -188,6 +188,51 @@ def test_the_engine_says_what_it_holds(engine, model_pair):
     assert 0.5 * 0.05 * 2**30 <= held["kv_cache"] <= 0.05 * 2**30
 
 
+def test_a_stream_samples_as_generate_and_an_abort_keeps_what_was_sampled(engine, hf_pair):
+    """Step-and-abort (`VLLMRollout.stream`): a request's samples, seeded seed + j, are what `generate`
+    samples for that prompt with that seed; a stream closed after a few engine steps hands back every
+    running sample as far as it got, and a cut greedy sample re-sent with its kept ids ends as the
+    uncut one, with its logprobs."""
+    engine.sync_weights(hf_pair[1].named_parameters())
+    seeds = prompt_seeds(3, 0, range(len(PROMPTS)))
+    whole = engine.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=12, seeds=seeds).to_lists()
+    stream = engine.stream(1.0, 1.0, 0)
+    for i, p in enumerate(PROMPTS):
+        stream.add([(i, 0), (i, 1)], p, 12, seeds[i])
+    ended = []
+    while len(stream):
+        ended += stream.step()
+    assert stream.close() == []  # nothing was left running
+    got = {s.key: s for s in ended}
+    assert len(got) == 2 * len(PROMPTS)
+    for k, (r, lp, reason) in enumerate(zip(whole["responses"], whole["logprobs"], whole["finish_reasons"])):
+        s = got[(k // 2, k % 2)]
+        assert (s.ids, s.finish) == (r, reason)
+        assert max((abs(a - b) for a, b in zip(s.logprobs, lp)), default=0.0) <= 1e-5
+
+    greedy = engine.generate(PROMPTS, n=1, temperature=0.0, max_new_tokens=12).to_lists()
+    stream = engine.stream(0.0, 1.0, 0)
+    for i, p in enumerate(PROMPTS):
+        stream.add([i], p, 12, 0)
+    early = [s for _ in range(4) for s in stream.step()]  # a prefill and 3 decode steps
+    cut = stream.close()
+    assert cut and len(stream) == 0
+    assert all(s.finish == "abort" and 0 < len(s.ids) < 12 and len(s.logprobs) == len(s.ids) for s in cut)
+    rest = engine.stream(0.0, 1.0, 0)
+    for s in cut:
+        rest.add([s.key], PROMPTS[s.key] + s.ids, 12 - len(s.ids), 0)
+    went_on = {}
+    while len(rest):
+        went_on.update({s.key: s for s in rest.step()})
+    rest.close()
+    for s in early:
+        assert s.ids == greedy["responses"][s.key]
+    for s in cut:
+        ids, lps = s.ids + went_on[s.key].ids, s.logprobs + went_on[s.key].logprobs
+        assert ids == greedy["responses"][s.key]
+        assert max(abs(a - b) for a, b in zip(lps, greedy["logprobs"][s.key])) <= 1e-5
+
+
 def test_partial_rollouts_continue_paused_episodes_on_the_new_weights(engine, hf_pair):
     """The pool over the real engine: episodes paused under the old weights continue, after a sync,
     from their kept ids under the new ones; each token's rollout logprob is the one of the weights

@@ -81,7 +81,7 @@ def _pool(engine, tokenizer, staleness: int, in_flight: int, per_step: int = 2) 
     cursor = iter(range(10_000))
     limits = PartialLimits(groups_per_step=per_step, max_staleness=staleness, in_flight=in_flight, chunk_tokens=3)
     return PartialRollouts(
-        engine, limits, prompts, lambda: [next(cursor) % 64 for _ in range(per_step)], Sampling(2, 1.5, 1.0, 24), 3
+        engine, limits, prompts, lambda: [next(cursor) % 64 for _ in range(per_step)], Sampling(2, 1.5, 1.0, 48), 3
     )
 
 

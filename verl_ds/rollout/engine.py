@@ -4,11 +4,47 @@ probe an engine for what it has."""
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
 from .batch import RolloutBatch
+
+
+@dataclass
+class Sampled:
+    """One stream request's sample as far as it got: `finish` stop | length (it ended), or abort (the
+    stream closed first)."""
+
+    key: Any
+    ids: list[int]
+    logprobs: list[float]
+    finish: str
+
+
+class TokenStream(Protocol):
+    """Requests an engine advances step by step, for partial rollouts: a step stops as soon as it can
+    train, and what is still running is cut there keeping every token it sampled (step-and-abort)."""
+
+    steps: int  # decode steps run so far (per step: its longest new output)
+
+    def add(self, keys: list, context: list[int], max_new_tokens: int, seed: int) -> None:
+        """`len(keys)` samples continuing `context` (ids), sample j seeded `seed + j` (vLLM's own rule
+        for a request's n samples), each up to `max_new_tokens` new tokens."""
+        ...
+
+    def step(self) -> list[Sampled]:
+        """Advance every running request; -> the samples that ended."""
+        ...
+
+    def close(self) -> list[Sampled]:
+        """End the stream: -> the samples still running, as far as they got (finish "abort")."""
+        ...
+
+    def __len__(self) -> int:
+        """Samples still running."""
+        ...
 
 
 @runtime_checkable
@@ -28,6 +64,11 @@ class RolloutEngine(Protocol):
         seeds: list[int] | None = None,
     ) -> RolloutBatch:
         """`n` samples per prompt, contiguous per prompt; `seeds[i]` seeds prompt i's samples."""
+        ...
+
+    def stream(self, temperature: float, top_p: float, chunk_tokens: int) -> TokenStream:
+        """A `TokenStream` (one open at a time, closed before the next `generate`): vLLM steps its
+        engine one token at a time; HF generate runs `chunk_tokens` a step, re-sending the contexts."""
         ...
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:

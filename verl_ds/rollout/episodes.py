@@ -89,6 +89,9 @@ class TurnLimits:
     max_failure_fraction: float = 0.1  # of a call's episodes whose environment may raise before the run stops
 
 
+_SINGLE_TURN = TurnLimits(max_model_len=1 << 62)  # a single-turn episode: max_new_tokens alone bounds it
+
+
 @dataclass(frozen=True)
 class EpisodeSpec:
     """A multi-turn job's episodes, built once (`trainer.builder.build_episodes`); a single-turn job
@@ -243,7 +246,7 @@ def advance(
     `version` tags the sampled tokens. Collective within a tensor-parallel group. -> the call's
     decode steps (its longest new output: what a decode-bound GPU engine's time follows)."""
     n, max_new_tokens = sampling.n, sampling.max_new_tokens
-    limits = spec.limits if spec else TurnLimits(max_model_len=1 << 62)
+    limits = spec.limits if spec else _SINGLE_TURN
     budgets = [_budget(ep, max_new_tokens, limits) for ep in live]
     asks = [b if cap is None else min(b, cap) for b in budgets]
     kw = dict(temperature=sampling.temperature, top_p=sampling.top_p, run_seed=run_seed, step=None)
@@ -254,11 +257,11 @@ def advance(
         prompts = [ep.seg.prompt_ids for ep in heads]
         out = generate_distributed(rollout, prompts, n, max_new_tokens=new_tokens, seeds=seeds, **kw)
     else:
-        seeds = [turn_seed(run_seed, *ep.key, ep.sample, ep.calls) for ep in live]
+        reqs = [request(ep, sampling, run_seed, spec) for ep in live]
+        contexts, seeds = [r[0] for r in reqs], [r[2] for r in reqs]
         new_tokens = max(asks, default=1)
         if rollout.tp > 1:  # the group's members send identical requests, token limit included
             new_tokens = int(vdist.all_reduce_max(float(new_tokens)))
-        contexts = [ep.seg.prompt_ids + ep.seg.ids + (ep.pending.ids if ep.pending else []) for ep in live]
         out = generate_distributed(rollout, contexts, 1, max_new_tokens=new_tokens, seeds=seeds, **kw)
     rows = out.to_lists()
     steps = max((len(ids) for ids in rows["responses"]), default=0)
@@ -267,20 +270,39 @@ def advance(
     ):
         if len(ids) > ask:  # this episode's own limit (the call ran to the largest one)
             ids, lps, reason = ids[:ask], lps[:ask], "length"
-        ep.calls += 1
-        ep.versions += [version] * len(ids)
-        turn = ep.pending or Segment([], [])
-        turn.add(ids, model=True, logprobs=lps)
-        if cap is not None and reason != "stop" and len(ids) < budget:  # paused: the turn goes on next call
-            ep.pending = turn
-            continue
-        ep.pending = None
-        if spec is None:  # a single-turn episode: its one turn ends it
-            ep.seg.add(turn.ids, model=True, logprobs=turn.logprobs)
-            ep.last_action, ep.finish, ep.turns, ep.live = turn.ids, "stop" if reason == "stop" else "length", 1, False
-        else:
-            _act(ep, turn.ids, turn.logprobs, "stop" if reason == "stop" else "length", spec.codec, limits)
+        paused = cap is not None and reason != "stop" and len(ids) < budget  # the turn goes on next call
+        take(ep, ids, lps, reason, paused, version, spec)
     return steps
+
+
+def take(
+    ep: Episode, ids: list[int], lps: list[float], reason: str, paused: bool, version: int, spec: EpisodeSpec | None
+) -> None:
+    """One engine request's output for `ep`, its tokens tagged with `version`: `paused` keeps the turn
+    in `ep.pending` (partial rollouts: it goes on at the next request); otherwise the turn ends, with
+    it a single-turn episode, and a multi-turn one's goes to the environment (`_act`)."""
+    ep.calls += 1
+    ep.versions += [version] * len(ids)
+    turn = ep.pending or Segment([], [])
+    turn.add(ids, model=True, logprobs=lps)
+    if paused:
+        ep.pending = turn
+        return
+    ep.pending = None
+    finish = "stop" if reason == "stop" else "length"
+    if spec is None:  # a single-turn episode: its one turn ends it
+        ep.seg.add(turn.ids, model=True, logprobs=turn.logprobs)
+        ep.last_action, ep.finish, ep.turns, ep.live = turn.ids, finish, 1, False
+    else:
+        _act(ep, turn.ids, turn.logprobs, finish, spec.codec, spec.limits)
+
+
+def request(ep: Episode, sampling: Sampling, run_seed: int, spec: EpisodeSpec | None) -> tuple[list[int], int, int]:
+    """`ep`'s next engine request as one sample: (its context as ids, the new tokens it may still
+    generate this turn, its seed from (run seed, step, position, sample, requests sent so far))."""
+    context = ep.seg.prompt_ids + ep.seg.ids + (ep.pending.ids if ep.pending else [])
+    budget = _budget(ep, sampling.max_new_tokens, spec.limits if spec else _SINGLE_TURN)
+    return context, budget, turn_seed(run_seed, *ep.key, ep.sample, ep.calls)
 
 
 # ---------------------------------------------------------------- the environment contract, checked where it is crossed

@@ -13,6 +13,8 @@ from verl_ds.errors import RunFailure
 from verl_ds.precision import TORCH_DTYPES
 
 from .batch import RolloutBatch
+from .engine import Sampled
+from .seeding import chunk_seed
 from .weights import ParamChecker, eos_token_ids, fingerprint, pad_token_id, sync_mismatch
 
 
@@ -180,6 +182,10 @@ class HFRollout:
         self.last_metrics = {"timing_s/gen": dt, "perf/rollout_tokens_per_s": ntok / max(dt, 1e-9)}
         return batch
 
+    def stream(self, temperature: float, top_p: float, chunk_tokens: int) -> ChunkedStream:
+        """`generate` in chunks of `chunk_tokens` (HF generate keeps no KV cache between calls)."""
+        return ChunkedStream(self, temperature, top_p, chunk_tokens)
+
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Copy new weights in place. Each tensor is checked before it is copied, so a bad name or
@@ -216,3 +222,78 @@ class HFRollout:
 
     def shutdown(self, release: bool = True) -> None:
         self.model = None
+
+
+class _Request:
+    """A stream request: `keys` samples of `context`; `got` one per sample once it has begun."""
+
+    def __init__(self, keys: list, context: list[int], budget: int, seed: int):
+        self.keys, self.context, self.budget, self.seed = keys, context, budget, seed
+        self.got = [Sampled(k, [], [], "") for k in keys]
+
+
+class ChunkedStream:
+    """A `TokenStream` over `generate`: each step runs up to `chunk` new tokens of every running sample
+    and re-sends its context (its KV recomputed). A request's samples start in one call seeded as
+    `generate` seeds a prompt's n samples; a sample continues seeded by `chunk_seed`. Per step, one
+    call per kind of request (new requests of k samples; samples going on)."""
+
+    def __init__(self, engine: HFRollout, temperature: float, top_p: float, chunk: int):
+        self.engine, self.temperature, self.top_p, self.chunk = engine, temperature, top_p, max(1, chunk)
+        self.new: list[_Request] = []
+        self.going: list[tuple[_Request, int]] = []  # (request, sample)
+        self.steps, self.seconds, self.tokens = 0, 0.0, 0
+
+    def add(self, keys: list, context: list[int], max_new_tokens: int, seed: int) -> None:
+        self.new.append(_Request(list(keys), list(map(int, context)), max_new_tokens, int(seed)))
+
+    def step(self) -> list[Sampled]:
+        calls = {}  # one call per kind: k samples of new requests; 0 = samples going on
+        for req in self.new:
+            calls.setdefault(len(req.keys), []).extend((req, j) for j in range(len(req.keys)))
+        if self.going:
+            calls[0] = self.going
+        self.new, self.going, ended = [], [], []
+        for k, samples in calls.items():
+            if k:  # new requests: their k samples from one prompt each
+                reqs = [r for r, _ in samples[::k]]
+                prompts, seeds = [r.context for r in reqs], [r.seed for r in reqs]
+                budget = max(r.budget for r in reqs)
+            else:
+                prompts = [r.context + r.got[j].ids for r, j in samples]
+                seeds = [chunk_seed(r.seed + j, len(r.got[j].ids)) for r, j in samples]
+                budget = max(r.budget - len(r.got[j].ids) for r, j in samples)
+            out = self.engine.generate(
+                prompts, max(k, 1), self.temperature, self.top_p, min(self.chunk, budget), seeds
+            ).to_lists()
+            self.seconds += self.engine.last_metrics["timing_s/gen"]
+            self.steps += max((len(r) for r in out["responses"]), default=0)
+            for (req, j), ids, lps, reason in zip(samples, out["responses"], out["logprobs"], out["finish_reasons"]):
+                got, room = req.got[j], req.budget - len(req.got[j].ids)
+                ids, lps = ids[:room], lps[:room]  # this sample's own budget (the call ran to the largest)
+                got.ids += ids
+                got.logprobs += lps
+                self.tokens += len(ids)
+                if reason == "stop" and ids and ids[-1] in self.engine.eos_ids:  # (not cut off by the budget)
+                    got.finish = "stop"
+                elif len(got.ids) >= req.budget:
+                    got.finish = "length"
+                if got.finish:
+                    ended.append(got)
+                else:
+                    self.going.append((req, j))
+        return ended
+
+    def close(self) -> list[Sampled]:
+        cut = [r.got[j] for r, j in self.going] + [g for r in self.new for g in r.got]
+        for got in cut:
+            got.finish = "abort"
+        self.new, self.going = [], []
+        self.engine.last_metrics = {
+            "timing_s/gen": self.seconds,
+            "perf/rollout_tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+        }
+        return cut
+
+    def __len__(self) -> int:
+        return sum(len(r.keys) for r in self.new) + len(self.going)

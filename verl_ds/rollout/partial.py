@@ -1,12 +1,15 @@
 """Partial rollouts: a step trains on groups that have finished and does not wait for the slowest.
 
-Each rank keeps a pool of prompt groups in flight across steps. A step generates in rounds of at
-most `chunk_tokens` new tokens per episode; once it can train `groups_per_step` finished groups it
-stops, and the unfinished episodes stay in the pool with their ids, rollout logprobs and, per
-token, the weights version that sampled it. After the weight sync they continue from their ids on
-the new weights (the engine recomputes their KV), so one response may span several versions. The
-loss corrects for that with the truncated importance weight on the rollout logprobs
-(`algorithm.tis_cap`: decoupled PPO, the proximal policy being the weights the step starts from).
+Each rank keeps a pool of prompt groups in flight across steps. A step runs every live episode in
+one stream of the engine (`RolloutEngine.stream`: vLLM steps its engine one token at a time, HF
+generate runs chunks of `chunk_tokens`); as soon as it can train `groups_per_step` finished groups
+it stops and cuts what still runs (step-and-abort), and the unfinished episodes stay in the pool
+with their ids, rollout logprobs and, per token, the weights version that sampled it (a
+tensor-parallel group instead generates in lockstep rounds of capped engine calls). After the
+weight sync they continue from their ids on the new weights (the engine recomputes their KV), so
+one response may span several versions. The loss corrects for that with the truncated importance
+weight on the rollout logprobs (`algorithm.tis_cap`: decoupled PPO, the proximal policy being the
+weights the step starts from).
 
 Staleness is bounded by admission, never by dropping work: a group admitted at version v is
 trained at a version <= v + max_staleness. The pool holds at most (max_staleness + 1) x
@@ -22,7 +25,8 @@ Seeds: a new group's first call samples its n episodes in one request seeded as 
 step seeds that prompt; every later request is one per episode, seeded from (run seed, the group's
 step and position, sample, the episode's call count) (`turn_seed`), so a resumed run continues
 identically. Under tensor parallelism each member keeps its own pool and the group generates in
-lockstep: a round runs while any member cannot pick yet. `state_dict` holds everything a
+lockstep: a round (one engine call capped at `chunk_tokens` a request) runs while any member cannot
+pick yet. `state_dict` holds everything a
 checkpoint needs to resume the pool exactly (environments are rebuilt by replaying the actions).
 """
 
@@ -49,8 +53,11 @@ from .episodes import (
     check_failures,
     env_reset,
     env_step,
+    request,
     start_episodes,
+    take,
 )
+from .seeding import prompt_seed
 
 
 @dataclass
@@ -189,29 +196,71 @@ class PartialRollouts:
         return vdist.all_reduce_max(float(flag)) > 0
 
     def _round(self, version: int) -> int:
-        """One engine call for the new groups' first turn (n samples per prompt, seeded as the
-        synchronous step) and one for the episodes going on (one request each). When every live
-        group must train this step, nothing could pause: each call runs to the end of its turn. In
-        a tensor-parallel group every member makes the calls any member makes, with the same cap.
+        """Where an episode could pause, one engine per rank: the stream (`_stream`). Otherwise one
+        engine call for the new groups' first turn (n samples per prompt, seeded as the synchronous
+        step) and one for the episodes going on (one request each), capped at `chunk_tokens` where
+        an episode could pause (a tensor-parallel group: every member makes the calls any member
+        makes, with the same cap); when every live group must train this step, nothing could pause
+        and each call runs to the end of its turn (max_staleness 0: the synchronous step's calls).
         -> the decode steps it ran."""
         s = self.limits.max_staleness
         live = [g for g in self.pool if not self._done(g)]
         pause = self._group_any(any(g.born + s > version for g in live))
+        if pause and self.engine.tp == 1:
+            return self._stream(version, live)
         cap = self.limits.chunk_tokens if pause else None
         go = dict(sampling=self.sampling, run_seed=self.run_seed, spec=self.spec, cap=cap, version=version)
         fresh, steps = [g for g in live if not g.episodes], 0
         if self._group_any(bool(fresh)):
-            examples = [self.prompts[g.index] for g in fresh]
-            prompt_ids = [list(e["prompt_ids"]) for e in examples]
-            eps, batched = start_episodes(examples, prompt_ids, self.sampling.n, self.spec, [g.key for g in fresh])
-            for k, g in enumerate(fresh):
-                g.episodes = eps[k * self.sampling.n : (k + 1) * self.sampling.n]
+            eps, batched = self._start(fresh)
             batched = not self._group_any(not batched)  # one kind of request for the whole group
             steps += advance(self.engine, eps, batched=batched, **go)
         going = [ep for g in live if g not in fresh for ep in g.episodes if ep.live]
         if self._group_any(bool(going)):
             steps += advance(self.engine, going, **go)
         return steps
+
+    def _start(self, fresh: list[InFlight]) -> tuple[list[Episode], bool]:
+        """The new groups' episodes (`start_episodes`), and whether each group's first request can be
+        one for its n samples."""
+        examples = [self.prompts[g.index] for g in fresh]
+        prompt_ids = [list(e["prompt_ids"]) for e in examples]
+        eps, batched = start_episodes(examples, prompt_ids, self.sampling.n, self.spec, [g.key for g in fresh])
+        for k, g in enumerate(fresh):
+            g.episodes = eps[k * self.sampling.n : (k + 1) * self.sampling.n]
+        return eps, batched
+
+    def _stream(self, version: int, live: list[InFlight]) -> int:
+        """Step-and-abort (one engine per rank): every live episode's request goes into one stream (a new
+        group's n samples as one request seeded as the synchronous step seeds its prompt), the engine
+        steps until this rank can pick, a turn that ends goes to its environment and the episode's
+        next turn joins the running batch at once; what still runs then is cut where it got, its
+        tokens kept for the next step. -> the decode steps it ran."""
+        smp, spec = self.sampling, self.spec
+        stream = self.engine.stream(smp.temperature, smp.top_p, self.limits.chunk_tokens)
+        fresh = [g for g in live if not g.episodes]
+        going = [ep for g in live for ep in g.episodes if ep.live]
+        if fresh:
+            eps, batched = self._start(fresh)
+            for g in fresh if batched else ():
+                head = g.episodes[0]
+                _, budget, _ = request(head, smp, self.run_seed, spec)
+                stream.add(g.episodes, head.seg.prompt_ids, budget, prompt_seed(self.run_seed, *head.key))
+            going += [] if batched else [ep for ep in eps if ep.live]
+        for ep in going:
+            self._request(stream, ep)
+        while len(stream) and self._pick(version) is None:
+            for got in stream.step():
+                take(got.key, got.ids, got.logprobs, got.finish, False, version, spec)
+                if got.key.live:  # its environment answered: the next turn joins the running batch
+                    self._request(stream, got.key)
+        for got in stream.close():
+            take(got.key, got.ids, got.logprobs, got.finish, True, version, spec)
+        return stream.steps
+
+    def _request(self, stream, ep: Episode) -> None:
+        context, budget, seed = request(ep, self.sampling, self.run_seed, self.spec)
+        stream.add([ep], context, budget, seed)
 
     def _metrics(self, eps: list[Episode], version: int) -> dict[str, float]:
         """partial/*, over the groups taken this step: how stale their tokens are (versions behind the

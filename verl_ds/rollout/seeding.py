@@ -31,3 +31,11 @@ def turn_seed(run_seed: int, step: int | str, position: int, sample: int, turn: 
     a single-turn job draws exactly what it drew before multi-turn existed."""
     digest = hashlib.blake2b(f"{run_seed}:{step}:{position}:{sample}:{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & _MASK
+
+
+def chunk_seed(seed: int, done: int) -> int:
+    """The seed of a sample's continuation after `done` tokens, when an engine without a stream of its
+    own re-sends the sample in chunks (HF generate): a fresh stream per chunk, fixed by the sample's
+    seed and how far it got, so a chunked sample does not replay its first chunk's draws."""
+    digest = hashlib.blake2b(f"chunk:{seed}:{done}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK

@@ -38,6 +38,30 @@ def _engine_core(llm):
     return llm.llm_engine.engine_core
 
 
+def add_streamed_request(llm, request_id: str, prompt_ids: list[int], params) -> None:
+    """Queue one request of prompt ids on `llm`'s engine without running it, its new tokens reported
+    at every engine step (`RequestOutputKind.DELTA`): `LLM.enqueue` forces FINAL_ONLY, under which a
+    request cut before its end reports nothing. The prompt is rendered as `LLM.generate` renders it
+    (`LLM._preprocess_cmpl_one`, vLLM 0.32), then `llm_engine.add_request`."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params.output_kind = RequestOutputKind.DELTA
+    rendered = llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=prompt_ids))
+    llm.llm_engine.add_request(request_id, rendered, params)
+
+
+def step_engine(llm) -> list:
+    """One engine step (`llm_engine.step()`): the `RequestOutput`s of the requests that advanced."""
+    return llm.llm_engine.step()
+
+
+def abort_requests(llm, request_ids: list[str]) -> None:
+    """Drop these requests (their ids as added) from the engine (`llm_engine.abort_request`)."""
+    if request_ids:
+        llm.llm_engine.abort_request(request_ids)
+
+
 def drop_exit_finalizer(llm) -> None:
     """Detach the engine-core client's exit-time finalizer (`engine_core._finalizer`, a
     `weakref.finalize` of its shutdown, vLLM 0.32), for a process that ends without teardown."""

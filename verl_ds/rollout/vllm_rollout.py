@@ -27,6 +27,7 @@ from verl_ds.process import setup_process
 
 from . import vllm_internals
 from .batch import RolloutBatch
+from .engine import Sampled
 from .weights import (
     TIED_HEAD,
     ParamChecker,
@@ -201,6 +202,11 @@ class VLLMRollout:
         self.last_metrics = {"timing_s/gen": dt, "perf/rollout_tokens_per_s": ntok / max(dt, 1e-9)}
         return batch
 
+    def stream(self, temperature: float, top_p: float, chunk_tokens: int) -> VLLMStream:
+        """Step-and-abort on this engine (`chunk_tokens` unused: it stops between any two steps)."""
+        self.wake_up()
+        return VLLMStream(self, temperature, top_p)
+
     # ---------------------------------------------------------------- GPU memory hand-off
     # vLLM sized its KV pool at start-up, before the roles' Adam states existed: the pool comes back
     # only for generation (`wake_up`), after the roles slept, never in the sync, where every role is
@@ -307,3 +313,66 @@ class VLLMRollout:
             log.debug("vLLM shutdown: %s", e)
         del llm
         gc.collect()
+
+
+class VLLMStream:
+    """A `TokenStream` on the in-process engine: requests queued with their own seeds and
+    budgets, the engine stepped one decode step at a time, each request's new tokens and logprobs
+    kept as they come, and on `close` the requests still running aborted with what they sampled.
+    Requests added between steps join the running batch (continuous batching). One engine, one
+    rank: a tensor-parallel group's members would have to add identical requests."""
+
+    def __init__(self, engine: VLLMRollout, temperature: float, top_p: float):
+        self.engine, self.temperature, self.top_p = engine, temperature, top_p
+        self.running: dict[str, Sampled] = {}
+        self.steps, self.seconds, self.tokens, self._n = 0, 0.0, 0, 0
+
+    def add(self, keys: list, context: list[int], max_new_tokens: int, seed: int) -> None:
+        from vllm import SamplingParams
+
+        for j, key in enumerate(keys):
+            params = SamplingParams(
+                n=1,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                stop_token_ids=self.engine.eos_ids,
+                detokenize=False,
+                seed=int(seed) + j,
+            )
+            rid, self._n = f"stream-{self._n}", self._n + 1
+            vllm_internals.add_streamed_request(self.engine.llm, rid, list(map(int, context)), params)
+            self.running[rid] = Sampled(key, [], [], "")
+
+    def step(self) -> list[Sampled]:
+        t0 = time.perf_counter()
+        outs = vllm_internals.step_engine(self.engine.llm)
+        self.seconds += time.perf_counter() - t0
+        self.steps += 1
+        ended = []
+        for out in outs:
+            got, c = self.running[out.request_id], out.outputs[0]
+            new = list(c.token_ids)
+            got.ids += new
+            got.logprobs += [lp[t].logprob for t, lp in zip(new, c.logprobs)]
+            self.tokens += len(new)
+            if out.finished:
+                got.finish = c.finish_reason if c.finish_reason in ("stop", "length") else "length"
+                ended.append(self.running.pop(out.request_id))
+        return ended
+
+    def close(self) -> list[Sampled]:
+        vllm_internals.abort_requests(self.engine.llm, list(self.running))
+        cut = list(self.running.values())
+        for got in cut:
+            got.finish = "abort"
+        self.running = {}
+        self.engine.last_metrics = {
+            "timing_s/gen": self.seconds,
+            "perf/rollout_tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+        }
+        return cut
+
+    def __len__(self) -> int:
+        return len(self.running)
