@@ -25,6 +25,7 @@ import statistics
 from demo_job import ROOT, require_model, train_demo
 
 CELLS = {"synchronous": [], "partial": ["rollout.partial.enabled=true"]}
+PHASES = ("gen", "ref", "update_actor", "update_weights")
 
 
 def long_tail(new_tokens: int) -> list[str]:
@@ -52,6 +53,9 @@ def cell_summary(rows: list[dict], prompts: int, n: int) -> dict:
         "max": statistics.mean(r["response_length/max"] for r in timed),
         "tokens_per_s": tokens / step,
         "staleness": statistics.mean(r.get("partial/staleness/mean", 0.0) for r in timed),
+        "resent": statistics.mean(r.get("partial/resent_tokens", 0.0) for r in timed),
+        # each phase's share of the step: what the same cut of generation is worth where phases differ
+        "shares": {k: statistics.mean(r[f"timing_s/{k}"] / r["timing_s/step"] for r in timed) for k in PHASES},
         "reward": statistics.mean(r["reward/mean"] for r in rows),
     }
 
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--over", type=float, default=1.0, help="rollout.partial.over_provision")
     ap.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
     ap.add_argument("--out", default="runs/bench_partial")
+    ap.add_argument("--set", nargs="*", default=[], help="more overrides for both cells (key=value)")
     args = ap.parse_args()
     require_model()
     out = ROOT / args.out
@@ -76,29 +81,34 @@ def main() -> None:
             if name == "partial":
                 overrides = [*overrides, f"rollout.partial.max_staleness={args.staleness}"]
                 overrides.append(f"rollout.partial.over_provision={args.over}")
-            rows = train_demo(out / f"r{rnd}_{name}", [*long_tail(args.new_tokens), *overrides], args.steps, args.seed)
+            job = [*long_tail(args.new_tokens), *args.set, *overrides]
+            rows = train_demo(out / f"r{rnd}_{name}", job, args.steps, args.seed)
             results.append({"round": rnd, "cell": name, **cell_summary(rows, 8, 8)})
             print(json.dumps(results[-1]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(
         "\n| round | cell | step s | generation s | decode steps | response tokens mean / p90 / max "
-        "| tokens trained/s | staleness | reward |"
+        "| tokens trained/s | staleness | re-sent tokens | gen / ref / update / sync share | reward |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        shares = " / ".join(f"{r['shares'][k]:.2f}" for k in PHASES)
         print(
             f"| {r['round']} | {r['cell']} | {r['step_s']:.2f} | {r['gen_s']:.2f} | {r['decode_steps']:.0f} "
             f"| {r['response_tokens']:.1f} / {r['p90']:.0f} / {r['max']:.0f} "
-            f"| {r['tokens_per_s']:.1f} | {r['staleness']:.2f} | {r['reward']:.3f} |"
+            f"| {r['tokens_per_s']:.1f} | {r['staleness']:.2f} | {r['resent']:.0f} "
+            f"| {shares} | {r['reward']:.3f} |"
         )
     for rnd in range(args.rounds if len(args.cells) == 2 else 0):
         sync, part = (next(x for x in results if x["round"] == rnd and x["cell"] == c) for c in CELLS)
         ratio = {k: part[k] / sync[k] for k in ("step_s", "gen_s", "tokens_per_s", "decode_steps")}
+        per_token = {k: ratio[k] * sync["response_tokens"] / part["response_tokens"] for k in ("gen_s", "decode_steps")}
         print(
-            f"round {rnd}: partial / synchronous step {ratio['step_s']:.2f}x, generation {ratio['gen_s']:.2f}x, "
-            f"tokens trained/s {ratio['tokens_per_s']:.2f}x, decode steps {ratio['decode_steps']:.2f}x "
-            "(what a decode-bound GPU's generation follows)"
+            f"round {rnd}: partial / synchronous step {ratio['step_s']:.2f}x, generation {ratio['gen_s']:.2f}x "
+            f"({per_token['gen_s']:.2f}x per trained token), tokens trained/s {ratio['tokens_per_s']:.2f}x, "
+            f"decode steps {ratio['decode_steps']:.2f}x ({per_token['decode_steps']:.2f}x per trained token: "
+            "what a decode-bound GPU's generation follows)"
         )
 
 

@@ -75,6 +75,18 @@ class InFlight:
         return bool(self.episodes) and not any(ep.live for ep in self.episodes)
 
 
+@dataclass
+class _Tally:
+    """This step's partial/* counts so far (a step's collects add up: dynamic sampling)."""
+
+    version: int = -1
+    ages: list[int] = field(default_factory=list)  # per trained model token: versions behind
+    spanned: list[bool] = field(default_factory=list)  # per trained episode: sampled by several versions
+    rounds: int = 0  # engine calls or streams
+    decode: int = 0  # their decode steps
+    resent: int = 0  # context tokens of episodes going on, sent again (the KV partial rollouts recompute)
+
+
 @dataclass(frozen=True)
 class PartialLimits:
     groups_per_step: int  # this rank's groups trained per step
@@ -103,19 +115,19 @@ class PartialRollouts:
         self.queue: list[tuple[int, int, int]] = []  # (prompt index, draw step, position) not yet admitted
         self.admitted = 0
         self.draws: tuple[int, int] = (-1, 0)  # (step, draws in that step): the next draw's round
-        self._step: tuple[int, list, list, int, int] = (-1, [], [], 0, 0)  # this step's metrics so far
+        self._tally = _Tally()
 
     # ---------------------------------------------------------------- one step
     def collect(self, version: int) -> tuple[Rollout, list[dict]]:
         """Admit, generate rounds until `groups_per_step` groups can train, take them out of the pool.
         -> (their rows, contiguous per group, with partial/* metrics; the groups' examples)."""
         self._admit(version)
-        if self._step[0] != version:  # metrics add up over the step's collects (dynamic sampling)
-            self._step = (version, [], [], 0, 0)
+        if self._tally.version != version:  # metrics add up over the step's collects (dynamic sampling)
+            self._tally = _Tally(version)
         while self._needs_round(version):
             steps = self._round(version)
-            v, ages, spanned, rounds, decode = self._step
-            self._step = (v, ages, spanned, rounds + 1, decode + steps)
+            self._tally.rounds += 1
+            self._tally.decode += steps
         picked = self._pick(version)
         taken = [self.pool[i] for i in picked]
         self.pool = [g for i, g in enumerate(self.pool) if i not in set(picked)]
@@ -216,6 +228,7 @@ class PartialRollouts:
             batched = not self._group_any(not batched)  # one kind of request for the whole group
             steps += advance(self.engine, eps, batched=batched, **go)
         going = [ep for g in live if g not in fresh for ep in g.episodes if ep.live]
+        self._tally.resent += sum(len(request(ep, self.sampling, self.run_seed, self.spec)[0]) for ep in going)
         if self._group_any(bool(going)):
             steps += advance(self.engine, going, **go)
         return steps
@@ -248,7 +261,7 @@ class PartialRollouts:
                 stream.add(g.episodes, head.seg.prompt_ids, budget, prompt_seed(self.run_seed, *head.key))
             going += [] if batched else [ep for ep in eps if ep.live]
         for ep in going:
-            self._request(stream, ep)
+            self._tally.resent += self._request(stream, ep)
         while len(stream) and self._pick(version) is None:
             for got in stream.step():
                 take(got.key, got.ids, got.logprobs, got.finish, False, version, spec)
@@ -258,16 +271,21 @@ class PartialRollouts:
             take(got.key, got.ids, got.logprobs, got.finish, True, version, spec)
         return stream.steps
 
-    def _request(self, stream, ep: Episode) -> None:
+    def _request(self, stream, ep: Episode) -> int:
+        """`ep`'s next request into `stream`. -> its context's length."""
         context, budget, seed = request(ep, self.sampling, self.run_seed, self.spec)
         stream.add([ep], context, budget, seed)
+        return len(context)
 
     def _metrics(self, eps: list[Episode], version: int) -> dict[str, float]:
         """partial/*, over the groups taken this step: how stale their tokens are (versions behind the
         weights that train them), the share of episodes that spanned several versions, the groups
-        left in flight, the generation rounds and their decode steps (the longest output of each
-        engine call, added up: what a decode-bound GPU engine's generation time follows)."""
-        _, ages, spanned, rounds, decode = self._step
+        left in flight, the generation rounds and their decode steps (the engine steps of a stream;
+        each engine call's longest output, added up: what a decode-bound GPU engine's generation
+        time follows), and the context tokens re-sent for episodes going on (their KV recomputed:
+        the prefill partial rollouts add)."""
+        t = self._tally
+        ages, spanned = t.ages, t.spanned
         ages += [version - v for ep in eps for v in ep.versions]
         spanned += [len(set(ep.versions)) > 1 for ep in eps]
         return {
@@ -276,8 +294,9 @@ class PartialRollouts:
             "partial/stale_token_fraction": sum(a > 0 for a in ages) / max(len(ages), 1),
             "partial/resumed_fraction": sum(spanned) / max(len(spanned), 1),
             "partial/in_flight_groups": float(len(self.pool)),
-            "partial/rounds": float(rounds),
-            "partial/decode_steps": float(decode),
+            "partial/rounds": float(t.rounds),
+            "partial/decode_steps": float(t.decode),
+            "partial/resent_tokens": float(t.resent),
         }
 
     # ---------------------------------------------------------------- checkpoints
