@@ -359,7 +359,10 @@ class PartialConfig:
         1.0, "groups in flight per rank, beyond the step's own, as a fraction of them (also <= max_staleness)", ge=0
     )
     chunk_tokens: int = opt(
-        0, "new tokens per episode per generation round (a step can stop between rounds); 0: max_new_tokens / 4", ge=0
+        0,
+        "HF generate and tensor-parallel groups: new tokens per episode per round, a step stopping between rounds "
+        "(vLLM on one rank stops between any two engine steps); 0: max_new_tokens / 4",
+        ge=0,
     )
 
 
