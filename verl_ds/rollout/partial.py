@@ -251,17 +251,18 @@ class PartialRollouts:
         tokens kept for the next step. -> the decode steps it ran."""
         smp, spec = self.sampling, self.spec
         stream = self.engine.stream(smp.temperature, smp.top_p, self.limits.chunk_tokens)
+        # the oldest first: the engine schedules in arrival order, and they are due soonest
+        for ep in (ep for g in sorted(live, key=lambda g: (g.born, g.order)) for ep in g.episodes if ep.live):
+            self._tally.resent += self._request(stream, ep)
         fresh = [g for g in live if not g.episodes]
-        going = [ep for g in live for ep in g.episodes if ep.live]
         if fresh:
             eps, batched = self._start(fresh)
             for g in fresh if batched else ():
                 head = g.episodes[0]
                 _, budget, _ = request(head, smp, self.run_seed, spec)
                 stream.add(g.episodes, head.seg.prompt_ids, budget, prompt_seed(self.run_seed, *head.key))
-            going += [] if batched else [ep for ep in eps if ep.live]
-        for ep in going:
-            self._tally.resent += self._request(stream, ep)
+            for ep in () if batched else (ep for ep in eps if ep.live):
+                self._request(stream, ep)
         while len(stream) and self._pick(version) is None:
             for got in stream.step():
                 take(got.key, got.ids, got.logprobs, got.finish, False, version, spec)
