@@ -242,7 +242,7 @@ class AgentServer:
         self._changed = threading.Condition(self._lock)  # a call was queued, or `poke` (an agent ended)
         self._queue: queue.Queue = queue.Queue()
         self.rounds = rounds
-        self._held: list[_Job] = []  # rounds mode: calls paused at the last round's cap
+        self._held: list[_Job] = []  # rounds mode: calls paused at the last round (its cap, or the stream cut there)
         self._closing = False
         self._server = self._thread = self._worker = None
         self.host, self.port = "127.0.0.1", 0
@@ -371,6 +371,35 @@ class AgentServer:
                 if not j.ids:  # the seed the response reports: its first request's
                     j.seed = seeds[-1]
         return self._generate(jobs, seeds, cap, version) if jobs else 0
+
+    def stream_round(self, chunk: int, version: int, ready: Callable[[], bool], react: Callable[[], None]) -> int:
+        """Rounds mode, step-and-abort: every queued or held call goes into one engine stream
+        (`RolloutEngine.stream`), stepped until `ready()`. Each call that ends is recorded and
+        answered, `react()` waits until the agents have acted on the answers, and the calls they make
+        join the running batch; the calls still running when it stops are held where they got (their
+        tokens tagged `version`), to go on at the next round. Seeds as `round`. -> its engine steps."""
+        stream = self.engine.stream(self.sampling.temperature, self.sampling.top_p, chunk)
+        self._enter(stream)
+        while len(stream) and not ready():
+            self.engine_calls.append(len(stream))
+            ended = stream.step()
+            if ended:
+                self._answer([(got.key, got.ids, got.logprobs, got.finish, False) for got in ended], version)
+                react()
+                self._enter(stream)
+        self._answer([(got.key, got.ids, got.logprobs, got.finish, True) for got in stream.close()], version)
+        return stream.steps
+
+    def _enter(self, stream) -> None:
+        """Every queued and held call into `stream`, each from its prompt and the ids it sampled so far."""
+        with self._lock:
+            jobs, self._held = self._held + self._drain(), []
+            for j in jobs:
+                seed = self._seed(j.track, j.track.requests)
+                j.track.requests += 1
+                if not j.ids:  # the seed the response reports: its first request's
+                    j.seed = seed
+                stream.add([j], j.call.prompt_ids + j.ids, j.budget - len(j.ids), seed)
 
     def _drain(self) -> list[_Job]:
         jobs = []
@@ -643,14 +672,23 @@ class AgentServer:
             self._fail(jobs, e)
             return 0
         self.engine_calls.append(len(jobs))
+        results = []
+        for j, ask, ids, lps, reason in zip(jobs, asks, rows["responses"], rows["logprobs"], rows["finish_reasons"]):
+            if len(ids) > ask:  # this call's own limit (the engine ran to the largest one)
+                ids, lps, reason = ids[:ask], lps[:ask], "length"
+            paused = cap is not None and reason != "stop" and len(j.ids) + len(ids) < j.budget  # goes on next round
+            results.append((j, ids, lps, reason, paused))
+        self._answer(results, version)
+        return max((len(ids) for ids in rows["responses"]), default=0)
+
+    def _answer(self, results: list[tuple], version: int) -> None:
+        """Each `(job, new ids, their logprobs, finish reason, paused)`: the tokens tagged `version`; a
+        paused call is held for the next round, the others recorded and answered."""
         done = []
         with self._lock:
-            outs = zip(jobs, asks, rows["responses"], rows["logprobs"], rows["finish_reasons"])
-            for j, ask, ids, lps, reason in outs:
-                if len(ids) > ask:  # this call's own limit (the engine ran to the largest one)
-                    ids, lps, reason = ids[:ask], lps[:ask], "length"
+            for j, ids, lps, reason, paused in results:
                 j.ids, j.logprobs, j.versions = j.ids + ids, j.logprobs + lps, j.versions + [version] * len(ids)
-                if cap is not None and reason != "stop" and len(j.ids) < j.budget:  # goes on next round
+                if paused:
                     self._held.append(j)
                     continue
                 self._record(j, j.ids, j.logprobs, reason)
@@ -658,7 +696,6 @@ class AgentServer:
                 done.append(j)
         for j in done:
             j.future.set_result(None)
-        return max((len(ids) for ids in rows["responses"]), default=0)
 
     def _record(self, job: _Job, ids: list[int], lps: list[float], reason: str) -> None:
         call, track = job.call, job.track

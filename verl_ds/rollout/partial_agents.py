@@ -4,11 +4,13 @@ agents wait on their calls through the training step and go on, on the new weigh
 The pool, its admission and its earliest-deadline pick are `PartialRollouts`'; what differs is how
 episodes advance. Each admitted group's `n` agents start as tasks on an event loop of their own
 (alive across steps) against an endpoint in rounds mode (`AgentServer(rounds=True)`): their calls
-wait in its queue until the step runs a round, which is one engine call for every waiting call.
-A round starts once every live agent waits on a call or has ended, so what a round holds does not
-depend on timing; a call may be cut at `chunk_tokens` and go on at the next round, after a weight
-sync if the step ends between them, its tokens tagged with the version that sampled them. An agent
-whose call is cut never sees it: its HTTP response comes when the call ends.
+wait in its queue until the step runs a round. A round starts once every live agent waits on a
+call or has ended, so what a round holds does not depend on timing. Where some group could pause,
+a round is one engine stream (step-and-abort, as `PartialRollouts`): a call that ends is answered,
+the agents act on it before the next engine step and their new calls join the running batch, and
+the moment the step can pick, the calls still running are cut where they got; they go on at the
+next round, after the weight sync, their tokens tagged with the version that sampled them. An
+agent whose call is cut never sees it: its HTTP response comes when the call ends.
 
 An agent's state cannot be saved: a checkpoint keeps the pool's groups, and on resume the groups
 whose agents had started restart from their prompts (one log line says how many). An agent's
@@ -69,8 +71,10 @@ class PartialAgents(PartialRollouts):
 
     def _round(self, version: int) -> int:
         """Start the new groups' agents, wait until every live agent waits on a call or has ended,
-        run one engine call over the waiting calls (capped while some live group is not due this
-        step), and wait again, so that the pick sees where every agent stands. -> its decode steps."""
+        then, while some live group is not due this step, one engine stream over the calls until this
+        step can pick (the agents act on each answer before the next engine step, so what the stream
+        holds does not depend on timing); else one engine call over the waiting calls, and wait again,
+        so that the pick sees where every agent stands. -> its decode steps."""
         s = self.limits.max_staleness
         live = [g for g in self.pool if not self._done(g)]
         pause = any(g.born + s > version for g in live)
@@ -83,7 +87,13 @@ class PartialAgents(PartialRollouts):
                 self.runs[e] = asyncio.run_coroutine_threadsafe(run, self.loop)
                 self.runs[e].add_done_callback(lambda _: self.server.poke())
         self._wait_for_agents()
-        steps = self.server.round(self.limits.chunk_tokens if pause else None, version)
+        if pause:  # step-and-abort: the calls run until this step can pick, then are cut where they got
+
+            def ready() -> bool:
+                return self._pick(version) is not None
+
+            return self.server.stream_round(self.limits.chunk_tokens, version, ready, self._wait_for_agents)
+        steps = self.server.round(None, version)
         self._wait_for_agents()
         return steps
 
