@@ -364,6 +364,13 @@ class PartialConfig:
         "(vLLM on one rank stops between any two engine steps); 0: max_new_tokens / 4",
         ge=0,
     )
+    tail_fraction: float = opt(
+        1.0,
+        "a step cuts its running episodes once it can train and they have fallen to this fraction of the most "
+        "it ran (its tail); 1.0: the moment it can train; lower: fewer cut episodes to re-send",
+        gt=0,
+        le=1,
+    )
 
 
 @dataclass

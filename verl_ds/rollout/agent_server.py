@@ -372,15 +372,16 @@ class AgentServer:
                     j.seed = seeds[-1]
         return self._generate(jobs, seeds, cap, version) if jobs else 0
 
-    def stream_round(self, chunk: int, version: int, ready: Callable[[], bool], react: Callable[[], None]) -> int:
+    def stream_round(self, chunk: int, version: int, cut: Callable[[int, int], bool], react: Callable[[], None]) -> int:
         """Rounds mode, step-and-abort: every queued or held call goes into one engine stream
-        (`RolloutEngine.stream`), stepped until `ready()`. Each call that ends is recorded and
+        (`RolloutEngine.stream`), stepped until `cut(running, peak)` (the calls it runs now, the most it
+        ran). Each call that ends is recorded and
         answered, `react()` waits until the agents have acted on the answers, and the calls they make
         join the running batch; the calls still running when it stops are held where they got (their
         tokens tagged `version`), to go on at the next round. Seeds as `round`. -> its engine steps."""
         stream = self.engine.stream(self.sampling.temperature, self.sampling.top_p, chunk)
         self._enter(stream)
-        while len(stream) and not ready():
+        while not cut(len(stream), stream.peak):
             self.engine_calls.append(len(stream))
             ended = stream.step()
             if ended:

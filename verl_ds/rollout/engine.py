@@ -28,6 +28,7 @@ class TokenStream(Protocol):
     train, and what is still running is cut there keeping every token it sampled (step-and-abort)."""
 
     steps: int  # decode steps run so far (per step: its longest new output)
+    peak: int  # the most samples it ran at once so far
 
     def add(self, keys: list, context: list[int], max_new_tokens: int, seed: int) -> None:
         """`len(keys)` samples continuing `context` (ids), sample j seeded `seed + j` (vLLM's own rule

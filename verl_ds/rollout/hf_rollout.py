@@ -242,10 +242,11 @@ class ChunkedStream:
         self.engine, self.temperature, self.top_p, self.chunk = engine, temperature, top_p, max(1, chunk)
         self.new: list[_Request] = []
         self.going: list[tuple[_Request, int]] = []  # (request, sample)
-        self.steps, self.seconds, self.tokens = 0, 0.0, 0
+        self.steps, self.peak, self.seconds, self.tokens = 0, 0, 0.0, 0
 
     def add(self, keys: list, context: list[int], max_new_tokens: int, seed: int) -> None:
         self.new.append(_Request(list(keys), list(map(int, context)), max_new_tokens, int(seed)))
+        self.peak = max(self.peak, len(self))
 
     def step(self) -> list[Sampled]:
         calls = {}  # one call per kind: k samples of new requests; 0 = samples going on

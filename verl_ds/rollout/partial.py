@@ -93,6 +93,7 @@ class PartialLimits:
     max_staleness: int  # versions between a group's admission and its training, at most
     in_flight: int  # groups in the pool at most (over-provisioning)
     chunk_tokens: int  # new tokens per episode per round
+    tail_fraction: float = 1.0  # a stream is cut once the step can pick and it runs <= this x its most
 
 
 class PartialRollouts:
@@ -263,7 +264,7 @@ class PartialRollouts:
                 stream.add(g.episodes, head.seg.prompt_ids, budget, prompt_seed(self.run_seed, *head.key))
             for ep in () if batched else (ep for ep in eps if ep.live):
                 self._request(stream, ep)
-        while len(stream) and self._pick(version) is None:
+        while not self._cut(version, len(stream), stream.peak):
             for got in stream.step():
                 take(got.key, got.ids, got.logprobs, got.finish, False, version, spec)
                 if got.key.live:  # its environment answered: the next turn joins the running batch
@@ -271,6 +272,13 @@ class PartialRollouts:
         for got in stream.close():
             take(got.key, got.ids, got.logprobs, got.finish, True, version, spec)
         return stream.steps
+
+    def _cut(self, version: int, running: int, peak: int) -> bool:
+        """Whether a stream running `running` requests (at most `peak` so far) stops now: nothing runs,
+        or this step can pick and the stream is in its tail (`tail_fraction` of its peak)."""
+        if not running:
+            return True
+        return running <= self.limits.tail_fraction * peak and self._pick(version) is not None
 
     def _request(self, stream, ep: Episode) -> int:
         """`ep`'s next request into `stream`. -> its context's length."""

@@ -89,10 +89,10 @@ class PartialAgents(PartialRollouts):
         self._wait_for_agents()
         if pause:  # step-and-abort: the calls run until this step can pick, then are cut where they got
 
-            def ready() -> bool:
-                return self._pick(version) is not None
+            def cut(running: int, peak: int) -> bool:
+                return self._cut(version, running, peak)
 
-            return self.server.stream_round(self.limits.chunk_tokens, version, ready, self._wait_for_agents)
+            return self.server.stream_round(self.limits.chunk_tokens, version, cut, self._wait_for_agents)
         steps = self.server.round(None, version)
         self._wait_for_agents()
         return steps

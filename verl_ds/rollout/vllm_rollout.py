@@ -325,7 +325,7 @@ class VLLMStream:
     def __init__(self, engine: VLLMRollout, temperature: float, top_p: float):
         self.engine, self.temperature, self.top_p = engine, temperature, top_p
         self.running: dict[str, Sampled] = {}
-        self.steps, self.seconds, self.tokens, self._n = 0, 0.0, 0, 0
+        self.steps, self.peak, self.seconds, self.tokens, self._n = 0, 0, 0.0, 0, 0
 
     def add(self, keys: list, context: list[int], max_new_tokens: int, seed: int) -> None:
         from vllm import SamplingParams
@@ -344,6 +344,7 @@ class VLLMStream:
             rid, self._n = f"stream-{self._n}", self._n + 1
             vllm_internals.add_streamed_request(self.engine.llm, rid, list(map(int, context)), params)
             self.running[rid] = Sampled(key, [], [], "")
+        self.peak = max(self.peak, len(self.running))
 
     def step(self) -> list[Sampled]:
         t0 = time.perf_counter()

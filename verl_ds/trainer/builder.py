@@ -108,6 +108,7 @@ def build_partial(
         max_staleness=r.partial.max_staleness,
         in_flight=math.ceil(b * (1 + r.partial.over_provision)),
         chunk_tokens=r.partial.chunk_tokens or max(1, r.max_new_tokens // 4),
+        tail_fraction=r.partial.tail_fraction,
     )
     sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
     if agents is not None:
