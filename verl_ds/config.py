@@ -365,9 +365,9 @@ class PartialConfig:
         ge=0,
     )
     tail_fraction: float = opt(
-        1.0,
+        0.1,
         "a step cuts its running episodes once it can train and they have fallen to this fraction of the most "
-        "it ran (its tail); 1.0: the moment it can train; lower: fewer cut episodes to re-send",
+        "it ran (its tail); 1.0: the moment it can train (more cut episodes to re-send)",
         gt=0,
         le=1,
     )

@@ -283,6 +283,7 @@ def test_multi_turn_zero3_vllm_lora_filter_groups_partial_kill_resume(tmp_path):
         "algorithm.filter_groups.max_rounds=2",
         "rollout.partial.enabled=true",
         "rollout.partial.chunk_tokens=2",  # episodes pause mid-turn and between turns
+        "rollout.partial.tail_fraction=1.0",  # cut the moment a step can train
         "rollout.max_new_tokens=16",  # turns end at random lengths (eos)...
         "rollout.n=2",  # ...and groups of 2 at different rounds (8 episodes nearly always hold a longest one)
         "roles.actor.micro_batch_size=8",

@@ -243,7 +243,7 @@ def test_partial_rollouts_continue_paused_episodes_on_the_new_weights(engine, hf
     old, new = hf_pair
     prompts = [{"prompt_ids": p} for p in PROMPTS]
     cursor = iter(range(1000))
-    limits = PartialLimits(groups_per_step=1, max_staleness=3, in_flight=4, chunk_tokens=2)
+    limits = PartialLimits(1, 3, 4, chunk_tokens=2, tail_fraction=1.0)  # cut the moment it can pick
     draw = lambda: [next(cursor) % len(prompts)]  # noqa: E731
     pool = PartialRollouts(engine, limits, prompts, draw, Sampling(2, 1.0, 1.0, 24), run_seed=5)
     engine.sync_weights(old.named_parameters())

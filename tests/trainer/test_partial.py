@@ -34,6 +34,7 @@ PARTIAL = [
     "rollout.partial.max_staleness=2",
     "rollout.partial.over_provision=2.0",
     "rollout.partial.chunk_tokens=4",
+    "rollout.partial.tail_fraction=1.0",  # cut the moment a step can train: episodes pause in so small a batch
 ]
 NOT_COMPARED = ("timing_s/", "perf/", "memory/", "partial/")
 # a retry environment: several turns per episode, so pauses fall inside turns and between them
@@ -76,10 +77,10 @@ def engine(tiny_model_dir):
     return HFRollout(str(tiny_model_dir), "fp32")
 
 
-def _pool(engine, tokenizer, staleness: int, in_flight: int, per_step: int = 2) -> PartialRollouts:
+def _pool(engine, tokenizer, staleness: int, in_flight: int, per_step: int = 2, tail: float = 1.0) -> PartialRollouts:
     prompts = [{"prompt_ids": tokenizer(f"{i}+{i}=")["input_ids"], "i": i} for i in range(64)]
     cursor = iter(range(10_000))
-    limits = PartialLimits(groups_per_step=per_step, max_staleness=staleness, in_flight=in_flight, chunk_tokens=3)
+    limits = PartialLimits(per_step, staleness, in_flight, chunk_tokens=3, tail_fraction=tail)
     return PartialRollouts(
         engine, limits, prompts, lambda: [next(cursor) % 64 for _ in range(per_step)], Sampling(2, 1.5, 1.0, 48), 3
     )
@@ -112,6 +113,21 @@ def test_the_pool_bounds_staleness_drops_nothing_and_continues_paused_episodes(e
     assert sorted(trained + left) == list(range(16 + len(left))), "every admitted group trains or is in flight"
 
 
+def test_a_step_cuts_its_stream_only_in_its_tail(engine, tokenizer):
+    """`tail_fraction`: at 1.0 a step cuts what runs the moment it can train (episodes wait in flight
+    half-sampled, their contexts re-sent next step); near 0 it lets every running episode end, so
+    nothing waits half-sampled and nothing is re-sent, while groups still wait in flight, whole."""
+    for tail, cuts in ((1.0, True), (1e-9, False)):
+        pool, half, resent, waiting = _pool(engine, tokenizer, staleness=2, in_flight=6, tail=tail), 0, 0.0, 0
+        for version in range(6):
+            ro, _ = pool.collect(version)
+            resent += ro.metrics["partial/resent_tokens"]
+            half += sum(bool(ep.pending) for g in pool.pool for ep in g.episodes)
+            waiting += len(pool.pool)
+        assert (half > 0, resent > 0) == (cuts, cuts), (tail, half, resent)
+        assert waiting > 0
+
+
 @pytest.mark.numerics
 def test_a_paused_episode_continues_as_if_never_paused(engine, tokenizer):
     """Greedy, on unchanged weights: episodes paused every 3 tokens (their context re-sent as ids,
@@ -120,7 +136,7 @@ def test_a_paused_episode_continues_as_if_never_paused(engine, tokenizer):
 
     def rows(chunk: int, staleness: int) -> dict[tuple, tuple]:
         cursor = iter(range(100))
-        limits = PartialLimits(groups_per_step=4, max_staleness=staleness, in_flight=8, chunk_tokens=chunk)
+        limits = PartialLimits(4, staleness, 8, chunk_tokens=chunk, tail_fraction=1.0)
         pool = PartialRollouts(
             engine, limits, prompts, lambda: [next(cursor) for _ in range(4)], Sampling(1, 0.0, 1.0, 16), 3
         )

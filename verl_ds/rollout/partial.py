@@ -93,7 +93,7 @@ class PartialLimits:
     max_staleness: int  # versions between a group's admission and its training, at most
     in_flight: int  # groups in the pool at most (over-provisioning)
     chunk_tokens: int  # new tokens per episode per round
-    tail_fraction: float = 1.0  # a stream is cut once the step can pick and it runs <= this x its most
+    tail_fraction: float  # a stream is cut once the step can pick and it runs <= this x its most
 
 
 class PartialRollouts:
