@@ -2,8 +2,9 @@
 
 Each rank keeps a pool of prompt groups in flight across steps. A step runs every live episode in
 one stream of the engine (`RolloutEngine.stream`: vLLM steps its engine one token at a time, HF
-generate runs chunks of `chunk_tokens`); as soon as it can train `groups_per_step` finished groups
-it stops and cuts what still runs (step-and-abort), and the unfinished episodes stay in the pool
+generate runs chunks of `chunk_tokens`); once it can train `groups_per_step` finished groups and
+what still runs is the engine's tail (`tail_fraction` of the most it ran), it stops and cuts it
+(step-and-abort), and the unfinished episodes stay in the pool
 with their ids, rollout logprobs and, per token, the weights version that sampled it (a
 tensor-parallel group instead generates in lockstep rounds of capped engine calls). After the
 weight sync they continue from their ids on the new weights (the engine recomputes their KV), so
@@ -26,8 +27,8 @@ step seeds that prompt; every later request is one per episode, seeded from (run
 step and position, sample, the episode's call count) (`turn_seed`), so a resumed run continues
 identically. Under tensor parallelism each member keeps its own pool and the group generates in
 lockstep: a round (one engine call capped at `chunk_tokens` a request) runs while any member cannot
-pick yet. `state_dict` holds everything a
-checkpoint needs to resume the pool exactly (environments are rebuilt by replaying the actions).
+pick yet. `state_dict` holds everything a checkpoint needs to resume the pool exactly
+(environments are rebuilt by replaying the actions).
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ class PartialRollouts:
     def _stream(self, version: int, live: list[InFlight]) -> int:
         """Step-and-abort (one engine per rank): every live episode's request goes into one stream (a new
         group's n samples as one request seeded as the synchronous step seeds its prompt), the engine
-        steps until this rank can pick, a turn that ends goes to its environment and the episode's
+        steps until this rank can pick and the stream is in its tail (`_cut`), a turn that ends goes to its environment and the episode's
         next turn joins the running batch at once; what still runs then is cut where it got, its
         tokens kept for the next step. -> the decode steps it ran."""
         smp, spec = self.sampling, self.spec
