@@ -248,9 +248,9 @@ class PartialRollouts:
     def _stream(self, version: int, live: list[InFlight]) -> int:
         """Step-and-abort (one engine per rank): every live episode's request goes into one stream (a new
         group's n samples as one request seeded as the synchronous step seeds its prompt), the engine
-        steps until this rank can pick and the stream is in its tail (`_cut`), a turn that ends goes to its environment and the episode's
-        next turn joins the running batch at once; what still runs then is cut where it got, its
-        tokens kept for the next step. -> the decode steps it ran."""
+        steps until this rank can pick and the stream is in its tail (`_cut`), a turn that ends goes
+        to its environment and the episode's next turn joins the running batch at once; what still
+        runs then is cut where it got, its tokens kept for the next step. -> the decode steps it ran."""
         smp, spec = self.sampling, self.spec
         stream = self.engine.stream(smp.temperature, smp.top_p, self.limits.chunk_tokens)
         # the oldest first: the engine schedules in arrival order, and they are due soonest
