@@ -283,7 +283,7 @@ class AgentServer:
         if self.rounds:
             with self._lock:
                 self._closing = True  # no call is queued after this
-                jobs, self._held = self._held + self._drain(), []
+                jobs = self._take_waiting()
             self._fail(jobs, RunEnded())
         self._server.should_exit = True
         self._thread.join()
@@ -363,22 +363,17 @@ class AgentServer:
         episode's step, position and sample, the episode's request count), so a call that is not
         cut draws what the synchronous round draws. -> the call's decode steps (its longest output)."""
         with self._lock:
-            jobs, self._held = self._held + self._drain(), []
-            seeds = []
-            for j in jobs:
-                seeds.append(self._seed(j.track, j.track.requests))
-                j.track.requests += 1
-                if not j.ids:  # the seed the response reports: its first request's
-                    j.seed = seeds[-1]
+            jobs = self._take_waiting()
+            seeds = [self._request_seed(j) for j in jobs]
         return self._generate(jobs, seeds, cap, version) if jobs else 0
 
     def stream_round(self, chunk: int, version: int, cut: Callable[[int, int], bool], react: Callable[[], None]) -> int:
         """Rounds mode, step-and-abort: every queued or held call goes into one engine stream
-        (`RolloutEngine.stream`), stepped until `cut(running, peak)` (the calls it runs now, the most it
-        ran). Each call that ends is recorded and
-        answered, `react()` waits until the agents have acted on the answers, and the calls they make
-        join the running batch; the calls still running when it stops are held where they got (their
-        tokens tagged `version`), to go on at the next round. Seeds as `round`. -> its engine steps."""
+        (`RolloutEngine.stream`), stepped until `cut(running, peak)` (the calls it runs now, the most
+        it ran). Each call that ends is recorded and answered, `react()` waits until the agents have
+        acted on the answers, and the calls they make join the running batch; the calls still running
+        when it stops are held where they got (their tokens tagged `version`), to go on at the next
+        round. Seeds as `round`. -> its engine steps."""
         stream = self.engine.stream(self.sampling.temperature, self.sampling.top_p, chunk)
         self._enter(stream)
         while not cut(len(stream), stream.peak):
@@ -394,13 +389,22 @@ class AgentServer:
     def _enter(self, stream) -> None:
         """Every queued and held call into `stream`, each from its prompt and the ids it sampled so far."""
         with self._lock:
-            jobs, self._held = self._held + self._drain(), []
-            for j in jobs:
-                seed = self._seed(j.track, j.track.requests)
-                j.track.requests += 1
-                if not j.ids:  # the seed the response reports: its first request's
-                    j.seed = seed
-                stream.add([j], j.call.prompt_ids + j.ids, j.budget - len(j.ids), seed)
+            for j in self._take_waiting():
+                stream.add([j], j.call.prompt_ids + j.ids, j.budget - len(j.ids), self._request_seed(j))
+
+    def _take_waiting(self) -> list[_Job]:
+        """The calls held at the last round, then those queued since. Under the lock."""
+        jobs, self._held = self._held + self._drain(), []
+        return jobs
+
+    def _request_seed(self, j: _Job) -> int:
+        """The seed of `j`'s next engine request (`_seed` over its episode's request count, counted
+        here). Under the lock."""
+        seed = self._seed(j.track, j.track.requests)
+        j.track.requests += 1
+        if not j.ids:  # the seed the response reports: its first request's
+            j.seed = seed
+        return seed
 
     def _drain(self) -> list[_Job]:
         jobs = []
