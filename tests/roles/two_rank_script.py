@@ -2,6 +2,7 @@
 at ZeRO-0, our bucketed gradient all-reduce against DeepSpeed's own."""
 
 import hashlib
+import os
 import sys
 
 import torch
@@ -135,3 +136,8 @@ def same_update_as_deepspeed_reduction(model_dir: str, rank: int) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(args[0], int(args[1]))
+    # as the CLI ends a rank: no interpreter teardown, where a rank once aborted ("terminate called
+    # without an active exception", exit -6) after both had passed, destroying a thread still joinable
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
