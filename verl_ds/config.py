@@ -346,7 +346,7 @@ class MultiTurnConfig:
 class PartialConfig:
     """Partial rollouts: a step trains the groups that finish first; the rest go on, on new weights.
 
-    Instead of every step waiting for its slowest episode (docs/GUIDE.md, "Partial rollouts")."""
+    Instead of every step waiting for its slowest episode (docs/PARTIAL_ROLLOUTS.md)."""
 
     enabled: bool = opt(False, "keep unfinished episodes in flight across steps (agents: one engine per rank)")
     max_staleness: int = opt(
