@@ -30,6 +30,12 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=4, help="rollout.partial.max_staleness")
     ap.add_argument("--over", type=float, default=3.0, help="rollout.partial.over_provision")
     ap.add_argument("--out", default="runs/partial_curves")
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        help="more overrides for both cells (key=value), e.g. a larger held-out set: data.reasoning_gym.val_size=1000",
+    )
     args = ap.parse_args()
     require_model()
     out = ROOT / args.out
@@ -45,7 +51,8 @@ def main() -> None:
     curves: list[dict] = []
     for seed in args.seeds:
         for name, overrides in cells.items():
-            job = [*long_tail(args.new_tokens), *overrides, f"trainer.val_every={args.val_every}", "trainer.val_n=2"]
+            val = [f"trainer.val_every={args.val_every}", "trainer.val_n=2"]
+            job = [*long_tail(args.new_tokens), *overrides, *val, *args.set]
             rows = train_demo(out / f"s{seed}_{name}", job, args.steps, seed)
             curve = {
                 "seed": seed,
