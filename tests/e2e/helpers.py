@@ -59,6 +59,23 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 
 
+# per-step numbers that are not the algorithm's: wall times and process memory
+UNCOMPARED = ("timing_s/", "perf/", "memory/")
+
+
+def assert_same_metrics(want: list[dict], got: list[dict], what: str) -> int:
+    """Every compared key of every step bitwise equal; returns how many values were compared."""
+    assert [r["step"] for r in got] == [r["step"] for r in want], (what, [r["step"] for r in got])
+    n = 0
+    for w, g in zip(want, got):
+        keys = sorted(k for k in w if not k.startswith(UNCOMPARED))
+        assert keys == sorted(k for k in g if not k.startswith(UNCOMPARED)), (what, w["step"])
+        diff = {k: (w[k], g[k]) for k in keys if w[k] != g[k]}
+        assert not diff, f"{what}: step {w['step']} differs: {diff}"
+        n += len(keys)
+    return n
+
+
 def wandb_history(run_dir) -> list[dict]:
     runs = sorted((Path(run_dir) / "wandb").glob("offline-run-*"))
     assert runs, "no W&B offline run written"

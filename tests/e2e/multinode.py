@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.e2e.helpers import ROOT, read_metrics, run_train, train_cmd, wait_for_step
+from tests.e2e.helpers import ROOT, assert_same_metrics, read_metrics, run_train, train_cmd, wait_for_step
 
 CONFIG = "grpo_cpu_tiny.yaml"
 STEPS = 4
@@ -36,25 +36,10 @@ OVERRIDES = [
     *[f"precision.{k}_dtype=fp32" for k in ("actor", "reference", "rollout", "buffer")],
 ]
 DEAD_NODE_BOUND_S = 60
-# per-step numbers that are not the algorithm's: wall times and process memory
-UNCOMPARED = ("timing_s/", "perf/", "memory/")
 
 
 def say(msg: str) -> None:
     print(f"[multinode] {msg}", flush=True)
-
-
-def assert_same_metrics(want: list[dict], got: list[dict], what: str) -> int:
-    """Every compared key of every step bitwise equal; returns how many values were compared."""
-    assert [r["step"] for r in got] == [r["step"] for r in want], (what, [r["step"] for r in got])
-    n = 0
-    for w, g in zip(want, got):
-        keys = sorted(k for k in w if not k.startswith(UNCOMPARED))
-        assert keys == sorted(k for k in g if not k.startswith(UNCOMPARED)), (what, w["step"])
-        diff = {k: (w[k], g[k]) for k in keys if w[k] != g[k]}
-        assert not diff, f"{what}: step {w['step']} differs: {diff}"
-        n += len(keys)
-    return n
 
 
 def rank_pid(run_dir: Path, rank: int) -> int:

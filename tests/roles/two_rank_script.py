@@ -1,6 +1,7 @@
 """Run by test_two_ranks.py under `deepspeed --num_gpus 2` (CPU, gloo): ZeRO-3 gather and step sync;
 at ZeRO-0, our bucketed gradient all-reduce against DeepSpeed's own."""
 
+import atexit
 import hashlib
 import os
 import sys
@@ -136,8 +137,9 @@ def same_update_as_deepspeed_reduction(model_dir: str, rank: int) -> None:
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(args[0], int(args[1]))
-    # as the CLI ends a rank: no interpreter teardown, where a rank once aborted ("terminate called
-    # without an active exception", exit -6) after both had passed, destroying a thread still joinable
+    # as the CLI ends a rank: exit handlers, then no interpreter teardown, where a rank once aborted
+    # ("terminate called without an active exception", exit -6) after both had passed
     dist.barrier()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     os._exit(0)
