@@ -23,6 +23,37 @@ from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.quant import quantize_int8
 
 
+def enable_grad_checkpointing(model: torch.nn.Module) -> None:
+    """Activation checkpointing that takes effect in eval mode.
+
+    transformers' `GradientCheckpointingLayer` recomputes only when `self.gradient_checkpointing and
+    self.training`, and the roles run in eval mode (`from_pretrained`'s, dropout off: RL's losses and
+    the rollout-vs-trainer gap assume the deterministic forward). So the checkpointed layers alone are
+    flagged `training` (not their children: every dropout and `self.training` branch inside stays as
+    eval has it): the numbers are eval mode's, the memory checkpointing's (one layer input per layer
+    kept for the backward). Non-reentrant checkpointing: the reentrant one needs an input that
+    requires grad, which a frozen embedding (LoRA) does not give."""
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.eval()
+    layers = [m for m in model.modules() if _checkpointed(m)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: gradient checkpointing enabled but no layer checkpoints")
+    for m in layers:
+        m.training = True  # this module only: `train()` would recurse into its dropouts
+
+
+def _checkpointed(module: torch.nn.Module) -> bool:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return isinstance(module, GradientCheckpointingLayer) and bool(getattr(module, "gradient_checkpointing", False))
+
+
+def checkpointed_layers(model: torch.nn.Module) -> int:
+    """How many layers of `model` will recompute their activations in the backward (0: none)."""
+    return sum(_checkpointed(m) and m.training for m in model.modules())
+
+
 def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
     """input_ids/attention_mask/position_ids for a left-padded prompt + right-padded response.
 

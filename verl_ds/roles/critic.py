@@ -6,7 +6,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
-from verl_ds.roles.base import Role, pad_response, trim_padding
+from verl_ds.roles.base import Role, enable_grad_checkpointing, pad_response, trim_padding
 from verl_ds.roles.batch import TrainBatch
 
 
@@ -34,7 +34,7 @@ def load_value_model(path: str, trust_remote_code: bool = False, grad_checkpoint
 
     backbone = AutoModel.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     if grad_checkpointing:
-        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_grad_checkpointing(backbone)
     return ValueModel(backbone, backbone.config.hidden_size)
 
 

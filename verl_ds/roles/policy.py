@@ -7,7 +7,7 @@ import torch
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
 from verl_ds.roles import attention
-from verl_ds.roles.base import Role, pad_response, trim_padding
+from verl_ds.roles.base import Role, enable_grad_checkpointing, pad_response, trim_padding
 from verl_ds.roles.batch import TrainBatch
 
 
@@ -29,8 +29,7 @@ def load_causal_lm(
         algos.use_fp32_lm_head(model)
     _contiguous_head_input(model)
     if grad_checkpointing:
-        model.config.use_cache = False
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_grad_checkpointing(model)
     return model
 
 

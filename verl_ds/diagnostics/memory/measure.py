@@ -113,10 +113,45 @@ class _Held:
         self.owner.release(self.key)
 
 
+def _proc_status(key: str) -> float | None:
+    """A `/proc/self/status` size in bytes (`VmRSS`, `VmHWM`), None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return float(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak() -> bool:
+    """Start a new peak: torch's on a GPU; on CPU the kernel's high-water mark of this process's
+    resident memory (`VmHWM`, reset by writing 5 to `/proc/self/clear_refs`, Linux >= 4.0). Returns
+    whether a CPU peak can be read (`peak_rss`)."""
+    import torch
+
+    if on_gpu():
+        torch.cuda.reset_peak_memory_stats()
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _proc_status("VmHWM") is not None
+
+
+def peak_rss() -> float | None:
+    """Bytes: the most this process held resident since `reset_peak` (None where it cannot say)."""
+    return _proc_status("VmHWM")
+
+
 def process_memory() -> dict[str, float]:
     """Process-level numbers (bytes): on a GPU, torch's allocated peak and reserved pool, and the
     device's own used bytes (`mem_get_info`: vLLM's pool, which torch's allocator does not see, and
-    any other process's too); RSS on CPU."""
+    any other process's too); RSS on CPU, and its peak since the last `reset_peak` (`rss_peak`: the
+    phase's, under `MemoryTimer`)."""
     import torch
 
     if on_gpu():
@@ -128,7 +163,11 @@ def process_memory() -> dict[str, float]:
         }
     import psutil
 
-    return {"rss": float(psutil.Process(os.getpid()).memory_info().rss)}
+    out = {"rss": float(psutil.Process(os.getpid()).memory_info().rss)}
+    peak = peak_rss()
+    if peak is not None:
+        out["rss_peak"] = peak
+    return out
 
 
 class MemoryTimer(Timer):
@@ -151,8 +190,7 @@ class MemoryTimer(Timer):
             return
         import torch
 
-        if on_gpu():
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak()
         saved, logits, hooks = _SavedTensors(), [0], []
         tracked = self.track and active in self.roles
         if tracked:
