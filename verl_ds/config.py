@@ -525,6 +525,13 @@ class TrainerConfig:
         "GPUs (CUDA_VISIBLE_DEVICES=)",
         choices=("auto", "cpu", "cuda"),
     )
+    rank_memory_gb: Any = opt(
+        "auto",
+        "memory one rank may use, for the start-up checks and `auto` token budgets and ZeRO stages: auto = its "
+        "GPU (less vLLM's share), or on CPU this node's RAM (or its cgroup limit) over the ranks on it",
+        gt=0,
+        auto=True,
+    )
     val_every: int = opt(0, "validate every K steps; 0: never during training", ge=0)
     val_before_train: Optional[bool] = opt(None, "validate before step 1; null: yes when a validation set exists")
     val_n: int = opt(4, "samples per validation prompt (mean@k, pass@k)", gt=0)

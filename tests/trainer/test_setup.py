@@ -89,3 +89,35 @@ def test_vllm_compilation_is_resolved_in_the_setup(tmp_path):
     assert resolve_setup(_cfg(tmp_path, "rollout.enforce_eager=false")).cfg.rollout.enforce_eager is False
     assert (resolve_eager("auto", gpu=True), resolve_eager("auto", gpu=False)) == (False, True)
     assert (resolve_eager(True, gpu=True), resolve_eager(False, gpu=False)) == (True, False)
+
+
+LONG = ("data.max_prompt_length=60000", "rollout.max_model_len=60016", "rollout.max_new_tokens=16")
+
+
+def test_auto_token_budgets_come_from_memory_and_a_stated_budget_is_kept(tmp_path, caplog):
+    """`max_tokens_per_micro_batch: auto` is micro_batch_size rows where memory allows, fewer full-length
+    rows where the memory model says they do not fit this rank (`trainer.rank_memory_gb`)."""
+    from verl_ds.config import longest_row
+
+    roomy = resolve_setup(_cfg(tmp_path, *LONG, "trainer.rank_memory_gb=64", "roles.actor.micro_batch_size=2"))
+    t = longest_row(roomy.cfg)
+    assert roomy.token_budgets["actor"] == 2 * t  # micro_batch_size x the longest row: memory allows it
+    caplog.set_level("INFO", logger="verl_ds")
+    tight = resolve_setup(_cfg(tmp_path, *LONG, "trainer.rank_memory_gb=2", "roles.actor.micro_batch_size=8"))
+    assert t <= tight.token_budgets["actor"] < 8 * t  # whole rows, fewer of them
+    assert tight.token_budgets["actor"] % t == 0
+    assert "token budget per micro-batch: actor" in caplog.text and "memory" in caplog.text
+    stated = resolve_setup(
+        _cfg(tmp_path, *LONG, "trainer.rank_memory_gb=2", "roles.actor.max_tokens_per_micro_batch=480000")
+    )
+    assert stated.token_budgets["actor"] == 480000  # the user's number stands, with a warning
+    assert "roles.actor: micro-batches of 480000 tokens may not fit" in caplog.text
+
+
+def test_a_row_that_cannot_fit_one_rank_is_refused_before_any_engine_naming_what_would(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        resolve_setup(_cfg(tmp_path, *LONG, "trainer.rank_memory_gb=1"))
+    msg = str(e.value)
+    assert msg.startswith("roles.actor") and "60,016-token row's update pass needs" in msg
+    assert "over this rank's 1.0 GiB" in msg and "precision.enable_grad_checkpointing: true" in msg
+    assert not (tmp_path / "checkpoints").exists()  # refused before the run's directories

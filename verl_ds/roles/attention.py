@@ -1,4 +1,4 @@
-"""`sdpa_cpu16`: SDPA, except where a 16-bit attention on a CPU will be backpropagated.
+"""`sdpa_cpu16`: SDPA, except where a 16-bit attention on a CPU will be backpropagated (and is small).
 
 torch's fused CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) is the fastest forward in
 every dtype, but its bf16/fp16 backward is several times slower than the plain matmul-softmax-matmul
@@ -9,7 +9,8 @@ everything else (no-grad scoring, fp32, GPUs) runs transformers' SDPA unchanged.
 once per forward in the form its attention uses (transformers' mask functions, so packed rows and
 shared prompts are masked as before): SDPA's boolean one (or none for a plain causal pass), or, for a
 16-bit CPU forward under grad, eager attention's additive one (added to the scores, nothing to save
-for the backward).
+for the backward). Long rows (past `MATH_MAX_ELEMENTS`) take SDPA in every pass: the math's
+probabilities grow with the square of the row.
 """
 
 from __future__ import annotations
@@ -22,8 +23,21 @@ NAME = "sdpa_cpu16"
 _LOW = (torch.bfloat16, torch.float16)
 
 
+# The plain math keeps each layer's [rows, heads, q, k] probabilities (fp32 softmax) for its backward:
+# quadratic in the row length, where the fused kernel's memory is linear. Past this many mask elements
+# (rows x q x k; 4k-token rows x 1) the fused kernel runs the backward too, slower but in bounded
+# memory, so long rows fit (docs/BENCHMARKS.md, "Long rows").
+MATH_MAX_ELEMENTS = 1 << 24
+
+
 def _math_pays(dtype: torch.dtype, device) -> bool:
     return torch.device(device).type == "cpu" and dtype in _LOW
+
+
+def math_runs(dtype: torch.dtype, device, rows: int, q: int, k: int, grad: bool = True) -> bool:
+    """Whether this implementation runs a pass of `rows` x `q` queries over `k` keys as the plain math
+    (the memory model's question: its attention memory is then quadratic)."""
+    return grad and _math_pays(dtype, device) and rows * q * k <= MATH_MAX_ELEMENTS
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
@@ -46,7 +60,9 @@ def mask(*args, dtype: torch.dtype = torch.float32, device="cpu", **kwargs):
     will run the math (a 16-bit CPU forward under grad), SDPA's elsewhere."""
     from transformers.masking_utils import eager_mask, sdpa_mask
 
-    if torch.is_grad_enabled() and _math_pays(dtype, device):
+    given = {**dict(zip(("batch_size", "q_length", "kv_length"), args)), **kwargs}
+    size = (given["batch_size"], given["q_length"], given["kv_length"])
+    if math_runs(dtype, device, *size, grad=torch.is_grad_enabled()):
         return eager_mask(*args, dtype=dtype, device=device, **kwargs)
     return sdpa_mask(*args, device=device, **kwargs)
 

@@ -14,12 +14,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from verl_ds.config import RunConfig, resolve_names, token_budget, validate_paths
+from verl_ds.config import RunConfig, longest_row, resolve_names, token_budget, validate_paths
 from verl_ds.data.tiny import check_teacher_tokenizer, prepare_model
 from verl_ds.diagnostics.memory import (
     BYTES,
     ModelShape,
     choose_zero_stages,
+    fit_passes,
     load_shape,
     role_shapes,
     rollout_memory,
@@ -103,6 +104,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     check_batch_fits(cfg, shape, precision, world, gpu, budget)
     stages = zero_stages(cfg, shape, files, precision, world, budget)
     ds = render_ds_configs(cfg, world, precision, stages, files)
+    token_budgets = fit_token_budgets(cfg, shape, ds, precision, world, gpu, budget, token_budgets)
     # last, once the config's own mistakes are refused (a refused run leaves no checkpoints dir): the
     # run's directories writable and the checkpoint to resume from checked whole, before any engine
     checkpoints = Path(cfg.trainer.run_dir) / "checkpoints"
@@ -149,8 +151,11 @@ def resolve_attention(attn: str, packing, gpu: bool) -> tuple[str, bool]:
 
 
 def rank_budget(cfg: RunConfig, world: int, gpu: bool) -> float:
-    """The bytes one rank may use: its GPU (less vLLM's share when vLLM keeps it while the roles
-    train), or this node's RAM over the ranks on it."""
+    """The bytes one rank may use: `trainer.rank_memory_gb`, or its GPU (less vLLM's share when vLLM
+    keeps it while the roles train), or this node's RAM (its cgroup's limit, where lower) over the
+    ranks on it."""
+    if cfg.trainer.rank_memory_gb != "auto":
+        return float(cfg.trainer.rank_memory_gb) * 2**30
     if gpu:
         import torch
 
@@ -160,7 +165,18 @@ def rank_budget(cfg: RunConfig, world: int, gpu: bool) -> float:
         return budget
     import psutil
 
-    return psutil.virtual_memory().total / int(os.environ.get("LOCAL_SIZE", world))
+    return min(psutil.virtual_memory().total, _cgroup_limit()) / int(os.environ.get("LOCAL_SIZE", world))
+
+
+def _cgroup_limit() -> float:
+    """This process's cgroup memory limit (v2 `memory.max`, v1 `memory.limit_in_bytes`), inf if none."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        return float(text) if text.isdigit() else float("inf")
+    return float("inf")
 
 
 def check_batch_fits(
@@ -181,6 +197,69 @@ def check_batch_fits(
             f"over this rank's {budget / 2**30:,.1f} GiB: lower rollout.n, trainer.prompts_per_step or "
             "rollout.max_new_tokens",
         )
+
+
+HEADROOM = 0.8  # of a rank's memory the memory model may plan for (it is an estimate)
+
+
+def fit_token_budgets(
+    cfg: RunConfig,
+    shape: ModelShape,
+    ds: Mapping[str, dict],
+    precision: ResolvedPrecision,
+    world: int,
+    gpu: bool,
+    budget: float,
+    budgets: dict[str, int],
+) -> dict[str, int]:
+    """Each role's token budget against this rank's memory (the `debug memory` model, `fit_passes`):
+    `auto` becomes at most the full-length rows its heaviest pass fits in `HEADROOM` of the memory left
+    beside the model states and the rollout engine (never below one row); a budget the user set, or
+    row micro-batches (0), that the model says will not fit is a warning naming what would. A row that
+    does not fit even alone is refused here, before any engine, naming the pass and what would fit."""
+    fits = fit_passes(
+        cfg, shape, dict(ds), world, precision.rollout, budget, budget / 2**30 if gpu else None, role_shapes(cfg)
+    )
+    t, errors, out, said = longest_row(cfg), [], dict(budgets), []
+    for role, fit in fits.items():
+        rc = getattr(cfg.roles, role)
+        if fit.rows() < 1:
+            errors.append(ConfigError(f"roles.{role}", _no_row_fits(cfg, role, fit)))
+            continue
+        rows = max(1, fit.rows(HEADROOM))
+        if rc.max_tokens_per_micro_batch == "auto":
+            out[role] = min(budgets[role], rows * t)
+            why = "memory" if out[role] < budgets[role] else "micro_batch_size"
+            said.append(f"{role} {out[role]:,} ({out[role] // t} x {t:,}-token rows; {why})")
+        elif (budgets[role] or rc.micro_batch_size * t) > rows * t:
+            asked = budgets[role] or rc.micro_batch_size * t
+            log.warning(
+                "roles.%s: micro-batches of %d tokens may not fit this rank's %.1f GiB: the memory model fits %d "
+                "row(s) of %d tokens (%.2f GiB a row beside %.1f GiB of model states and buffers); "
+                "max_tokens_per_micro_batch: auto picks that",
+                *(role, asked, budget / 2**30, rows, t, fit.row_bytes / 2**30, fit.resident_bytes / 2**30),
+            )
+    raise_all(errors)
+    if said:
+        log.info("token budget per micro-batch: %s", ", ".join(said))
+    return out
+
+
+def _no_row_fits(cfg: RunConfig, role: str, fit) -> str:
+    """The one line for a row too long for this rank: the pass, the GiB, and what would fit."""
+    left = fit.budget_bytes - fit.resident_bytes
+    per_token = fit.row_bytes / fit.row_tokens
+    shorter = int(max(left, 0) / per_token) if per_token else 0  # rows are near-linear in memory
+    ways = [f"rows of up to ~{shorter:,} tokens (data.max_prompt_length + rollout.max_new_tokens)"]
+    if not cfg.precision.enable_grad_checkpointing and fit.stage == "update":
+        ways.append("precision.enable_grad_checkpointing: true")
+    if fit.stage == "update" and getattr(cfg.roles, role).offload == "none":
+        ways.append(f"roles.{role}.offload (the optimizer states to the host)")
+    return (
+        f"one {fit.row_tokens:,}-token row's {fit.stage} pass needs ~{fit.row_bytes / 2**30:,.2f} GiB beside "
+        f"~{fit.resident_bytes / 2**30:,.2f} GiB of model states and buffers, over this rank's "
+        f"{fit.budget_bytes / 2**30:,.1f} GiB: " + ", or ".join(ways)
+    )
 
 
 def zero_stages(

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from verl_ds.config import offload_stages
+from verl_ds.config import longest_row, offload_stages
 from verl_ds.ds_config import ds_dtype
-from verl_ds.precision import INT8_ROLES, TRAINED_ROLES
+from verl_ds.precision import INT8_ROLES, TORCH_DTYPES, TRAINED_ROLES
+from verl_ds.roles import attention
 from verl_ds.rollout.distributed import choose_engine
 
 MIB = 2**20
@@ -102,9 +103,43 @@ def workload(cfg, world: int) -> Workload:
     per_rank = total // world
     # one engine per tensor-parallel group: it generates for the group's ranks
     gen = per_rank * (cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1)
-    return Workload(
-        gen, per_rank, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens, cfg.rollout.max_new_tokens, world
-    )
+    t = longest_row(cfg)  # a multi-turn episode's row holds every turn
+    return Workload(gen, per_rank, t, max(1, t - cfg.data.max_prompt_length), world)
+
+
+def pass_memory(
+    shape: ModelShape,
+    dtype: str,
+    rows: int,
+    t: int,
+    r: int,
+    *,
+    head: str,
+    grad: bool,
+    grad_checkpointing: bool = False,
+    math_attention: bool = False,
+) -> dict[str, float]:
+    """Transient bytes of one micro-batch's pass over `rows` rows of `t` tokens, `r` of them scored
+    (the response: logits only where they predict one, `logits_to_keep`): {activations, logits_buffer}.
+    No grad: one layer's intermediates live at a time. Under grad every layer keeps what its backward
+    needs (SwiGLU decoder), or with `grad_checkpointing` one input a layer plus one layer recomputed.
+    `math_attention`: the attention runs the plain math (`roles/attention.py`: a 16-bit CPU pass under
+    grad, rows short enough) and keeps [rows, heads, t, t] probabilities (fp32 softmax + its 16-bit
+    copy) a layer, beside the transient scores; the fused kernels' are linear in t (in the terms above)."""
+    b = BYTES[dtype]
+    h, kvdim, ffn = shape.hidden, shape.kv_heads * shape.head_dim, shape.ffn
+    lm = head == "lm"
+    out_logits = rows * (r if lm else t) * (shape.vocab if lm else 1) * b
+    attn = rows * shape.heads * t * t * (4 + b) if math_attention else 0.0
+    if not grad:
+        return {
+            "activations": rows * t * (4 * h + 2 * kvdim + 3 * ffn) * b + attn,
+            "logits_buffer": out_logits + (rows * r * shape.vocab * 4 if lm else 0),  # + fp32 log-softmax
+        }
+    per_layer = rows * t * (10 * h + 4 * kvdim + 5 * ffn) * b + attn  # saved for backward
+    acts = (shape.layers * rows * t * h * b + per_layer) if grad_checkpointing else shape.layers * per_layer
+    saved_logits = rows * r * shape.vocab * 4 * 3 if lm else 0  # fp32 logits, log-softmax, softmax (entropy)
+    return {"activations": acts + saved_logits, "logits_buffer": out_logits}
 
 
 def role_memory(
@@ -117,12 +152,13 @@ def role_memory(
     grad_checkpointing: bool = False,
     weight_dtype: str | None = None,
     adapter_params: int = 0,
+    math_attention: bool = False,
 ) -> dict[str, dict[str, float]]:
     """One DeepSpeed role's bytes per stage: {stage: {component: bytes}} (resident in every stage,
-    transient parts only in the stages that run this role). `adapter_params` > 0: a LoRA role whose
+    transient parts only in the stages that run this role: `pass_memory` of a micro-batch of
+    `train_micro_batch_size_per_gpu` full-length rows). `adapter_params` > 0: a LoRA role whose
     frozen base adds only weights; masters, gradients and Adam states cover the adapters alone."""
     dtype = ds_dtype(ds)
-    b = BYTES[dtype]
     zero = ds.get("zero_optimization", {})
     stage, n = int(zero.get("stage", 0)), w.world
     base_psi = shape.params(head) + adapter_params
@@ -135,33 +171,28 @@ def role_memory(
     step_tmp = resident.pop("grads_fp32_update", 0.0)
     grad_dtype = ds.get("data_types", {}).get("grad_accum_dtype") or dtype
     mb = int(ds.get("train_micro_batch_size_per_gpu", 1))
-    t, r, h, v = w.seq_len, w.resp_len, shape.hidden, shape.vocab
-    kvdim = shape.kv_heads * shape.head_dim
     gathered = (
-        (shape.largest_module() + min(base_psi, int(zero.get("stage3_prefetch_bucket_size", 5e7)))) * b
+        (shape.largest_module() + min(base_psi, int(zero.get("stage3_prefetch_bucket_size", 5e7)))) * BYTES[dtype]
         if stage >= 3
         else 0.0
     )
-    out_logits = mb * t * (v if head == "lm" else 1) * b
-    # no-grad forward: one layer's intermediates live at a time; logits + fp32 log-softmax of the response
-    fwd = {
-        "activations": mb * t * (4 * h + 2 * kvdim + 3 * shape.ffn) * b,
-        "logits_buffer": out_logits + (mb * r * v * 4 if head == "lm" else 0),
-        "other": gathered,
-    }
     stages = {s: dict(resident) for s in STAGES}
-    stages["score"].update(fwd)  # every role runs a no-grad forward while scoring
+    # every role runs a no-grad forward while scoring
+    stages["score"].update(pass_memory(shape, dtype, mb, w.seq_len, w.resp_len, head=head, grad=False), other=gathered)
     if trainable:
-        per_layer = mb * t * (10 * h + 4 * kvdim + 5 * shape.ffn) * b  # saved for backward (SwiGLU decoder)
-        acts = (shape.layers * mb * t * h * b + per_layer) if grad_checkpointing else shape.layers * per_layer
-        saved_logits = mb * r * v * 4 * 3 if head == "lm" else 0  # fp32 logits, log-softmax, softmax (entropy)
         bucket = min(psi, float(zero.get("reduce_bucket_size", 5e8))) * BYTES[grad_dtype] if stage in (1, 2) else 0.0
-        stages["update"].update(
-            grads=resident.get("grads", 0.0) + grads,
-            activations=acts + saved_logits,
-            logits_buffer=out_logits,
-            other=gathered + step_tmp + bucket,
+        train = pass_memory(
+            shape,
+            dtype,
+            mb,
+            w.seq_len,
+            w.resp_len,
+            head=head,
+            grad=True,
+            grad_checkpointing=grad_checkpointing,
+            math_attention=math_attention,
         )
+        stages["update"].update(train, grads=resident.get("grads", 0.0) + grads, other=gathered + step_tmp + bucket)
     return stages
 
 
@@ -284,12 +315,31 @@ def run_role_memory(
 ) -> dict[str, dict[str, float]]:
     """`role_memory` with what the run config says about this role (`role_kwargs`, activation
     checkpointing; on a GPU, `roles.<role>.sleep`: nothing of it on the device while generating)."""
+    rows = int(ds.get("train_micro_batch_size_per_gpu", 1))
     stages = role_memory(
-        shape, ds, **role_kwargs(cfg, shape, role), w=w, grad_checkpointing=cfg.precision.enable_grad_checkpointing
+        shape,
+        ds,
+        **role_kwargs(cfg, shape, role),
+        w=w,
+        grad_checkpointing=cfg.precision.enable_grad_checkpointing,
+        math_attention=math_attention(cfg, role, ds_dtype(ds), rows, w.seq_len, on_gpu),
     )
     if on_gpu and getattr(cfg.roles, role).sleep and role in TRAINED_ROLES:
         stages["rollout"] = {}
     return stages
+
+
+def math_attention(cfg, role: str, dtype: str, rows: int, t: int, on_gpu: bool) -> bool:
+    """Whether `role`'s training pass over `rows` rows of `t` tokens runs the plain attention math
+    (quadratic memory): `eager`, or on CPU `sdpa_cpu16` (`auto`) for a 16-bit pass of short rows."""
+    impl = cfg.model.attn_implementation
+    if HEADS[role] != "lm" or role not in TRAINED_ROLES:
+        return False
+    if impl == "eager":
+        return True
+    return (
+        impl in ("auto", attention.NAME) and not on_gpu and attention.math_runs(TORCH_DTYPES[dtype], "cpu", rows, t, t)
+    )
 
 
 def estimate_memory(
@@ -379,3 +429,59 @@ def choose_zero_stages(
                 chosen[role] = stage
                 break
     return chosen
+
+
+CPU_PROCESS_GIB = 1.0  # a CPU rank's interpreter, libraries and buffers outside the model (an assumption)
+
+
+@dataclass(frozen=True)
+class PassFit:
+    """How one role's heaviest pass (the update for a trained role, else its scoring) fits one rank."""
+
+    role: str
+    stage: str  # "update" | "score"
+    row_tokens: int  # the longest row the run can make
+    row_bytes: float  # that pass's transient bytes for one such row (`pass_memory`)
+    resident_bytes: float  # everything else the rank holds in that stage (model states, rollout, process)
+    budget_bytes: float  # the rank's memory
+
+    def rows(self, headroom: float = 1.0) -> int:
+        """Full-length rows one micro-batch of this pass fits in `headroom` x the rank's memory."""
+        return max(0, int((headroom * self.budget_bytes - self.resident_bytes) // self.row_bytes))
+
+
+def fit_passes(
+    cfg,
+    shape: ModelShape,
+    ds_configs: dict[str, dict],
+    world: int,
+    rollout_dtype: str,
+    budget_bytes: float,
+    gpu_gib: float | None = None,
+    role_shapes: dict[str, ModelShape] | None = None,
+) -> dict[str, PassFit]:
+    """Each role's heaviest pass against this rank's memory: what the stage holds besides transient
+    activations and logits (every role's model states, the rollout engine, the process), and what one
+    full-length row of the pass adds."""
+    est = estimate_memory(cfg, shape, ds_configs, world, rollout_dtype, gpu_gib, role_shapes)
+    transient = ("activations", "logits_buffer")
+    w = workload(cfg, world)
+    out = {}
+    for role, ds in ds_configs.items():
+        stage = "update" if role in TRAINED_ROLES else "score"
+        resident = sum(v for comp in est[stage].values() for k, v in comp.items() if k not in transient)
+        resident += 0.0 if gpu_gib else CPU_PROCESS_GIB * GIB
+        role_shape = (role_shapes or {}).get(role, shape)
+        one = pass_memory(
+            role_shape,
+            ds_dtype(ds),
+            1,
+            w.seq_len,
+            w.resp_len,
+            head=HEADS[role],
+            grad=stage == "update",
+            grad_checkpointing=cfg.precision.enable_grad_checkpointing,
+            math_attention=math_attention(cfg, role, ds_dtype(ds), 1, w.seq_len, bool(gpu_gib)),
+        )
+        out[role] = PassFit(role, stage, w.seq_len, sum(one.values()), resident, budget_bytes)
+    return out
