@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+
+from verl_ds.diagnostics import progress
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,12 +55,21 @@ def main(argv: list[str] | None = None) -> None:
         "--log_level=warning",
         *script,
     ]
-    threading.Thread(target=_end_when_ranks_succeed, args=(n,), daemon=True).start()
+    # each rank keeps where it is in this folder (`diagnostics.progress`): a rank that a signal ends
+    # (the OOM killer's SIGKILL) is named in one line with its step, phase and last checkpoint
+    status_dir = os.environ[progress.ENV] = tempfile.mkdtemp(prefix="verl-ds-status-")
+    watch = _Watch(n)
+    threading.Thread(target=watch.run, daemon=True).start()
     try:
         launch.main()
         rc = 0
     except SystemExit as e:  # a rank failed or a signal arrived: the launcher has already cleaned up
         rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+    if rc and watch.first_death is not None:
+        pid, rank, code = watch.first_death
+        line = progress.death_line(rank, pid, -code, oom_record(pid, watch.oom_kills), progress.read(status_dir, rank))
+        print(f"[verl-ds] error: {line}", file=sys.stderr)
+    shutil.rmtree(status_dir, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)  # the ranks are gone; skip the teardown of an interpreter holding torch
@@ -74,20 +87,77 @@ def visible_gpus() -> list:
     return [d.strip() for d in given.split(",") if d.strip()]
 
 
-def _end_when_ranks_succeed(n: int) -> None:
-    """DeepSpeed's launcher checks its ranks once a second and sleeps a second more after the last
-    one ends (~1.5 s a run). This thread looks every 50 ms, without reaping them (`launch.main` keeps
-    handling failures and signals), and ends the process as soon as all `n` ranks have exited 0."""
-    import psutil
+class _Watch:
+    """Watches the ranks every 50 ms without reaping them (`launch.main` keeps handling failures and
+    signals): ends the process as soon as all `n` ranks have exited 0 (DeepSpeed's launcher checks once
+    a second and sleeps a second more after the last one ends, ~1.5 s a run), and notes the first rank a
+    signal ended (pid, local rank, its negative code) before the launcher kills the others."""
 
-    me = psutil.Process()
-    while True:
-        time.sleep(0.05)
-        pids = [c.pid for c in me.children()]
-        if len(pids) == n and all(_exit_code(pid) == 0 for pid in pids):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
+    def __init__(self, n: int):
+        self.n = n
+        self.first_death: tuple[int, int, int] | None = None
+        self.ranks: dict[int, int] = {}  # pid -> local rank
+        self.oom_kills = cgroup_oom_kills()
+
+    def run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while True:
+            time.sleep(0.05)
+            children = me.children()
+            for c in children:
+                if c.pid not in self.ranks:
+                    self.ranks[c.pid] = _local_rank(c)
+            codes = {c.pid: _exit_code(c.pid) for c in children}
+            if self.first_death is None:
+                dead = [(pid, code) for pid, code in codes.items() if code is not None and code < 0]
+                if dead:
+                    pid, code = dead[0]
+                    self.first_death = (pid, self.ranks.get(pid, -1), code)
+            if len(codes) == self.n and all(code == 0 for code in codes.values()):
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+
+
+def _local_rank(proc) -> int:
+    """A rank's LOCAL_RANK, from the `--local_rank=N` DeepSpeed's launcher puts on its command line."""
+    try:
+        for arg in proc.cmdline():
+            if arg.startswith("--local_rank="):
+                return int(arg.split("=", 1)[1])
+    except Exception:  # it ended before we looked
+        pass
+    return -1
+
+
+def cgroup_oom_kills() -> int | None:
+    """The OOM kills this process's memory cgroup has counted (v2 `memory.events`, v1 `oom_control`)."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        try:
+            for line in open(path):
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def oom_record(pid: int, kills_before: int | None) -> str | None:
+    """What the system says of an OOM kill of `pid`: the kernel log's line, or the cgroup's count
+    going up; None when it says nothing (no access, or another cause)."""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        log = ""
+    for line in reversed(log.splitlines()):
+        if f"Killed process {pid} " in line or f"pid={pid}," in line and "oom" in line.lower():
+            return "the kernel log: " + line.split("] ", 1)[-1].strip()
+    after = cgroup_oom_kills()
+    if kills_before is not None and after is not None and after > kills_before:
+        return f"the memory cgroup counted {after - kills_before} OOM kill(s) during the run"
+    return None
 
 
 def _exit_code(pid: int) -> int | None:

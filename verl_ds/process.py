@@ -67,6 +67,26 @@ def allocator() -> str:
     return next((name for name in ("tcmalloc", "jemalloc", "mimalloc") if f"lib{name}" in maps), "glibc")
 
 
+def release_free_memory() -> str | None:
+    """Hand the allocator's free pages back to the kernel (tcmalloc's `ReleaseFreeMemory`, glibc's
+    `malloc_trim`), so a step's transient memory (activations, logits, generation buffers) does not stay
+    resident as the process's floor until the next step. Returns the allocator that released, None
+    where this one cannot."""
+    import ctypes
+
+    name = allocator()
+    try:
+        if name == "tcmalloc":  # preloaded: its symbols are in the process's global namespace
+            ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
+        elif name == "glibc":
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        else:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return name
+
+
 def setup_process(*, rank: int, cpu: bool, eager: bool, tensor_parallel: int, freeze_gc: bool = True) -> dict:
     """The process-wide settings an in-process vLLM engine needs, made just before it starts; one log
     line says what was set. Returns {setting: value}.

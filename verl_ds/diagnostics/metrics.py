@@ -41,12 +41,16 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
 class Timer:
     """`with timer("gen"): ...` accumulates seconds into `timing_s/gen`."""
 
-    def __init__(self):
+    def __init__(self, on_phase=None):
+        """`on_phase(name, stage)`: called as each phase begins (where the run is, `diagnostics.progress`)."""
         self.times: dict[str, float] = {}
+        self.on_phase = on_phase
 
     @contextmanager
     def __call__(self, name: str, stage: str | None = None, role: str | None = None):
         """Time phase `name` (`stage`/`role` are for MemoryTimer, which also accounts memory)."""
+        if self.on_phase is not None:
+            self.on_phase(name, stage)
         t0 = time.perf_counter()
         try:
             yield

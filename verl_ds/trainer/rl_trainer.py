@@ -19,9 +19,11 @@ from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.plots import plot_curves
+from verl_ds.diagnostics.progress import Progress
 from verl_ds.dist import all_gather_object, all_reduce_max, all_reduce_min, all_reduce_sum
 from verl_ds.errors import RunFailure
 from verl_ds.gemm import fp32_gemm
+from verl_ds.process import release_free_memory
 from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_params
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.params import export_adapter, export_hf
@@ -48,6 +50,8 @@ class RLTrainer:
         self.cfg = cfg = s.cfg  # rollout.engine resolved
         self.rank, self.world, self.precision, self.model_path = s.rank, s.world, s.precision, s.model_path
         self.run_dir = Path(cfg.trainer.run_dir)
+        # where this rank is, for the launcher to name if the rank dies by a signal (the OOM killer)
+        self.progress = Progress(self.rank, str(self.run_dir), dict(s.memory_estimate), s.rank_memory)
         self.reward_fn = s.reward_fn
         data = builder.build_data(s)  # the tokenizer, codec, episodes, prompts and their sampler
         self.tokenizer, self.codec, self.episode_spec = data.tokenizer, data.codec, data.episode_spec
@@ -121,6 +125,10 @@ class RLTrainer:
             with timer("update_weights", stage="sync", role="actor"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
             self._sleep_roles()  # the next generation gets their device memory
+        if not self.setup.gpu:  # the step's transient host memory back to the kernel: the floor holds
+            release_free_memory()
+            if isinstance(timer, MemoryTimer):
+                timer.floor()
         self.global_step += 1
         # 9. metrics (reduced over ranks; rank 0 writes them)
         metrics = self._step_metrics(got, stored, scores, old_lp, update_metrics, sync_metrics, timer)
@@ -135,9 +143,13 @@ class RLTrainer:
     def _timer(self) -> Timer:
         """A Timer that, every logging.memory_every steps, also accounts each role's memory per stage."""
         every = self.cfg.logging.memory_every
+
+        def at(name: str, stage: str | None) -> None:
+            self.progress.at(self.global_step + 1, name, stage)
+
         if self.track_activations or (every and self.global_step % every == 0):
-            return MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations)
-        return Timer()
+            return MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations, on_phase=at)
+        return Timer(on_phase=at)
 
     def _first_is_old(self, n_minis: int) -> bool:
         """One mini-batch per epoch (and KL as a loss): the first epoch's forward runs on the very
@@ -544,6 +556,7 @@ class RLTrainer:
             rank_state=own,
         )
         self._sleep_roles()
+        self.progress.checkpoint(str(path))
         return path
 
     def _resume(self, path: Path) -> None:
@@ -563,6 +576,7 @@ class RLTrainer:
                 self.partial.load_state_dict(state["rank"]["partial"])
                 self.sampler.load_state_dict(state["rank"]["sampler"])
         sync_distributed(self.rollout, iter_full_params(self.actor.engine))  # the engine started from step 0
+        self.progress.checkpoint(str(path))
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.global_step)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -20,10 +20,12 @@ from verl_ds.diagnostics.memory import (
     BYTES,
     ModelShape,
     choose_zero_stages,
+    estimate_memory,
     fit_passes,
     load_shape,
     role_shapes,
     rollout_memory,
+    stage_totals,
     workload,
 )
 from verl_ds.dist import init_distributed, on_gpu, rank, world_size
@@ -60,6 +62,8 @@ class RunSetup:
     reward_fn: Callable  # `data.reward_fn` (or the caller's)
     mini_rows: int  # this rank's rows per mini-batch; 0: all of them (`trainer.mini_batch_size: 0`)
     resume_from: Path | None  # the intact checkpoint `trainer.resume` names (None: a fresh start)
+    rank_memory: float = 0.0  # bytes one rank may use (`rank_budget`)
+    memory_estimate: Mapping[str, float] = field(default_factory=dict)  # the memory model's bytes per stage, one rank
 
 
 def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup:
@@ -105,6 +109,8 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     stages = zero_stages(cfg, shape, files, precision, world, budget)
     ds = render_ds_configs(cfg, world, precision, stages, files)
     token_budgets = fit_token_budgets(cfg, shape, ds, precision, world, gpu, budget, token_budgets)
+    gpu_gib = budget / 2**30 if gpu else None
+    estimate = stage_totals(estimate_memory(cfg, shape, dict(ds), world, precision.rollout, gpu_gib, role_shapes(cfg)))
     # last, once the config's own mistakes are refused (a refused run leaves no checkpoints dir): the
     # run's directories writable and the checkpoint to resume from checked whole, before any engine
     checkpoints = Path(cfg.trainer.run_dir) / "checkpoints"
@@ -129,6 +135,8 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         reward_fn=reward_fn or names.reward_fn,
         mini_rows=cfg.trainer.mini_batch_size // world,
         resume_from=resume_from,
+        rank_memory=budget,
+        memory_estimate=MappingProxyType(estimate),
     )
 
 

@@ -175,8 +175,8 @@ class MemoryTimer(Timer):
     (max over the step) and the process memory. With `track_activations`, the active role's
     saved-for-backward peak and its output logits are measured too (debug runs)."""
 
-    def __init__(self, roles: dict, track_activations: bool = False):
-        super().__init__()
+    def __init__(self, roles: dict, track_activations: bool = False, on_phase=None):
+        super().__init__(on_phase)
         self.roles, self.track = roles, track_activations
         self.stages: dict[str, dict[str, dict[str, float]]] = {}
 
@@ -185,7 +185,7 @@ class MemoryTimer(Timer):
         """Time phase `name`; with `stage`, account memory under it (`role`: the one whose forward runs)."""
         active = role
         if stage is None:
-            with super().__call__(name):
+            with super().__call__(name, stage, role):
                 yield
             return
         import torch
@@ -199,7 +199,7 @@ class MemoryTimer(Timer):
                 hooks.append(mod.register_forward_hook(lambda m, i, o: _max_logits(logits, o)))
         ctx = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if tracked else nullcontext()
         try:
-            with super().__call__(name), ctx:
+            with super().__call__(name, stage, role), ctx:
                 yield
         finally:
             for h in hooks:
@@ -219,9 +219,17 @@ class MemoryTimer(Timer):
         for k, v in process_memory().items():
             proc[k] = max(proc.get(k, 0.0), v)
 
+    floor_rss: float | None = None
+
+    def floor(self) -> None:
+        """The process's resident memory now, at the end of a step once its transient memory is released:
+        `memory/process/floor_rss_mib`, what the next step starts from (CPU)."""
+        if not on_gpu():
+            self.floor_rss = process_memory()["rss"]
+
     def memory_metrics(self) -> dict[str, float]:
-        """`memory/<stage>/<role>/<component>_mib` plus each role's `total_mib`."""
-        out = {}
+        """`memory/<stage>/<role>/<component>_mib` plus each role's `total_mib` (and the step's floor)."""
+        out = {} if self.floor_rss is None else {"memory/process/floor_rss_mib": self.floor_rss / MIB}
         for stage, rows in self.stages.items():
             for role, comp in rows.items():
                 for k, v in comp.items():
