@@ -295,6 +295,10 @@ def cmd_debug_precision(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.exiting = argv is None  # a program (not a call from Python): the process ends after the command
+    if args.exiting and "" not in sys.path and os.getcwd() not in sys.path:
+        # as `python -m` (launch/train.sh, the ranks) does: a reward function, agent or environment the
+        # config names imports from the directory the command runs in (the `verl-ds` script omits it)
+        sys.path.insert(0, os.getcwd())
     log_to_console()
     # torch.distributed's deprecation notices for calls DeepSpeed makes: not actionable by users
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
