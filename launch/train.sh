@@ -8,6 +8,17 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 config="${1:?usage: launch/train.sh CONFIG.yaml [key=value ...]}"; shift
+# The launch variables, checked here: one line naming the variable (the launcher would name its flags)
+_bad() { echo "error: $1" >&2; exit 2; }
+if [ -n "${NUM_RANKS:-}" ]; then
+  [[ "$NUM_RANKS" =~ ^[0-9]+$ ]] || _bad "NUM_RANKS: '$NUM_RANKS' is not a number of ranks (a whole number, e.g. NUM_RANKS=2)"
+  if [ "$NUM_RANKS" -eq 0 ] && [ "$VERL_DS_DEVICE" = cpu ]; then
+    _bad "NUM_RANKS: 0 ranks; on CPU give 1 or more (0 means one per GPU on a GPU node)"
+  fi
+fi
+if [ -n "${MASTER_PORT:-}" ] && { ! [[ "$MASTER_PORT" =~ ^[0-9]+$ ]] || [ "$MASTER_PORT" -lt 1 ] || [ "$MASTER_PORT" -gt 65535 ]; }; then
+  _bad "MASTER_PORT: '$MASTER_PORT' is not a TCP port (1-65535)"
+fi
 if [ -n "${VERL_DS_TCMALLOC:-}" ] && [ -z "${VERL_DS_NO_TCMALLOC:-}" ]; then
   # CPU: tcmalloc in every rank (and its vLLM engine): glibc's malloc hands large tensors' pages back to
   # the kernel and faults them in again at each allocation (the demo's step: ~0.8x the time with it)

@@ -734,3 +734,27 @@ def test_launch_with_a_missing_or_empty_hostfile_is_one_line_before_launch(tmp_p
         f"error: HOSTFILE: {path} is missing or lists no hosts (one 'host slots=N' line per node)"
     ]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "var, value, line",
+    [
+        ("NUM_RANKS", "two", "error: NUM_RANKS: 'two' is not a number of ranks (a whole number, e.g. NUM_RANKS=2)"),
+        ("NUM_RANKS", "0", "error: NUM_RANKS: 0 ranks; on CPU give 1 or more (0 means one per GPU on a GPU node)"),
+        ("MASTER_PORT", "http", "error: MASTER_PORT: 'http' is not a TCP port (1-65535)"),
+        ("MASTER_PORT", "70000", "error: MASTER_PORT: '70000' is not a TCP port (1-65535)"),
+    ],
+)
+def test_launch_variables_are_checked_by_train_sh_in_one_line(tmp_path, var, value, line):
+    """The launcher would name its own flags (`--num_ranks must be 1..0 ([])`): train.sh names the variable."""
+    out = subprocess.run(
+        ["bash", str(ROOT / "launch" / "train.sh"), str(CPU_GRPO), f"trainer.run_dir={tmp_path / 'run'}"],
+        env=child_env(**{var: value}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [line]
+    assert not (tmp_path / "run").exists()

@@ -569,3 +569,10 @@ def test_a_loss_names_the_fields_it_needs_instead_of_running_another_loss(tiny_m
     critic = Critic(load_value_model(tiny_model_dir), ds_config("critic", 0, "fp32"), Cfg())
     with pytest.raises(ValueError, match="^the critic's loss needs old_values in the train batch$"):
         critic.micro_loss(batch.replace(old_values=None), counts)
+
+
+def test_a_bf16_start_prints_nothing_of_deepspeeds_optimizer_memory(tiny_model_dir, capfd):
+    """BF16_Optimizer's `see_memory_usage(force=True)` lines go to the debug log, not the console."""
+    Actor(load_causal_lm(tiny_model_dir), ds_config("actor", 0, "bf16"), Cfg())
+    out = capfd.readouterr().out
+    assert "bf16_optimizer" not in out and "CPU Virtual Memory" not in out and "MA " not in out, out

@@ -278,6 +278,7 @@ class Role:
         self.int8 = int8_activation is not None
         if self.dtype == "fp16":
             dsi.enable_cpu_fp16()
+        dsi.quiet_bf16_optimizer()
         if not trainable:
             model.requires_grad_(False)
             model.eval()

@@ -210,6 +210,31 @@ def enable_cpu_fp16() -> None:
 
 
 # ------------------------------------------------------------------ process groups
+def quiet_bf16_optimizer() -> None:
+    """DeepSpeed's `BF16_Optimizer` prints its memory (`see_memory_usage(..., force=True)`: "begin
+    bf16_optimizer", "MA ... GB", "CPU Virtual Memory: ...") at every bf16 start, into every one-line
+    error's output too: those lines go to the debug log, as the rest of DeepSpeed's chatter does.
+    Idempotent."""
+    import contextlib
+    import io
+
+    from deepspeed.runtime import bf16_optimizer
+
+    printing = bf16_optimizer.see_memory_usage
+    if getattr(printing, "quiet", False):
+        return
+
+    def to_debug_log(message, force=False):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            printing(message, force=force)
+        for line in out.getvalue().splitlines():
+            log.debug("deepspeed: %s", line)
+
+    to_debug_log.quiet = True
+    bf16_optimizer.see_memory_usage = to_debug_log
+
+
 def forget_destroyed_world() -> None:
     """Drop DeepSpeed's references to process groups of a world that is gone. DeepSpeed keeps groups
     cloned from the world (`deepspeed.utils.groups`: the world clone, the data-parallel group, ...)
