@@ -7,12 +7,17 @@ dotted path (`my_pkg.rewards:score` or `my_pkg.rewards.score`) in `data.reward_f
 from __future__ import annotations
 
 import importlib
+import logging
+import math
+import numbers
 import re
+import traceback
 from typing import Callable
 
 from verl_ds.errors import ConfigError
 
 RewardFn = Callable[[str, str], float]
+log = logging.getLogger(__name__)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -107,3 +112,29 @@ def get_reward_fn(name: str, key: str = "data.reward_fn") -> RewardFn:
     if not callable(fn):
         raise ConfigError(key, f"'{name}' is not callable")
     return fn
+
+
+def call_reward(fn: RewardFn, response: str, answer, key: str = "data.reward_fn") -> float:
+    """`fn(response, answer)` held to its contract, a real number (a bool or a one-element tensor
+    counts; NaN does not): a function that raises or returns anything else is one line naming the
+    function, what it returned or raised, and where (its file:line), before the step trains on it.
+    The traceback goes to the debug log (`logging.level: DEBUG`)."""
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    try:
+        value = fn(response, answer)
+    except Exception as e:
+        log.debug("reward function %s raised", name, exc_info=True)
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = f"{frame.filename}:{frame.lineno}"
+        raise ConfigError(key, f"{name} raised {type(e).__name__}: {e} (at {where}) for a response") from None
+    if hasattr(value, "numel") and value.numel() == 1:  # a torch or numpy scalar
+        value = value.item()
+    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        code = getattr(fn, "__code__", None)
+        where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+        raise ConfigError(
+            key,
+            f"{name}{where} returned {value!r} ({type(value).__name__}): a reward function returns a finite "
+            "number for every response (0.0 for a wrong one)",
+        )
+    return float(value)

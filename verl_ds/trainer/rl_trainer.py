@@ -15,6 +15,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import RunConfig
+from verl_ds.data.reward import call_reward
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
 from verl_ds.diagnostics.observers import TrainerObserver
@@ -345,7 +346,7 @@ class RLTrainer:
         if self.reward_model is not None:
             return self.reward_model.score(_inputs(batch)).cpu() + ro.env_rewards
         texts = self.tokenizer.batch_decode(ro.final_ids, skip_special_tokens=True)
-        out = [float(self.reward_fn(t, examples[int(g)]["answer"])) for t, g in zip(texts, batch.group_ids)]
+        out = [call_reward(self.reward_fn, t, examples[int(g)]["answer"]) for t, g in zip(texts, batch.group_ids)]
         return torch.tensor(out) + ro.env_rewards
 
     def _normalize(self, scores: torch.Tensor) -> torch.Tensor:
@@ -599,9 +600,9 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         bar = tqdm(total=cfg.trainer.steps, initial=self.global_step, disable=self.rank != 0, desc="train")
         before = cfg.trainer.val_before_train
-        if self.val_prompts and self.global_step == 0 and (before is None or before):
-            self.logger.log(self.validate(), 0)
-        try:
+        try:  # the bar ends its line whatever ends the loop: an error's one line starts a line of its own
+            if self.val_prompts and self.global_step == 0 and (before is None or before):
+                self.logger.log(self.validate(), 0)
             while self.global_step < cfg.trainer.steps:
                 metrics = self.step()
                 bar.update(1)
