@@ -121,3 +121,14 @@ def test_a_row_that_cannot_fit_one_rank_is_refused_before_any_engine_naming_what
     assert msg.startswith("roles.actor") and "60,016-token row's update pass needs" in msg
     assert "over this rank's 1.0 GiB" in msg and "precision.enable_grad_checkpointing: true" in msg
     assert not (tmp_path / "checkpoints").exists()  # refused before the run's directories
+
+
+def test_a_token_budget_below_one_row_is_a_warning_naming_the_effective_budget(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="verl_ds")
+    s = resolve_setup(_cfg(tmp_path, "roles.actor.max_tokens_per_micro_batch=4"))
+    from verl_ds.config import longest_row
+
+    t = longest_row(s.cfg)
+    assert s.token_budgets["actor"] == 4
+    assert f"roles.actor.max_tokens_per_micro_batch 4 is below one row of up to {t} tokens" in caplog.text
+    assert f"so up to {t} tokens run in one" in caplog.text

@@ -239,6 +239,12 @@ def fit_token_budgets(
             out[role] = min(budgets[role], rows * t)
             why = "memory" if out[role] < budgets[role] else "micro_batch_size"
             said.append(f"{role} {out[role]:,} ({out[role] // t} x {t:,}-token rows; {why})")
+        elif 0 < budgets[role] < t:
+            log.warning(
+                "roles.%s.max_tokens_per_micro_batch %d is below one row of up to %d tokens: a micro-batch holds "
+                "one row at least, so up to %d tokens run in one",
+                *(role, budgets[role], t, t),
+            )
         elif (budgets[role] or rc.micro_batch_size * t) > rows * t:
             asked = budgets[role] or rc.micro_batch_size * t
             log.warning(
