@@ -583,6 +583,8 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
         return isinstance(value, tp), value
     if tp is list or origin is list:
         return isinstance(value, list), value
+    if tp is dict or origin is dict:
+        return isinstance(value, dict), value
     return True, value
 
 
@@ -925,6 +927,10 @@ def load_agent(spec: str, key: str = "rollout.multi_turn.agent"):
     line naming the key."""
     from verl_ds.rollout.agent_server import check_agent  # the HTTP stack, imported by agent jobs only
 
+    if ":" not in spec:  # a dotted path may name a module's attribute that is not the agent
+        mod, _, attr = spec.rpartition(".")
+        hint = f" (e.g. {mod}:{attr})" if mod else ""
+        raise ConfigError(key, f"'{spec}': name the agent as module:function{hint}")
     fn = import_object(spec, key)
     check_agent(fn, key)
     return fn

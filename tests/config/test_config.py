@@ -758,3 +758,51 @@ def test_launch_variables_are_checked_by_train_sh_in_one_line(tmp_path, var, val
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [line]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "example, override, line",
+    [
+        (
+            "grpo_cpu_tiny_agent.yaml",
+            "rollout.multi_turn.agent=examples.agents.arithmetic.retry_agent",
+            "rollout.multi_turn.agent: 'examples.agents.arithmetic.retry_agent': name the agent as module:function "
+            "(e.g. examples.agents.arithmetic:retry_agent)",
+        ),
+        (
+            "grpo_cpu_tiny_retry.yaml",
+            "rollout.multi_turn.env_kwargs=3",
+            "rollout.multi_turn.env_kwargs: expected dict, got 3",
+        ),  # noqa: E501
+        (
+            "grpo_cpu_smollm2_textarena.yaml",
+            "rollout.multi_turn.env=textarena:GuessTheNumber-v0",
+            "rollout.multi_turn.env: 'textarena:GuessTheNumber-v0': the built-in environment is `env: textarena`, "
+            "its game in env_kwargs: {env_id: GuessTheNumber-v0}",
+        ),
+        (
+            "grpo_cpu_smollm2_textarena.yaml",
+            "rollout.multi_turn.env_kwargs.game_kwargs.colour=red",
+            "rollout.multi_turn.env_kwargs.game_kwargs: GuessTheNumber-v0: got an unexpected keyword argument 'colour'",
+        ),
+    ],
+)
+def test_multi_turn_names_that_cannot_run_are_one_line_at_start(example, override, line):
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "examples" / example, [override])
+    assert line in [str(x) for x in e.value.errors]
+
+
+def test_verl_ds_imports_the_configs_modules_from_the_directory_it_runs_in():
+    """The README's path: `source launch/env.sh; verl-ds config render --config <example>` from the repo
+    root, for the example whose agent lives in examples/ (a console script puts no directory on sys.path)."""
+    exe = Path(sys.executable).parent / "verl-ds"
+    out = subprocess.run(
+        [str(exe), "config", "render", "--config", "examples/grpo_cpu_tiny_agent.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=child_env(PYTHONPATH=""),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -132,3 +132,11 @@ def test_a_token_budget_below_one_row_is_a_warning_naming_the_effective_budget(t
     assert s.token_budgets["actor"] == 4
     assert f"roles.actor.max_tokens_per_micro_batch 4 is below one row of up to {t} tokens" in caplog.text
     assert f"so up to {t} tokens run in one" in caplog.text
+
+
+def test_a_vllm_context_past_the_models_positions_is_one_line(tmp_path):
+    """The tiny model has 256 positions; vLLM would fail at its engine start with a traceback."""
+    with pytest.raises(ConfigError) as e:
+        resolve_setup(_cfg(tmp_path, "rollout.engine=vllm", "rollout.max_model_len=512"))
+    assert str(e.value).startswith("rollout.max_model_len: 512 is past the model's 256 positions")
+    resolve_setup(_cfg(tmp_path, "rollout.engine=hf", "rollout.max_model_len=512"))  # HF generate: no such limit

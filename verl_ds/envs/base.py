@@ -87,6 +87,12 @@ def load_env_factory(
     """A zero-argument factory building one environment per episode. Checked now (import, methods,
     constructor arguments), so a bad path or signature is one line at start, not a crash mid-run.
     The tool environment also gets `tools` (the functions of `data.tools`)."""
+    builtin, colon, rest = spec.partition(":")
+    if colon and builtin in BUILTIN_ENVS:  # `textarena:GuessTheNumber-v0`, a natural guess
+        where = "its settings in env_kwargs"
+        if builtin == "textarena":
+            where = f"its game in env_kwargs: {{env_id: {rest}}}"
+        raise ConfigError(key, f"'{spec}': the built-in environment is `env: {builtin}`, {where}")
     cls = import_object(BUILTIN_ENVS.get(spec, spec), key)
     if not inspect.isclass(cls):
         raise ConfigError(key, f"'{spec}' is not a class")

@@ -50,6 +50,7 @@ class TextArenaEnv:
                 "rollout.multi_turn.env_kwargs.env_id",
                 f"TextArena has no game '{env_id}'" + (f" (did you mean {', '.join(near[:4])}?)" if near else ""),
             )
+        _check_game_kwargs(env_id, registry[raw], game_kwargs or {})
         return raw
 
     def reset(self, example: dict) -> str:
@@ -72,3 +73,19 @@ class TextArenaEnv:
         """The game's messages since the model's last action (the model's own echo left out)."""
         _, observations = self.env.get_observation()
         return "\n".join(str(msg) for sender, msg, *_ in observations if sender != PLAYER).strip()
+
+
+def _check_game_kwargs(env_id: str, spec, game_kwargs: dict) -> None:
+    """`game_kwargs` against the game's constructor (its registry entry's defaults merged in, as
+    `ta.make` does), so an argument the game does not take is a start-up line, not a traceback."""
+    import importlib
+    import inspect
+
+    entry = spec.entry_point
+    if isinstance(entry, str):
+        mod, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(mod), name)
+    try:
+        inspect.signature(entry).bind(**{**(spec.kwargs or {}), **game_kwargs})
+    except TypeError as e:
+        raise ConfigError("rollout.multi_turn.env_kwargs.game_kwargs", f"{env_id}: {e}") from None

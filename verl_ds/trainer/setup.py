@@ -105,6 +105,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     if sleepers and not gpu:
         log.info("roles.{%s}.sleep: a no-op on CPU (no device memory to hand to the rollout)", ",".join(sleepers))
     budget, shape = rank_budget(cfg, world, gpu), load_shape(model_path)
+    check_context(cfg, model_path)
     check_batch_fits(cfg, shape, precision, world, gpu, budget)
     stages = zero_stages(cfg, shape, files, precision, world, budget)
     ds = render_ds_configs(cfg, world, precision, stages, files)
@@ -185,6 +186,26 @@ def _cgroup_limit() -> float:
             continue
         return float(text) if text.isdigit() else float("inf")
     return float("inf")
+
+
+def check_context(cfg: RunConfig, model_path: str) -> None:
+    """vLLM refuses an engine whose `max_model_len` passes the model's positions (a traceback from its
+    engine start, with nothing of the run's keys in it): one line naming the key and the model's limit.
+    HF generate has no such limit; a model whose config scales its rotary embeddings is left to vLLM."""
+    if cfg.rollout.engine != "vllm":
+        return
+    import json
+
+    c = json.loads((Path(model_path) / "config.json").read_text())
+    c = c.get("text_config", c)
+    limit = c.get("max_position_embeddings")
+    if isinstance(limit, int) and not c.get("rope_scaling") and cfg.rollout.max_model_len > limit:
+        raise ConfigError(
+            "rollout.max_model_len",
+            f"{cfg.rollout.max_model_len:,} is past the model's {limit:,} positions (max_position_embeddings in "
+            f"{model_path}/config.json): at most {limit:,}, with data.max_prompt_length + rollout.max_new_tokens "
+            "within it",
+        )
 
 
 def check_batch_fits(
