@@ -332,6 +332,14 @@ class MultiTurnConfig:
         ge=0,
         le=1,
     )
+    max_agent_failure_fraction: float = opt(
+        0.5,
+        "an agent that raises or times out ends its episode with reward 0 (counted in agent/failures, one console "
+        "line a step, tracebacks at logging.level DEBUG); the run stops when more than this fraction of a step's "
+        "agent episodes end so",
+        ge=0,
+        le=1,
+    )
     tokenization_check: str = opt(
         "strict", "strict: compare each episode's ids with a one-shot render (a metric)", choices=("strict", "off")
     )

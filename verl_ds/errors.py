@@ -50,3 +50,22 @@ def raise_all(errors: list[ConfigError]) -> None:
         raise errors[0]
     if errors:
         raise ConfigErrors(errors)
+
+
+def real_number(value) -> float | None:
+    """A user function's number (a reward): a finite real (bool, int, float, a one-element numpy or torch
+    scalar) as a float; None for anything else (None, a string, NaN, inf)."""
+    import math
+    import numbers
+
+    if getattr(value, "shape", None) is not None and getattr(value, "size", None) is not None:
+        if (value.numel() if callable(value.size) else value.size) == 1:  # a torch or numpy scalar
+            value = value.item()
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+        return float(value)
+    return None
+
+
+def callable_name(fn) -> str:
+    """`module:qualname` of a user's function, as a config names it."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', None) or shown(fn)}"

@@ -13,7 +13,7 @@ import torch
 
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.tiny import build_chat_tokenizer, build_tiny_llama, load_tokenizer
-from verl_ds.errors import ConfigError
+from verl_ds.errors import ConfigError, RunFailure
 from verl_ds.rollout import HFRollout
 from verl_ds.rollout.agent_server import EPISODE_HEADER, AgentServer, run_agents
 from verl_ds.rollout.episodes import Sampling, SeedKey
@@ -409,3 +409,39 @@ def test_an_agent_job_the_endpoint_cannot_serve_is_one_line_at_start(overrides, 
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["rollout.multi_turn.agent=tests.e2e.agents:three_calls", *overrides], world_size=2)
+
+
+def test_an_agent_returning_no_number_is_one_line_naming_it(chat_model):
+    """The contract itself (a finite reward), not an unlucky episode: a ConfigError naming the agent and
+    what it returned, raised through the run, where an exception inside the agent is only counted."""
+
+    async def returns_text(client, example):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": example["prompt"]}])
+        return "1.0"
+
+    with pytest.raises(ConfigError) as e:
+        _run(chat_model, returns_text, [{"prompt": "ok"}], 1)
+    line = str(e.value)
+    assert line.startswith("rollout.multi_turn.agent: ") and "returns_text" in line
+    assert "returned '1.0' (str): an agent returns its episode's reward, a finite number" in line
+
+
+def test_agent_failures_past_the_bound_stop_the_run_and_below_it_are_one_line(caplog):
+    """`check_agent_failures`: more than the fraction raised or timed out -> RunFailure in one line;
+    fewer -> one warning line counting each kind (tracebacks are at DEBUG)."""
+    from verl_ds.rollout.agent_server import check_agent_failures
+    from verl_ds.rollout.episodes import Episode
+
+    def ep(failure):
+        return Episode(group=0, sample=0, env=None, segments=[], failure=failure)
+
+    eps = [ep("AgentBroke: gave up"), ep("timed out after 5.0s"), ep(""), ep("AgentBroke: again")]
+    with pytest.raises(RunFailure) as e:
+        check_agent_failures(eps, 0.5)
+    assert "3 of 4 agent episodes raised or timed out (> rollout.multi_turn.max_agent_failure_fraction 0.5)" in str(
+        e.value
+    )
+    caplog.set_level("WARNING", logger="verl_ds")
+    check_agent_failures(eps, 0.75)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "2 x AgentBroke, 1 x timed out after 5.0s" in lines[0]

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
-import numbers
 import re
 import traceback
 from typing import Callable
 
-from verl_ds.errors import ConfigError
+from verl_ds.errors import ConfigError, callable_name, real_number
 
 RewardFn = Callable[[str, str], float]
 log = logging.getLogger(__name__)
@@ -119,7 +117,7 @@ def call_reward(fn: RewardFn, response: str, answer, key: str = "data.reward_fn"
     counts; NaN does not): a function that raises or returns anything else is one line naming the
     function, what it returned or raised, and where (its file:line), before the step trains on it.
     The traceback goes to the debug log (`logging.level: DEBUG`)."""
-    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    name = callable_name(fn)
     try:
         value = fn(response, answer)
     except Exception as e:
@@ -127,9 +125,8 @@ def call_reward(fn: RewardFn, response: str, answer, key: str = "data.reward_fn"
         frame = traceback.extract_tb(e.__traceback__)[-1]
         where = f"{frame.filename}:{frame.lineno}"
         raise ConfigError(key, f"{name} raised {type(e).__name__}: {e} (at {where}) for a response") from None
-    if hasattr(value, "numel") and value.numel() == 1:  # a torch or numpy scalar
-        value = value.item()
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+    number = real_number(value)
+    if number is None:
         code = getattr(fn, "__code__", None)
         where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
         raise ConfigError(
@@ -137,4 +134,4 @@ def call_reward(fn: RewardFn, response: str, answer, key: str = "data.reward_fn"
             f"{name}{where} returned {value!r} ({type(value).__name__}): a reward function returns a finite "
             "number for every response (0.0 for a wrong one)",
         )
-    return float(value)
+    return number

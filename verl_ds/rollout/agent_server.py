@@ -38,6 +38,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -45,7 +46,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the handl
 from fastapi.responses import JSONResponse
 
 from verl_ds import dist as vdist
-from verl_ds.errors import ConfigError, shown
+from verl_ds.errors import ConfigError, RunFailure, callable_name, real_number, shown
 
 from .distributed import GroupLeader, follow, prompt_positions
 from .engine import RolloutEngine
@@ -742,15 +743,22 @@ async def run_agent(agent_fn, server: AgentServer, episode: str, example: dict, 
     )
     try:
         reward = await asyncio.wait_for(agent_fn(client, example), timeout=timeout_s)
-        return float(reward), ""
     except asyncio.TimeoutError:
         return 0.0, f"timed out after {timeout_s}s"
-    except Exception as e:  # the agent's own mistake ends only its episode, counted
-        log.warning("agent failure (reward 0, counted in agent/failures): %s", e, exc_info=e)
+    except Exception as e:  # the agent's own mistake ends only its episode, counted (one line a step)
+        log.debug("agent failure (reward 0, counted in agent/failures)", exc_info=e)
         return 0.0, f"{type(e).__name__}: {e}"
     finally:
         await client.close()
         await http.aclose()
+    number = real_number(reward)
+    if number is None:  # the contract itself, broken the same way in every episode: the run stops
+        raise ConfigError(
+            "rollout.multi_turn.agent",
+            f"{callable_name(agent_fn)} returned {reward!r} ({type(reward).__name__}): an agent returns its episode's "
+            "reward, a finite number",
+        )
+    return number, ""
 
 
 async def _play(
@@ -842,6 +850,7 @@ class AgentEpisodes:
     timeout_s: float = 300.0
     tool_parser: Callable[[str], list] | None = None
     server: AgentServer | None = None
+    max_failure_fraction: float = 1.0  # `rollout.multi_turn.max_agent_failure_fraction`
 
     def collect(self, examples: list[dict], sampling: Sampling, seed: SeedKey) -> Rollout:
         """This rank's examples' episodes. Under tensor parallelism the group's first rank runs the
@@ -853,7 +862,7 @@ class AgentEpisodes:
             played = self._round(plain, positions, sampling, seed, self.engine)
         else:
             played = self._play_as_group(plain, positions, sampling, seed)
-        return played_rollout(played, self.codec, self.engine.pad_id)
+        return played_rollout(played, self.codec, self.engine.pad_id, self.max_failure_fraction)
 
     def _round(self, examples, positions, sampling, seed, engine) -> _Played:
         if self.server is None:
@@ -939,8 +948,29 @@ def played_episodes(server: AgentServer, ids: list[str], results: list[tuple[flo
     return _Played(episodes, exact, calls_per_engine_call)
 
 
-def played_rollout(played: _Played, codec, pad_id: int) -> Rollout:
+def check_agent_failures(episodes: list[Episode], max_fraction: float) -> None:
+    """One console line a step for the agents that raised or timed out (their tracebacks at DEBUG), and
+    a stop in one line when more than `max_fraction` of the step's episodes ended so (a broken agent,
+    not an unlucky episode: `rollout.multi_turn.max_agent_failure_fraction`)."""
+    failed = [ep.failure for ep in episodes if ep.failure]
+    if not failed:
+        return
+    kinds = Counter(f.split(":")[0] for f in failed)
+    if len(failed) > max_fraction * len(episodes):
+        raise RunFailure(
+            f"{len(failed)} of {len(episodes)} agent episodes raised or timed out (> rollout.multi_turn."
+            f"max_agent_failure_fraction {max_fraction}); the first: {failed[0]}"
+        )
+    log.warning(
+        "agent failures (reward 0, counted in agent/failures): %s; the first: %s",
+        ", ".join(f"{n} x {k}" for k, n in kinds.items()),
+        failed[0],
+    )
+
+
+def played_rollout(played: _Played, codec, pad_id: int, max_failure_fraction: float = 1.0) -> Rollout:
     episodes, calls_per_engine_call = played.episodes, played.engine_calls
+    check_agent_failures(episodes, max_failure_fraction)
     ro = assemble(episodes, codec, pad_id, strict=False)
     checked = [x for row in played.exact for x in row]
     ro.metrics["multi_turn/token_mismatch_fraction"] = checked.count(False) / max(len(checked), 1)

@@ -111,7 +111,9 @@ class PartialAgents(PartialRollouts):
         results = [self.runs.pop(e).result() for e in ids]
         played = played_episodes(self.server, ids, results, self.sampling.n)
         self.server.engine_calls.clear()  # the step's batching, counted from here
-        return played_rollout(played, self.agents.codec, self.engine.pad_id), played.episodes
+        return played_rollout(played, self.agents.codec, self.engine.pad_id, self.agents.max_failure_fraction), (
+            played.episodes
+        )
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:

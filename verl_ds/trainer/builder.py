@@ -87,8 +87,15 @@ def build_agents(setup: RunSetup, codec: ChatCodec, engine) -> AgentEpisodes | N
     if setup.agent is None:
         return None
     r = setup.cfg.rollout
+    mt = r.multi_turn
     return AgentEpisodes(
-        setup.agent, engine, codec, r.max_model_len, r.multi_turn.agent_timeout_s, parse_hermes_tool_calls
+        setup.agent,
+        engine,
+        codec,
+        r.max_model_len,
+        mt.agent_timeout_s,
+        parse_hermes_tool_calls,
+        max_failure_fraction=mt.max_agent_failure_fraction,
     )
 
 
