@@ -140,3 +140,19 @@ def test_a_vllm_context_past_the_models_positions_is_one_line(tmp_path):
         resolve_setup(_cfg(tmp_path, "rollout.engine=vllm", "rollout.max_model_len=512"))
     assert str(e.value).startswith("rollout.max_model_len: 512 is past the model's 256 positions")
     resolve_setup(_cfg(tmp_path, "rollout.engine=hf", "rollout.max_model_len=512"))  # HF generate: no such limit
+
+
+def test_model_tiny_settings_that_differ_from_the_built_model_rebuild_it_or_are_one_line(tmp_path):
+    """An init_model nothing trained yet follows the config; one a checkpoint trained is the run's model:
+    other settings are one line (a resume would otherwise load the checkpoint's shape without a word)."""
+    import json
+
+    first = resolve_setup(_cfg(tmp_path))
+    assert json.loads((tmp_path / "init_model" / "config.json").read_text())["hidden_size"] == 32
+    resolve_setup(_cfg(tmp_path, "model.tiny.hidden=48"))  # nothing trained: built again
+    assert json.loads((tmp_path / "init_model" / "config.json").read_text())["hidden_size"] == 48
+    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        resolve_setup(_cfg(tmp_path, "model.tiny.hidden=64"))
+    assert str(e.value).startswith("model.tiny: ") and "hidden 48 -> 64" in str(e.value)
+    assert first.model_path == str(tmp_path / "init_model")

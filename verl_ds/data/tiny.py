@@ -8,10 +8,15 @@ directory (config.json, model.safetensors, tokenizer.json), which DeepSpeed role
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from pathlib import Path
 
 from verl_ds.dist import barrier, rank
 from verl_ds.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*=# ")
@@ -120,12 +125,44 @@ def prepare_model(model_cfg, run_dir: str | Path) -> str:
     if model_cfg.path != "tiny":
         return model_cfg.path
     out = Path(run_dir) / "init_model"
-    if rank() == 0 and not (out / "config.json").exists():
-        t = model_cfg.tiny
+    t = model_cfg.tiny
+    asked = {k: getattr(t, k) for k in TINY_KEYS}
+    built = _built_with(out)
+    rebuild = built is not None and any(built.get(k, asked[k]) != v for k, v in asked.items())
+    if rebuild:
+        diff = ", ".join(f"{k} {built[k]} -> {v}" for k, v in asked.items() if k in built and built[k] != v)
+        if any((Path(run_dir) / "checkpoints").glob("step_*")):  # a model that trained is the run's model
+            raise ConfigError(
+                "model.tiny",
+                f"{out} was built with other settings ({diff}) and {run_dir}/checkpoints holds its training: "
+                "use another trainer.run_dir, or the settings it was built with",
+            )
+        log.info("model.tiny changed (%s) and nothing trained yet: %s is built again", diff, out)
+    barrier()  # every rank has read the old settings before rank 0 replaces them
+    if rank() == 0 and (rebuild or built is None):
+        shutil.rmtree(out, ignore_errors=True)
         tokenizer = build_chat_tokenizer() if t.tokenizer == "chat" else build_char_tokenizer()
         build_tiny_llama(out, tokenizer, hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn, seed=t.seed)
+        (out / TINY_FILE).write_text(json.dumps(asked))
     barrier()
     return str(out)
+
+
+TINY_KEYS = ("tokenizer", "hidden", "layers", "heads", "ffn", "seed")
+TINY_FILE = "verl_ds_tiny.json"  # the `model.tiny` settings an init_model was built with
+
+
+def _built_with(out: Path) -> dict | None:
+    """The `model.tiny` settings `out` was built with (from its record, or for a model built before the
+    record existed, what its config.json tells); None: nothing built there yet."""
+    if not (out / "config.json").exists():
+        return None
+    try:
+        return json.loads((out / TINY_FILE).read_text())
+    except (OSError, ValueError):
+        c = json.loads((out / "config.json").read_text())
+        return {"hidden": c["hidden_size"], "layers": c["num_hidden_layers"], "heads": c["num_attention_heads"],
+                "ffn": c["intermediate_size"]}  # fmt: skip
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
