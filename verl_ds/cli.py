@@ -128,10 +128,13 @@ def cmd_render(args) -> int:
     """The run config, its precision and every role's DeepSpeed JSON, on any machine: a model or
     data path absent here is listed, not an error (what is present is checked as a run would)."""
     from verl_ds.config import load_config, to_dict, validate_paths
+    from verl_ds.data.tasks import check_data_files
     from verl_ds.ds_config import render_ds_configs, run_precision
+    from verl_ds.errors import raise_all
 
     cfg = load_config(args.config, args.overrides, args.world_size)
     absent = validate_paths(cfg, missing_ok=True)
+    raise_all(check_data_files(cfg.data))  # what train would refuse of the files that are here
     precision = run_precision(cfg)
     rendered = render_ds_configs(cfg, args.world_size, precision)
     print("# run config (as given; `auto` resolves to the precision below)")

@@ -806,3 +806,31 @@ def test_verl_ds_imports_the_configs_modules_from_the_directory_it_runs_in():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+PROMPT_ROW, QUESTION_ROW = '{"prompt": "1+1=", "answer": "2"}\n', '{"question": "2+2=", "answer": "4"}\n'
+
+
+@pytest.mark.parametrize(
+    "files, line",
+    [
+        ({"train.jsonl": ""}, "data.train_files[0]: {d}/train.jsonl holds no rows"),
+        (
+            {"train.parquet": "not parquet"},
+            "data.train_files[0]: {d}/train.parquet is not a parquet file (no PAR1 header)",
+        ),  # noqa: E501
+        (
+            {"train.jsonl": PROMPT_ROW, "val.jsonl": QUESTION_ROW},
+            "data.prompt_key: 'prompt' missing in {d}/val.jsonl:1 (keys: ['answer', 'question'])",
+        ),
+    ],
+)
+def test_config_render_refuses_the_data_files_train_would_refuse(tmp_path, files, line):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    train = [str(tmp_path / n) for n in files if n.startswith("train")]
+    val = [str(tmp_path / n) for n in files if n.startswith("val")]
+    args = ["config", "render", "--config", str(CPU_GRPO), "data.task=files", f"data.train_files={train}"]
+    out = run_cli(*args, *([f"data.val_files={val}"] if val else []), cwd=ROOT)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == ["error: " + line.format(d=tmp_path)]
