@@ -94,3 +94,25 @@ def test_the_critic_backbone_checkpoints_in_eval_mode(deep_model_dir):
     critic = load_value_model(deep_model_dir, grad_checkpointing=True)
     assert checkpointed_layers(critic) == LAYERS
     assert checkpointed_layers(load_value_model(deep_model_dir)) == 0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_debug_memorys_measured_activations_agree_with_its_estimate(deep_model_dir, checkpointing):
+    """What `debug memory` measures of an update (autograd's saved tensors, and with checkpointing each
+    layer's kept input) against what its model estimates for the same rows: the estimate bounds it from
+    above (token budgets and the start-up refusal rest on it), and not by more than 1/0.6."""
+    from verl_ds.diagnostics.memory import ModelShape
+    from verl_ds.diagnostics.memory.estimate import pass_memory
+    from verl_ds.diagnostics.memory.measure import MemoryTimer
+
+    model = load_causal_lm(deep_model_dir, grad_checkpointing=checkpointing)
+    actor = Actor(model, ds_config("actor", 0, "fp32", micro=ROWS, total=ROWS), Cfg())
+    batch = long_batch(model.config.vocab_size, t=1024)
+    timer = MemoryTimer({"actor": actor}, track_activations=True)
+    with timer("update_actor", stage="update", role="actor"):
+        actor.accumulate(batch, float(batch.loss_mask.sum()), float(ROWS))
+        actor.step()
+    measured = timer.memory_metrics()["memory/update/actor/activations_mib"] * 2**20
+    shape = ModelShape.from_hf_config(model.config.to_dict())
+    est = pass_memory(shape, "fp32", ROWS, 1024, R, head="lm", grad=True, grad_checkpointing=checkpointing)
+    assert 0.6 < measured / est["activations"] <= 1.0, (measured, est)

@@ -49,9 +49,14 @@ def _checkpointed(module: torch.nn.Module) -> bool:
     return isinstance(module, GradientCheckpointingLayer) and bool(getattr(module, "gradient_checkpointing", False))
 
 
+def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of `model` that will recompute their activations in the backward."""
+    return [m for m in model.modules() if _checkpointed(m) and m.training]
+
+
 def checkpointed_layers(model: torch.nn.Module) -> int:
     """How many layers of `model` will recompute their activations in the backward (0: none)."""
-    return sum(_checkpointed(m) and m.training for m in model.modules())
+    return len(checkpointed_modules(model))
 
 
 def model_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:

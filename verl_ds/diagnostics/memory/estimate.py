@@ -136,10 +136,17 @@ def pass_memory(
             "activations": rows * t * (4 * h + 2 * kvdim + 3 * ffn) * b + attn,
             "logits_buffer": out_logits + (rows * r * shape.vocab * 4 if lm else 0),  # + fp32 log-softmax
         }
-    per_layer = rows * t * (10 * h + 4 * kvdim + 5 * ffn) * b + attn  # saved for backward
-    acts = (shape.layers * rows * t * h * b + per_layer) if grad_checkpointing else shape.layers * per_layer
+    # saved for backward, per token: ~12 hidden-sized values (norm inputs and outputs, q, the attention
+    # output and its projection's input...), 5 kv-sized (k, v before and after rope), 5.5 ffn-sized (gate, up,
+    # their activation and product): an upper bound of autograd's saved tensors of Llama layers measured
+    # in fp32 and bf16, MHA and GQA (tests/roles/test_long_rows.py holds it against the measurement)
+    per_layer = rows * t * (24 * h + 10 * kvdim + 11 * ffn) * b // 2 + attn
     saved_logits = rows * r * shape.vocab * 4 * 3 if lm else 0  # fp32 logits, log-softmax, softmax (entropy)
-    return {"activations": acts + saved_logits, "logits_buffer": out_logits}
+    outside = rows * t * 3 * h * b + saved_logits  # the embedding's output, the final norm's input and output
+    if grad_checkpointing:  # one input a layer kept; one layer's set recomputed at a time in the backward
+        acts = shape.layers * rows * t * h * b
+        return {"activations": acts + outside, "logits_buffer": out_logits, "other": per_layer}
+    return {"activations": shape.layers * per_layer + outside, "logits_buffer": out_logits}
 
 
 def role_memory(
@@ -192,7 +199,10 @@ def role_memory(
             grad_checkpointing=grad_checkpointing,
             math_attention=math_attention,
         )
-        stages["update"].update(train, grads=resident.get("grads", 0.0) + grads, other=gathered + step_tmp + bucket)
+        recompute = train.pop("other", 0.0)
+        stages["update"].update(
+            train, grads=resident.get("grads", 0.0) + grads, other=gathered + step_tmp + bucket + recompute
+        )
     return stages
 
 
@@ -472,16 +482,21 @@ def fit_passes(
         resident = sum(v for comp in est[stage].values() for k, v in comp.items() if k not in transient)
         resident += 0.0 if gpu_gib else CPU_PROCESS_GIB * GIB
         role_shape = (role_shapes or {}).get(role, shape)
-        one = pass_memory(
-            role_shape,
-            ds_dtype(ds),
-            1,
-            w.seq_len,
-            w.resp_len,
-            head=HEADS[role],
-            grad=stage == "update",
-            grad_checkpointing=cfg.precision.enable_grad_checkpointing,
-            math_attention=math_attention(cfg, role, ds_dtype(ds), 1, w.seq_len, bool(gpu_gib)),
+        mb = int(ds.get("train_micro_batch_size_per_gpu", 1))
+        one, full = (
+            pass_memory(
+                role_shape,
+                ds_dtype(ds),
+                n,
+                w.seq_len,
+                w.resp_len,
+                head=HEADS[role],
+                grad=stage == "update",
+                grad_checkpointing=cfg.precision.enable_grad_checkpointing,
+                math_attention=math_attention(cfg, role, ds_dtype(ds), n, w.seq_len, bool(gpu_gib)),
+            )
+            for n in (1, mb)
         )
+        resident -= full.get("other", 0.0)  # its own recomputed layer, counted per row in `one`
         out[role] = PassFit(role, stage, w.seq_len, sum(one.values()), resident, budget_bytes)
     return out

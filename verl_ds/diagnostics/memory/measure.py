@@ -197,6 +197,7 @@ class MemoryTimer(Timer):
             mod = getattr(self.roles[active], "module", None)
             if mod is not None:
                 hooks.append(mod.register_forward_hook(lambda m, i, o: _max_logits(logits, o)))
+                hooks += _track_checkpoint_inputs(mod, saved)
         ctx = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if tracked else nullcontext()
         try:
             with super().__call__(name, stage, role), ctx:
@@ -237,6 +238,49 @@ class MemoryTimer(Timer):
                 if role != "process":
                     out[f"memory/{stage}/{role}/total_mib"] = sum(comp.values()) / MIB
         return out
+
+
+def _track_checkpoint_inputs(module, saved: _SavedTensors) -> list:
+    """Checkpointed layers keep their input for the backward outside autograd's saved-tensor hooks
+    (torch's checkpoint packs its own): count each such input as saved from the layer's forward until the
+    next forward of `module` (its micro-batch's backward is done by then). The one layer recomputed in the
+    backward stays unseen (the estimate counts it under `other`). Returns the hook handles."""
+    from verl_ds.roles.base import checkpointed_modules
+
+    layers = checkpointed_modules(module)
+    if not layers:
+        return []
+    held: list = []
+    state = {"forward": False}
+
+    def begin(_m, _args):
+        held.clear()  # the previous micro-batch's inputs: its backward has run
+        state["forward"] = True
+
+    def end(_m, _args, _out):
+        state["forward"] = False
+
+    def keep(_m, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if state["forward"] and torch.is_grad_enabled() and torch.is_tensor(x):  # not the backward's recompute
+            held.append(saved.pack(x))
+
+    import torch
+
+    hooks = [module.register_forward_pre_hook(begin), module.register_forward_hook(end)]
+    hooks += [m.register_forward_pre_hook(keep, with_kwargs=True) for m in layers]
+    hooks.append(_Release(held))
+    return hooks
+
+
+class _Release:
+    """A hook-like handle whose `remove` drops the held inputs at the end of the phase."""
+
+    def __init__(self, held: list):
+        self.held = held
+
+    def remove(self) -> None:
+        self.held.clear()
 
 
 def _max_logits(box: list, out) -> None:
