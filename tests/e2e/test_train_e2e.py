@@ -463,6 +463,41 @@ def test_fp16_end_to_end_runs_with_loss_scaling_and_matched_dtypes_keep_the_roll
     assert all(0 <= r["rollout_corr/phantom_clip_fraction"] <= 1 for rows in runs.values() for r in rows)
 
 
+@pytest.mark.numerics
+def test_a_matched_bf16_pair_is_exact_where_the_kernels_allow(tmp_path):
+    """bf16 trainer + bf16 HF rollout, `attn_implementation: auto` (`sdpa_cpu16`): the trainer's forward
+    under grad is SDPA's, the rollout's kernel (the math only for its backward), so on a CPU with bf16
+    kernels (avx512_bf16/AMX, `cpu_gemm: auto` -> native) the first epoch's logprobs are the rollout's,
+    bitwise. On an AVX2 CPU (`auto` -> fp32 products rounded once; under forced AVX2 kernels the same
+    setting stands in for it) the one-token decode and the full sequence still take different kernel
+    paths (a token's logprob up to 3e-4 apart, measured): the mean gap is bounded there by a sixteenth of
+    bf16's unit roundoff."""
+    from verl_ds.precision import detect_hardware
+
+    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
+    native = detect_hardware("cpu").cpu_bf16 and not forced
+    run_dir = tmp_path / "run"
+    run_train(
+        "grpo_cpu_tiny.yaml",
+        run_dir,
+        "trainer.steps=2",
+        "rollout.engine=hf",
+        "trainer.val_every=0",
+        "trainer.val_before_train=false",
+        "precision.actor_dtype=bf16",
+        "precision.reference_dtype=bf16",
+        "precision.rollout_dtype=bf16",
+        f"precision.cpu_gemm={'native' if native else 'fp32'}",
+        ranks=1,
+    )
+    rows = read_metrics(run_dir)
+    assert len(rows) == 2
+    if native:
+        assert [r["rollout_corr/logprob_abs_diff_max"] for r in rows] == [0.0, 0.0], rows
+    else:
+        assert max(r["rollout_corr/logprob_abs_diff_mean"] for r in rows) < 2.0**-8 / 16, rows
+
+
 def test_distillation_with_an_int8_and_a_bf16_teacher_under_the_launcher(tmp_path, capsys):
     """On-policy distillation on 2 ranks with a ZeRO-3 student and vLLM: the teacher in int8
     (weight-only, ZeRO-0) and in bf16 (ZeRO-3). The first step's samples are the same in both runs

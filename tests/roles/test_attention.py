@@ -57,18 +57,24 @@ def _train(model, batch):
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}, count.n
 
 
-def test_a_16bit_cpu_backward_runs_the_eager_math_and_everything_else_runs_sdpa():
+def test_a_16bit_cpu_pass_under_grad_is_sdpas_forward_with_the_maths_backward():
+    """Every forward is SDPA's, bitwise (the rollout's kernel: a matched pair's first-epoch logprobs are
+    the rollout's); a 16-bit CPU backward is the eager math's (no fused backward runs), so its gradients
+    differ from eager's by no more than SDPA's own gradients do (rounding of the same function)."""
     batch = _batch()
     m = _models(torch.bfloat16)
     with torch.no_grad():  # scoring: SDPA's fused kernel, bitwise
         torch.testing.assert_close(m["sdpa_cpu16"](**batch).logits, m["sdpa"](**batch).logits, rtol=0, atol=0)
     loss, grads, fused = _train(m["sdpa_cpu16"], batch)
     eager_loss, eager_grads, _ = _train(m["eager"], batch)
-    _, _, sdpa_fused = _train(m["sdpa"], batch)
+    sdpa_loss, sdpa_grads, sdpa_fused = _train(m["sdpa"], batch)
     assert sdpa_fused > 0 and fused == 0  # the slow fused backward is what it avoids
-    assert loss == eager_loss  # under grad: transformers' eager attention math, bitwise
+    assert loss == sdpa_loss  # under grad too: SDPA's forward, bitwise
     for k, gr in grads.items():
-        torch.testing.assert_close(gr, eager_grads[k], rtol=0, atol=0, msg=k)
+        ours = float((gr.float() - eager_grads[k].float()).abs().max())
+        sdpa = float((sdpa_grads[k].float() - eager_grads[k].float()).abs().max())
+        scale = float(eager_grads[k].float().abs().max())
+        assert ours <= max(2 * sdpa, 16 * 2**-8 * scale), (k, ours, sdpa, scale)
 
     m = _models(torch.float32)  # fp32: SDPA everywhere, bitwise (its fused backward is the fast one)
     loss, grads, fused = _train(m["sdpa_cpu16"], batch)

@@ -1,16 +1,17 @@
-"""`sdpa_cpu16`: SDPA, except where a 16-bit attention on a CPU will be backpropagated (and is small).
+"""`sdpa_cpu16`: SDPA's forward everywhere; for a short 16-bit attention on a CPU under grad, the plain
+math's backward.
 
 torch's fused CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) is the fastest forward in
 every dtype, but its bf16/fp16 backward is several times slower than the plain matmul-softmax-matmul
-it replaces (docs/BENCHMARKS.md, "Token budgets by default"). So the policy models register one
-attention implementation with transformers that picks per call: a query that requires grad, on a
-CPU, in a 16-bit dtype runs the model's own eager attention (softmax in fp32);
-everything else (no-grad scoring, fp32, GPUs) runs transformers' SDPA unchanged. The mask is built
-once per forward in the form its attention uses (transformers' mask functions, so packed rows and
-shared prompts are masked as before): SDPA's boolean one (or none for a plain causal pass), or, for a
-16-bit CPU forward under grad, eager attention's additive one (added to the scores, nothing to save
-for the backward). Long rows (past `MATH_MAX_ELEMENTS`) take SDPA in every pass: the math's
-probabilities grow with the square of the row.
+(docs/BENCHMARKS.md, "Token budgets by default"). So the policy models register one attention
+implementation with transformers: every pass runs transformers' SDPA forward on SDPA's mask, the very
+kernel and inputs of the rollout's HF engine and of no-grad scoring, so a matched pair's first-epoch
+logprobs equal the rollout's; a 16-bit CPU query that requires grad gets its backward from the model's
+own eager attention (matmul, fp32 softmax, matmul: `eager_attention_forward`, softcapping and sliding
+windows as the model defines them) recomputed from the saved query, keys and values. Nothing
+quadratic is saved for the backward; the recomputation holds one layer's `[rows, heads, q, k]`
+probabilities at a time, so past `MATH_MAX_ELEMENTS` mask elements the fused backward runs instead.
+The gradient is the math's at the same inputs: it differs from the fused kernel's by rounding only.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ import torch
 NAME = "sdpa_cpu16"
 _LOW = (torch.bfloat16, torch.float16)
 
-
-# The plain math keeps each layer's [rows, heads, q, k] probabilities (fp32 softmax) for its backward:
-# quadratic in the row length, where the fused kernel's memory is linear. Past this many mask elements
-# (rows x q x k; 4k-token rows x 1) the fused kernel runs the backward too, slower but in bounded
-# memory, so long rows fit (docs/BENCHMARKS.md, "Long rows").
+# The math backward recomputes one layer's [rows, heads, q, k] probabilities (fp32 softmax): past this
+# many mask elements (rows x q x k; one 4k-token row) the fused backward runs instead, slower but in
+# memory linear in the row (docs/BENCHMARKS.md, "Long rows on one rank").
 MATH_MAX_ELEMENTS = 1 << 24
 
 
@@ -35,36 +34,71 @@ def _math_pays(dtype: torch.dtype, device) -> bool:
 
 
 def math_runs(dtype: torch.dtype, device, rows: int, q: int, k: int, grad: bool = True) -> bool:
-    """Whether this implementation runs a pass of `rows` x `q` queries over `k` keys as the plain math
-    (the memory model's question: its attention memory is then quadratic)."""
+    """Whether a pass of `rows` x `q` queries over `k` keys takes its backward from the plain math (the
+    memory model's question: one layer's quadratic probabilities in the backward)."""
     return grad and _math_pays(dtype, device) and rows * q * k <= MATH_MAX_ELEMENTS
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention signature (`query` `[B, H, Q, D]`, `key`/`value` `[B, H_kv, K, D]`) ->
-    (`[B, Q, H, D]`, weights or None). A 16-bit CPU query that requires grad runs the model's own
-    eager attention (its modeling module's `eager_attention_forward`: softcapping, sliding windows
-    and the like as the model defines them) on the additive mask `mask` built for it; anything else,
-    or a model without an eager function, runs transformers' SDPA."""
+    (`[B, Q, H, D]`, None): SDPA's forward; under grad on a 16-bit CPU query of a short pass, with the
+    eager math's backward (`_SdpaMathBackward`); a model without an eager function runs plain SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    additive = attention_mask is not None and attention_mask.is_floating_point()
-    if eager is not None and additive and query.requires_grad and _math_pays(query.dtype, query.device):
-        return eager(module, query, key, value, attention_mask, **kwargs)
+    b, _, q, _ = query.shape
+    k = key.shape[2]
+    square = attention_mask is not None or q == k  # None: causal from the top-left, as the math's mask below
+    if eager is not None and square and query.requires_grad and math_runs(query.dtype, query.device, b, q, k):
+        out = _SdpaMathBackward.apply(query, key, value, attention_mask, module, eager, kwargs)
+        return out, None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def mask(*args, dtype: torch.dtype = torch.float32, device="cpu", **kwargs):
-    """transformers' mask function for this implementation: the additive mask where the attention
-    will run the math (a 16-bit CPU forward under grad), SDPA's elsewhere."""
-    from transformers.masking_utils import eager_mask, sdpa_mask
+class _SdpaMathBackward(torch.autograd.Function):
+    """Forward: transformers' SDPA (the fused kernel). Backward: the eager math recomputed on the saved
+    query, keys and values, its additive mask made from SDPA's (boolean, or None for a causal pass)."""
 
-    given = {**dict(zip(("batch_size", "q_length", "kv_length"), args)), **kwargs}
-    size = (given["batch_size"], given["q_length"], given["kv_length"])
-    if math_runs(dtype, device, *size, grad=torch.is_grad_enabled()):
-        return eager_mask(*args, dtype=dtype, device=device, **kwargs)
-    return sdpa_mask(*args, device=device, **kwargs)
+    @staticmethod
+    def forward(ctx, query, key, value, attention_mask, module, eager, kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        ctx.save_for_backward(query, key, value)
+        ctx.mask, ctx.module, ctx.eager, ctx.kwargs = attention_mask, module, eager, kwargs
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            mask = _additive(ctx.mask, query, key.shape[2])
+            out, _ = ctx.eager(ctx.module, query, key, value, mask, **ctx.kwargs)
+            grads = torch.autograd.grad(out, (query, key, value), grad_out)
+        return (*grads, None, None, None, None)
+
+
+def _additive(mask: torch.Tensor | None, query: torch.Tensor, k: int) -> torch.Tensor:
+    """Eager attention's additive mask (0 where attended, the dtype's minimum elsewhere) from SDPA's:
+    a boolean `[B, 1, q, k]` one, an additive one as it is, or None (causal, q == k)."""
+    low = torch.finfo(query.dtype).min
+    if mask is None:
+        q = query.shape[2]
+        keep = torch.ones(q, k, dtype=torch.bool, device=query.device).tril()[None, None]
+    elif mask.dtype == torch.bool:
+        keep = mask
+    else:
+        return mask
+    return torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill_(~keep, low)
+
+
+def mask(*args, **kwargs):
+    """transformers' mask function for this implementation: SDPA's in every pass (the forward is SDPA's;
+    the math's backward builds its additive mask from it)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs.pop("dtype", None)
+    return sdpa_mask(*args, **kwargs)
 
 
 def register() -> str:

@@ -117,36 +117,40 @@ def pass_memory(
     head: str,
     grad: bool,
     grad_checkpointing: bool = False,
-    math_attention: bool = False,
+    math_attention: str = "",
 ) -> dict[str, float]:
     """Transient bytes of one micro-batch's pass over `rows` rows of `t` tokens, `r` of them scored
     (the response: logits only where they predict one, `logits_to_keep`): {activations, logits_buffer}.
     No grad: one layer's intermediates live at a time. Under grad every layer keeps what its backward
     needs (SwiGLU decoder), or with `grad_checkpointing` one input a layer plus one layer recomputed.
-    `math_attention`: the attention runs the plain math (`roles/attention.py`: a 16-bit CPU pass under
-    grad, rows short enough) and keeps [rows, heads, t, t] probabilities (fp32 softmax + its 16-bit
-    copy) a layer, beside the transient scores; the fused kernels' are linear in t (in the terms above)."""
+    `math_attention`: "backward": the backward recomputes the plain math (`roles/attention.py`: a 16-bit
+    CPU pass under grad, rows short enough), one layer's [rows, heads, t, t] probabilities at a time (fp32
+    softmax + its 16-bit copy), under `other`; "saved": eager attention keeps them in every layer; "":
+    the fused kernels', linear in t (in the terms above)."""
     b = BYTES[dtype]
     h, kvdim, ffn = shape.hidden, shape.kv_heads * shape.head_dim, shape.ffn
     lm = head == "lm"
     out_logits = rows * (r if lm else t) * (shape.vocab if lm else 1) * b
+    # the math backward's one layer of probabilities (fp32 softmax and its 16-bit copy), a transient
     attn = rows * shape.heads * t * t * (4 + b) if math_attention else 0.0
+    saved_attn = attn if math_attention == "saved" else 0.0
+    attn -= saved_attn
     if not grad:
         return {
-            "activations": rows * t * (4 * h + 2 * kvdim + 3 * ffn) * b + attn,
+            "activations": rows * t * (4 * h + 2 * kvdim + 3 * ffn) * b,
             "logits_buffer": out_logits + (rows * r * shape.vocab * 4 if lm else 0),  # + fp32 log-softmax
         }
     # saved for backward, per token: ~12 hidden-sized values (norm inputs and outputs, q, the attention
     # output and its projection's input...), 5 kv-sized (k, v before and after rope), 5.5 ffn-sized (gate, up,
     # their activation and product): an upper bound of autograd's saved tensors of Llama layers measured
     # in fp32 and bf16, MHA and GQA (tests/roles/test_long_rows.py holds it against the measurement)
-    per_layer = rows * t * (24 * h + 10 * kvdim + 11 * ffn) * b // 2 + attn
+    per_layer = rows * t * (24 * h + 10 * kvdim + 11 * ffn) * b // 2 + saved_attn
     saved_logits = rows * r * shape.vocab * 4 * 3 if lm else 0  # fp32 logits, log-softmax, softmax (entropy)
     outside = rows * t * 3 * h * b + saved_logits  # the embedding's output, the final norm's input and output
     if grad_checkpointing:  # one input a layer kept; one layer's set recomputed at a time in the backward
         acts = shape.layers * rows * t * h * b
-        return {"activations": acts + outside, "logits_buffer": out_logits, "other": per_layer}
-    return {"activations": shape.layers * per_layer + outside, "logits_buffer": out_logits}
+        return {"activations": acts + outside, "logits_buffer": out_logits, "other": per_layer + attn}
+    return {"activations": shape.layers * per_layer + outside, "logits_buffer": out_logits, "other": attn}
 
 
 def role_memory(
@@ -159,7 +163,7 @@ def role_memory(
     grad_checkpointing: bool = False,
     weight_dtype: str | None = None,
     adapter_params: int = 0,
-    math_attention: bool = False,
+    math_attention: str = "",
 ) -> dict[str, dict[str, float]]:
     """One DeepSpeed role's bytes per stage: {stage: {component: bytes}} (resident in every stage,
     transient parts only in the stages that run this role: `pass_memory` of a micro-batch of
@@ -339,17 +343,17 @@ def run_role_memory(
     return stages
 
 
-def math_attention(cfg, role: str, dtype: str, rows: int, t: int, on_gpu: bool) -> bool:
-    """Whether `role`'s training pass over `rows` rows of `t` tokens runs the plain attention math
-    (quadratic memory): `eager`, or on CPU `sdpa_cpu16` (`auto`) for a 16-bit pass of short rows."""
+def math_attention(cfg, role: str, dtype: str, rows: int, t: int, on_gpu: bool) -> str:
+    """How `role`'s training pass over `rows` rows of `t` tokens runs the plain attention math: "saved"
+    (`eager`: every layer keeps its probabilities), "backward" (on CPU `sdpa_cpu16`, `auto`: a 16-bit
+    pass of short rows recomputes one layer's in the backward), "" (fused kernels)."""
     impl = cfg.model.attn_implementation
     if HEADS[role] != "lm" or role not in TRAINED_ROLES:
-        return False
+        return ""
     if impl == "eager":
-        return True
-    return (
-        impl in ("auto", attention.NAME) and not on_gpu and attention.math_runs(TORCH_DTYPES[dtype], "cpu", rows, t, t)
-    )
+        return "saved"
+    cpu16 = impl in ("auto", attention.NAME) and not on_gpu
+    return "backward" if cpu16 and attention.math_runs(TORCH_DTYPES[dtype], "cpu", rows, t, t) else ""
 
 
 def estimate_memory(
