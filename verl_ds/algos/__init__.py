@@ -39,7 +39,16 @@ from .losses import (
     value_loss,
 )
 from .rewards import REWARD_NORM_MODES, RunningMeanStd, normalize_rewards, overlong_penalty
-from .stats import AGG_LOSS_MODES, agg_loss, masked_mean, masked_sum, masked_var, masked_whiten, pass_at_k
+from .stats import (
+    AGG_LOSS_MODES,
+    agg_loss,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    pass_at_k,
+    probe_bound,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -73,6 +82,7 @@ __all__ = [
     "normalize_rewards",
     "overlong_penalty",
     "pass_at_k",
+    "probe_bound",
     "policy_loss",
     "reinforce_pp_advantages",
     "reverse_kl",

@@ -118,3 +118,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         prob_all_wrong *= 1.0 - k / i
     return 1.0 - prob_all_wrong
+
+
+# Unit roundoff of each compute format: half the gap between 1 and the next number.
+UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+def probe_bound(trainer_dtype: str, rollout_dtype: str) -> float:
+    """The mean |rollout - trainer| logprob gap a weight sync's probe may show on the same weights: 64 x
+    the coarser format's unit roundoff (one rounding of the logits moves a logprob by a fraction of it;
+    kernels that differ, the rollout's packed weights and 16-bit accumulation add a few), at least 1e-4.
+    Past it a weight did not land (a stale projection moves every token of the probe)."""
+    u = max(UNIT_ROUNDOFF.get(trainer_dtype, 2.0**-24), UNIT_ROUNDOFF.get(rollout_dtype, 2.0**-24))
+    return max(1e-4, 64 * u)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -125,6 +126,7 @@ class RLTrainer:
             # 8. the new actor weights into the rollout engine
             with timer("update_weights", stage="sync", role="actor"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
+            sync_metrics.update(self._probe_sync())  # every weight landed: the engine computes as the actor
             self._sleep_roles()  # the next generation gets their device memory
         if not self.setup.gpu:  # the step's transient host memory back to the kernel: the floor holds
             release_free_memory()
@@ -141,6 +143,32 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------------ phases
+    PROBE_PROMPTS, PROBE_PROMPT_TOKENS, PROBE_TOKENS = 4, 64, 8
+
+    def _probe_sync(self) -> dict[str, float]:
+        """After a sync, the engine samples a fixed probe (the first training prompts, a fixed seed) and the
+        actor scores what it sampled: their logprobs of the same tokens on the same weights differ by the
+        two formats' rounding (`algos.probe_bound`), or a weight did not land (a projection the read-back
+        cannot see: the CPU backend repacks linear weights, fused q/k/v and gate/up have no checkpoint
+        name). Past the bound the run stops in one line. Collective: every rank runs the same probe."""
+        t0 = time.perf_counter()
+        prompts = [list(p["prompt_ids"])[-self.PROBE_PROMPT_TOKENS :] for p in self.prompts[: self.PROBE_PROMPTS]]
+        temperature = self.cfg.rollout.temperature
+        seeds = [self.cfg.trainer.seed + i for i in range(len(prompts))]
+        ro = self.rollout.generate(prompts, 1, temperature, 1.0, self.PROBE_TOKENS, seeds=seeds)
+        mine = self.actor.logprobs(_inputs(ro), temperature).cpu()
+        mask = ro.loss_mask
+        gap = float(((mine - ro.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
+        p = self.precision
+        bound = algos.probe_bound(p.actor, p.rollout)
+        if not gap <= bound:
+            raise RunFailure(
+                f"weight sync {self.global_step + 1}: the rollout engine's logprobs of a fixed probe are {gap:.3g} "
+                f"from the actor's on the same tokens (mean over {int(mask.sum())}; at most {bound:.3g} for "
+                f"{p.actor} vs {p.rollout}): a weight did not reach the engine"
+            )
+        return {"rollout/sync_probe_gap": gap, "timing_s/sync_probe": time.perf_counter() - t0}
+
     def _timer(self) -> Timer:
         """A Timer that, every logging.memory_every steps, also accounts each role's memory per stage."""
         every = self.cfg.logging.memory_every
