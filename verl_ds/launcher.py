@@ -65,10 +65,15 @@ def main(argv: list[str] | None = None) -> None:
         rc = 0
     except SystemExit as e:  # a rank failed or a signal arrived: the launcher has already cleaned up
         rc = e.code if isinstance(e.code, int) else int(e.code is not None)
-    if rc and watch.first_death is not None:
-        pid, rank, code = watch.first_death
-        line = progress.death_line(rank, pid, -code, oom_record(pid, watch.oom_kills), progress.read(status_dir, rank))
-        print(f"[verl-ds] error: {line}", file=sys.stderr)
+    death = watch.first_death
+    if death is None and isinstance(rc, int) and rc < 0:  # the launcher reaped it before the watch looked
+        only = list(watch.ranks.items()) if len(watch.ranks) == 1 else [(0, -1)]
+        death = (*only[0], rc)
+    if rc and death is not None:
+        pid, rank, code = death
+        status = progress.read(status_dir, max(rank, 0))  # an unknown rank: rank 0's step and phase
+        print(f"[verl-ds] error: {progress.death_line(rank, pid, -code, oom_record(pid, watch.oom_kills), status)}",
+              file=sys.stderr)  # fmt: skip
     shutil.rmtree(status_dir, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -73,7 +73,7 @@ def death_line(rank: int, pid: int, signum: int, oom: str | None, status: dict |
         name = signal.Signals(signum).name
     except ValueError:
         name = f"signal {signum}"
-    line = f"rank {rank} (pid {pid}) was killed by {name}"
+    line = f"rank {rank} (pid {pid}) was killed by {name}" if rank >= 0 else f"a rank was killed by {name}"
     if signum == signal.SIGKILL:
         line += f": the kernel's OOM killer ({oom})" if oom else ": most likely the kernel's OOM killer (out of memory)"
     if status:

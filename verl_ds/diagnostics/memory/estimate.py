@@ -147,10 +147,12 @@ def pass_memory(
     per_layer = rows * t * (24 * h + 10 * kvdim + 11 * ffn) * b // 2 + saved_attn
     saved_logits = rows * r * shape.vocab * 4 * 3 if lm else 0  # fp32 logits, log-softmax, softmax (entropy)
     outside = rows * t * 3 * h * b + saved_logits  # the embedding's output, the final norm's input and output
-    if grad_checkpointing:  # one input a layer kept; one layer's set recomputed at a time in the backward
+    # the backward of one layer holds the gradients of its intermediates (about its saved set again), and
+    # with checkpointing that set itself, recomputed: transients under `other`
+    if grad_checkpointing:  # one input a layer kept
         acts = shape.layers * rows * t * h * b
-        return {"activations": acts + outside, "logits_buffer": out_logits, "other": per_layer + attn}
-    return {"activations": shape.layers * per_layer + outside, "logits_buffer": out_logits, "other": attn}
+        return {"activations": acts + outside, "logits_buffer": out_logits, "other": 2 * per_layer + attn}
+    return {"activations": shape.layers * per_layer + outside, "logits_buffer": out_logits, "other": per_layer + attn}
 
 
 def role_memory(
@@ -480,27 +482,31 @@ def fit_passes(
     est = estimate_memory(cfg, shape, ds_configs, world, rollout_dtype, gpu_gib, role_shapes)
     transient = ("activations", "logits_buffer")
     w = workload(cfg, world)
-    out = {}
-    for role, ds in ds_configs.items():
-        stage = "update" if role in TRAINED_ROLES else "score"
-        resident = sum(v for comp in est[stage].values() for k, v in comp.items() if k not in transient)
-        resident += 0.0 if gpu_gib else CPU_PROCESS_GIB * GIB
-        role_shape = (role_shapes or {}).get(role, shape)
-        mb = int(ds.get("train_micro_batch_size_per_gpu", 1))
-        one, full = (
-            pass_memory(
-                role_shape,
-                ds_dtype(ds),
-                n,
-                w.seq_len,
-                w.resp_len,
-                head=HEADS[role],
-                grad=stage == "update",
-                grad_checkpointing=cfg.precision.enable_grad_checkpointing,
-                math_attention=math_attention(cfg, role, ds_dtype(ds), n, w.seq_len, bool(gpu_gib)),
-            )
-            for n in (1, mb)
+
+    def pass_of(role: str, stage: str, n: int) -> dict[str, float]:
+        ds = ds_configs[role]
+        return pass_memory(
+            (role_shapes or {}).get(role, shape),
+            ds_dtype(ds),
+            n,
+            w.seq_len,
+            w.resp_len,
+            head=HEADS[role],
+            grad=stage == "update" and role in TRAINED_ROLES,
+            grad_checkpointing=cfg.precision.enable_grad_checkpointing,
+            math_attention=math_attention(cfg, role, ds_dtype(ds), n, w.seq_len, bool(gpu_gib)),
         )
-        resident -= full.get("other", 0.0)  # its own recomputed layer, counted per row in `one`
+
+    def rows(role: str) -> int:
+        return int(ds_configs[role].get("train_micro_batch_size_per_gpu", 1))
+
+    out = {}
+    for role in ds_configs:
+        stage = "update" if role in TRAINED_ROLES else "score"
+        # the stage's states and buffers without any role's pass transients (the passes run one at a time)
+        resident = sum(v for comp in est[stage].values() for k, v in comp.items() if k not in transient)
+        resident -= sum(pass_of(r, stage, rows(r)).get("other", 0.0) for r in ds_configs)
+        resident += 0.0 if gpu_gib else CPU_PROCESS_GIB * GIB
+        one = pass_of(role, stage, 1)
         out[role] = PassFit(role, stage, w.seq_len, sum(one.values()), resident, budget_bytes)
     return out
