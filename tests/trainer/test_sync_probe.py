@@ -47,6 +47,7 @@ def test_a_weight_that_did_not_land_stops_the_run_in_one_line(tmp_path, monkeypa
     cfg = load_config(None, [*JOB, f"trainer.run_dir={tmp_path}", *extra])
     with RLTrainer(cfg) as trainer:
         plant_stale(monkeypatch, trainer, part)
+        trainer.step()  # its sync sends the stale weight; the next step's probe sees it, before it trains
         with pytest.raises(RunFailure) as e:
             trainer.step()
     line = str(e.value)
@@ -60,6 +61,7 @@ def test_a_correct_sync_passes_its_probe(tmp_path, dtype):
         None, [*JOB, f"trainer.run_dir={tmp_path}", *[f"precision.{k}_dtype={dtype}" for k in ("actor", "reference")]]
     )
     with RLTrainer(cfg) as trainer:
+        assert "rollout/sync_probe_gap" not in trainer.step()  # no sync before step 1
         for _ in range(2):
             m = trainer.step()
             assert 0.0 <= m["rollout/sync_probe_gap"] <= rl_trainer.algos.probe_bound(dtype, "fp32")

@@ -107,10 +107,12 @@ class RLTrainer:
             # 1-3. prompts -> rollout -> rewards (+ overlong shaping); with dynamic sampling, more
             # rounds until enough groups whose samples did not all score alike
             got = self._collect(timer)
+            probe = self._probe_sample()  # the last sync's probe, while the engine is awake (none before it)
             # GPU: vLLM's memory to the roles; the sync replaces the weights, so they are discarded
             # (level 2), not copied to the host and back
             self.rollout.sleep(level=2)
             self._wake_roles()  # roles.<role>.sleep: their states come back from the host
+            probe_metrics = self._probe_check(probe)  # a weight the last sync did not land stops the run here
             scores = self._normalize(got.shaped)
             # 4. old, reference and teacher logprobs and values, stored in the buffer dtype
             n_minis = self._mini_batches(len(got.batch))
@@ -126,7 +128,7 @@ class RLTrainer:
             # 8. the new actor weights into the rollout engine
             with timer("update_weights", stage="sync", role="actor"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
-            sync_metrics.update(self._probe_sync())  # every weight landed: the engine computes as the actor
+            sync_metrics.update(probe_metrics)
             self._sleep_roles()  # the next generation gets their device memory
         if not self.setup.gpu:  # the step's transient host memory back to the kernel: the floor holds
             release_free_memory()
@@ -145,29 +147,40 @@ class RLTrainer:
     # ------------------------------------------------------------------ phases
     PROBE_PROMPTS, PROBE_PROMPT_TOKENS, PROBE_TOKENS = 4, 64, 8
 
-    def _probe_sync(self) -> dict[str, float]:
-        """After a sync, the engine samples a fixed probe (the first training prompts, a fixed seed) and the
-        actor scores what it sampled: their logprobs of the same tokens on the same weights differ by the
-        two formats' rounding (`algos.probe_bound`), or a weight did not land (a projection the read-back
-        cannot see: the CPU backend repacks linear weights, fused q/k/v and gate/up have no checkpoint
-        name). Past the bound the run stops in one line. Collective: every rank runs the same probe."""
+    def _probe_sample(self):
+        """After a sync, the engine samples a fixed probe (the first training prompts, a fixed seed), at the
+        next step's generation while the engine is awake; `_probe_check` has the actor score it once the
+        roles are awake (on a GPU the two never hold the device at once). None before the first sync."""
+        if self.global_step == 0:
+            return None
         t0 = time.perf_counter()
         prompts = [list(p["prompt_ids"])[-self.PROBE_PROMPT_TOKENS :] for p in self.prompts[: self.PROBE_PROMPTS]]
-        temperature = self.cfg.rollout.temperature
         seeds = [self.cfg.trainer.seed + i for i in range(len(prompts))]
-        ro = self.rollout.generate(prompts, 1, temperature, 1.0, self.PROBE_TOKENS, seeds=seeds)
-        mine = self.actor.logprobs(_inputs(ro), temperature).cpu()
+        ro = self.rollout.generate(prompts, 1, self.cfg.rollout.temperature, 1.0, self.PROBE_TOKENS, seeds=seeds)
+        return ro, time.perf_counter() - t0
+
+    def _probe_check(self, probe) -> dict[str, float]:
+        """The actor's logprobs of the probe's tokens on the weights it synced against the engine's: they
+        differ by the two formats' rounding (`algos.probe_bound`), or a weight did not land (one the sync's
+        read-back cannot see: the CPU backend repacks linear weights, fused q/k/v and gate/up have no
+        checkpoint name). Past the bound the run stops in one line, before this step trains. Collective:
+        every rank scores the same probe."""
+        if probe is None:
+            return {}
+        ro, sample_s = probe
+        t0 = time.perf_counter()
+        mine = self.actor.logprobs(_inputs(ro), self.cfg.rollout.temperature).cpu()
         mask = ro.loss_mask
         gap = float(((mine - ro.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
         p = self.precision
         bound = algos.probe_bound(p.actor, p.rollout)
         if not gap <= bound:
             raise RunFailure(
-                f"weight sync {self.global_step + 1}: the rollout engine's logprobs of a fixed probe are {gap:.3g} "
+                f"weight sync {self.global_step}: the rollout engine's logprobs of a fixed probe are {gap:.3g} "
                 f"from the actor's on the same tokens (mean over {int(mask.sum())}; at most {bound:.3g} for "
                 f"{p.actor} vs {p.rollout}): a weight did not reach the engine"
             )
-        return {"rollout/sync_probe_gap": gap, "timing_s/sync_probe": time.perf_counter() - t0}
+        return {"rollout/sync_probe_gap": gap, "timing_s/sync_probe": sample_s + time.perf_counter() - t0}
 
     def _timer(self) -> Timer:
         """A Timer that, every logging.memory_every steps, also accounts each role's memory per stage."""
