@@ -145,7 +145,7 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------------ phases
-    PROBE_PROMPTS, PROBE_PROMPT_TOKENS, PROBE_TOKENS = 4, 64, 8
+    PROBE_PROMPTS, PROBE_PROMPT_TOKENS, PROBE_TOKENS = 2, 32, 4  # one engine call, a few ms of scoring
 
     def _probe_sample(self):
         """After a sync, the engine samples a fixed probe (the first training prompts, a fixed seed), at the
