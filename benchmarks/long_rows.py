@@ -92,7 +92,7 @@ def table(results: list[dict]) -> str:
             continue
         up = max(mib(x, "memory/update/process/rss_peak_mib") for x in rows)
         ref = max(mib(x, "memory/score/process/rss_peak_mib") for x in rows)
-        floors = ", ".join(f"{mib(x, 'memory/process/floor_rss_mib'):.0f}" for x in rows)
+        floors = ", ".join(f"{mib(x, 'memory/floor/process/rss_mib'):.0f}" for x in rows)
         step = sum(x["timing_s/step"] for x in rows[1:] or rows) / len(rows[1:] or rows)
         upd = sum(x["timing_s/update_actor"] for x in rows[1:] or rows) / len(rows[1:] or rows)
         done = f"{len(rows)}" + ("" if r["rc"] == 0 else f" (exit {r['rc']})")

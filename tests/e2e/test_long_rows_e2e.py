@@ -25,7 +25,7 @@ def test_the_floor_after_each_step_holds_over_three_long_row_steps(tmp_path, mal
     out = run_train("grpo_cpu_tiny.yaml", tmp_path / "run", *long_row_overrides(data, 3), ranks=1, **env)
     assert f"memory allocator: {malloc}" in out.stdout + out.stderr
     rows = read_metrics(tmp_path / "run")
-    floors = [r["memory/process/floor_rss_mib"] for r in rows]
+    floors = [r["memory/floor/process/rss_mib"] for r in rows]
     peaks = [r["memory/update/process/rss_peak_mib"] for r in rows]
     assert len(floors) == 3
     assert max(floors) - floors[0] <= 32, floors  # no step leaves more behind than the first

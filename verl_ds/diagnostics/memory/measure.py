@@ -224,13 +224,13 @@ class MemoryTimer(Timer):
 
     def floor(self) -> None:
         """The process's resident memory now, at the end of a step once its transient memory is released:
-        `memory/process/floor_rss_mib`, what the next step starts from (CPU)."""
+        `memory/floor/process/rss_mib`, what the next step starts from (CPU)."""
         if not on_gpu():
             self.floor_rss = process_memory()["rss"]
 
     def memory_metrics(self) -> dict[str, float]:
         """`memory/<stage>/<role>/<component>_mib` plus each role's `total_mib` (and the step's floor)."""
-        out = {} if self.floor_rss is None else {"memory/process/floor_rss_mib": self.floor_rss / MIB}
+        out = {} if self.floor_rss is None else {"memory/floor/process/rss_mib": self.floor_rss / MIB}
         for stage, rows in self.stages.items():
             for role, comp in rows.items():
                 for k, v in comp.items():
