@@ -69,3 +69,13 @@ def real_number(value) -> float | None:
 def callable_name(fn) -> str:
     """`module:qualname` of a user's function, as a config names it."""
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', None) or shown(fn)}"
+
+
+def where(e: BaseException) -> str:
+    """`file:line` of an exception: a syntax error's own, else the innermost frame of its traceback."""
+    import traceback
+
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}:{e.lineno}"
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"

@@ -9,10 +9,9 @@ from __future__ import annotations
 import importlib
 import logging
 import re
-import traceback
 from typing import Callable
 
-from verl_ds.errors import ConfigError, callable_name, real_number
+from verl_ds.errors import ConfigError, callable_name, real_number, where
 
 RewardFn = Callable[[str, str], float]
 log = logging.getLogger(__name__)
@@ -122,16 +121,14 @@ def call_reward(fn: RewardFn, response: str, answer, key: str = "data.reward_fn"
         value = fn(response, answer)
     except Exception as e:
         log.debug("reward function %s raised", name, exc_info=True)
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        where = f"{frame.filename}:{frame.lineno}"
-        raise ConfigError(key, f"{name} raised {type(e).__name__}: {e} (at {where}) for a response") from None
+        raise ConfigError(key, f"{name} raised {type(e).__name__}: {e} (at {where(e)}) for a response") from None
     number = real_number(value)
     if number is None:
         code = getattr(fn, "__code__", None)
-        where = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
+        defined = f" ({code.co_filename}:{code.co_firstlineno})" if code else ""
         raise ConfigError(
             key,
-            f"{name}{where} returned {value!r} ({type(value).__name__}): a reward function returns a finite "
+            f"{name}{defined} returned {value!r} ({type(value).__name__}): a reward function returns a finite "
             "number for every response (0.0 for a wrong one)",
         )
     return number

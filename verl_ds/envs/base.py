@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import traceback
 import typing
 import zlib
 from typing import Any, Callable, Protocol, Union
 
-from verl_ds.errors import ConfigError, shown
+from verl_ds.errors import ConfigError, shown, where
 
 Observation = Union[str, list, None]
 
@@ -55,18 +54,10 @@ def import_object(spec: str, key: str) -> Any:
     except ModuleNotFoundError as e:
         raise ConfigError(key, f"cannot import module '{mod_name}' ({e}); is it on PYTHONPATH?") from None
     except Exception as e:  # a syntax error, or the module's own code raising while it is imported
-        raise ConfigError(key, f"importing '{mod_name}' failed at {_where(e)}: {type(e).__name__}: {e}") from None
+        raise ConfigError(key, f"importing '{mod_name}' failed at {where(e)}: {type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
         raise ConfigError(key, f"module '{mod_name}' has no '{attr}'")
     return getattr(module, attr)
-
-
-def _where(e: BaseException) -> str:
-    """`file:line` of an exception: a syntax error's own, else the innermost frame of its traceback."""
-    if isinstance(e, SyntaxError) and e.filename:
-        return f"{e.filename}:{e.lineno}"
-    frames = traceback.extract_tb(e.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
 def _check_method(cls, name: str, n_args: int, key: str) -> None:
