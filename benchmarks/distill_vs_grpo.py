@@ -1,24 +1,26 @@
-"""On-policy distillation vs GRPO from the same base, on the quickstart's task, measured in one run.
+"""On-policy distillation vs GRPO from the same base, measured in one run.
 
-    source launch/env.sh && python benchmarks/distill_vs_grpo.py                 # 2 seeds, ~10 min on 2 cores
-    python benchmarks/distill_vs_grpo.py --seeds 2 --steps 60 --teacher-steps 100  # a short check
-    python benchmarks/distill_vs_grpo.py --job smollm2 --seeds 1 2 --steps 16 --teacher-steps 16 --val-every 8
+    source launch/env.sh && python benchmarks/distill_vs_grpo.py --job smollm2     # ~80 min on 2 cores
+    python benchmarks/distill_vs_grpo.py                 # the tiny task: 2 seeds, ~10 min
+    python benchmarks/distill_vs_grpo.py --job smollm2 --seeds 2 --steps 4 --val-every 2   # a short check
 
-1. The teacher: `examples/grpo_cpu_tiny.yaml` (GRPO, seed 1) for --teacher-steps; its final model and
-   its held-out greedy accuracy at the last step.
-2. For each seed, from the same random-init student (`model.path: tiny`, `model.tiny.seed` 0, as the
-   teacher's own start): GRPO (`grpo_cpu_tiny.yaml`) and distillation alone
-   (`examples/opd_cpu_tiny.yaml`: the teacher's per-token reverse KL as the reward, no task reward),
-   the same rollout budget (steps x prompts x samples) and learning rate.
-`--job smollm2`: the same on the real-model demo (`examples/grpo_cpu_smollm2_rg.yaml`: SmolLM2-135M-
-Instruct, reasoning-gym arithmetic, its held-out questions; `bash launch/demo.sh` converts the model
-once); distillation keeps the demo's settings, without the reference. With `--seeds 1 ...` GRPO's
-seed-1 run is the teacher's own.
-Every run goes through `launch/train.sh` (2 ranks). Held-out accuracy: greedy, on 10 prompts the
-training never sees (`data.val_fraction` 0.4 of the 25 problems; every run holds out the same ones),
-every --val-every steps. "Reached" = the first validation at >= teacher accuracy - 0.03; its time is
-the run's summed `timing_s/step` up to it (training only: start-up and validation excluded).
-Writes <out>/results.json and <out>/distill_vs_grpo.png; prints a Markdown table.
+`--job smollm2` (the real-model demo, `examples/grpo_cpu_smollm2_rg.yaml`: SmolLM2-135M-Instruct,
+reasoning-gym two-digit arithmetic, scored by the package; `bash launch/demo.sh` converts the model):
+1. The teacher: the demo's own recipe (GRPO, seed 1) for --teacher-steps (30), exported as an HF model
+   and cached in --teacher-dir (`runs/teacher_smollm2_rg`): a later run reuses it (delete the folder
+   to retrain). Its held-out greedy accuracy at its last step is the target.
+2. For each seed, from the untrained SmolLM2 base: on-policy distillation alone (the teacher's
+   per-token reverse KL as the reward, no task reward, no reference) and GRPO (the rule reward), the
+   same prompts, sampling, learning rate and steps; greedy accuracy on the same held-out questions
+   (`data.reasoning_gym.val_size` 600: 500+ after removing those seen in training) every --val-every
+   steps. Every role fp32 on every CPU kind (the demo's measured recipe; `auto` would pick bf16 on
+   avx512_bf16 hosts).
+The tiny job (default): the quickstart's task, `examples/grpo_cpu_tiny.yaml` and `opd_cpu_tiny.yaml`
+from a random-init model, 10 held-out problems (`data.val_fraction` 0.4).
+Every run goes through `launch/train.sh` (smollm2: one rank with every core, as the demo; tiny: 2 ranks).
+"Reached" = the first validation at >= teacher accuracy - 0.03; its time is the run's summed
+`timing_s/step` up to it (training only: start-up and validation excluded). Writes <out>/results.json
+and <out>/distill_vs_grpo.png; prints a Markdown table (with each step's phases per method).
 """
 
 from __future__ import annotations
@@ -29,31 +31,68 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMON = ["checkpoint.every=0", "logging.wandb.mode=disabled", "logging.sample_every=0"]
-# job: (GRPO config, distillation config, overrides of both, distillation's own, held-out accuracy key)
+FP32 = [f"precision.{r}_dtype=fp32" for r in ("actor", "reference", "rollout", "teacher")]
+
+
+@dataclass(frozen=True)
+class Job:
+    grpo: str  # GRPO's config in examples/
+    distill: str  # distillation's config
+    both: list[str]  # overrides of every run (teacher included)
+    distill_only: list[str]
+    acc: str  # the held-out greedy accuracy key
+    env: dict[str, str]  # the launcher's environment
+    defaults: dict  # argparse defaults of this job
+
+
 JOBS = {
-    "tiny": ("grpo_cpu_tiny.yaml", "opd_cpu_tiny.yaml", ["data.val_fraction=0.4"], [], "val/arithmetic/accuracy"),
-    "smollm2": (
-        "grpo_cpu_smollm2_rg.yaml",
-        "grpo_cpu_smollm2_rg.yaml",
+    "tiny": Job(
+        "grpo_cpu_tiny.yaml",
+        "opd_cpu_tiny.yaml",
+        ["data.val_fraction=0.4"],
         [],
-        ["algorithm.kl_coef=0", "algorithm.distill.coef=1.0", "roles.teacher.micro_batch_size=32"],
+        "val/arithmetic/accuracy",
+        {},
+        {"seeds": [2, 3], "steps": 150, "teacher_steps": 200, "val_every": 10},
+    ),
+    "smollm2": Job(
+        "grpo_cpu_smollm2_rg.yaml",
+        "grpo_cpu_smollm2_rg.yaml",
+        ["data.reasoning_gym.val_size=600", "trainer.val_n=1", "logging.memory_every=0", *FP32],
+        [
+            "algorithm.kl_coef=0",
+            "algorithm.use_kl_loss=false",
+            "algorithm.distill.coef=1.0",
+            "roles.teacher.micro_batch_size=32",
+        ],
         "val/reasoning_gym/accuracy",
+        {"NUM_RANKS": "1", "OMP_NUM_THREADS": str(os.cpu_count())},
+        {
+            "seeds": [2, 3],
+            "steps": 12,
+            "teacher_steps": 30,
+            "val_every": 2,
+            "teacher_dir": str(ROOT / "runs" / "teacher_smollm2_rg"),
+        },
     ),
 }
 ACC = "val/arithmetic/accuracy"
 
 
-def train(config: str, run_dir: Path, overrides: list[str]) -> list[dict]:
+def train(config: str, run_dir: Path, overrides: list[str], env: dict[str, str]) -> list[dict]:
     """One run through the launcher (output in run_dir/train.log); its metrics rows."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = ["bash", str(ROOT / "launch" / "train.sh"), str(ROOT / "examples" / config), f"trainer.run_dir={run_dir}"]
     with open(run_dir / "train.log", "w") as log:
         t0 = time.perf_counter()
-        rc = subprocess.run(cmd + COMMON + overrides, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        rc = subprocess.run(
+            cmd + COMMON + overrides, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **env}
+        ).returncode
     if rc != 0:
         sys.exit(f"{config} failed (exit {rc}): see {run_dir / 'train.log'}")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
@@ -72,7 +111,13 @@ def curve(rows: list[dict]) -> dict:
         if ACC in r:
             val.append((r["step"], secs.get(r["step"], 0.0), r[ACC]))
     reward = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
-    return {"val": val, "reward": reward, "wall_s": rows[-1]["wall_s"], "train_s": t}
+    steps = [r for r in rows if "timing_s/step" in r]
+    phases = {
+        k: sum(r.get(k, 0.0) for r in steps) / max(len(steps), 1)
+        for k in sorted({k for r in steps for k in r if k.startswith("timing_s/")})
+    }
+    kl = [(r["step"], r[k]) for r in steps for k in r if k.startswith("distill/") and k.endswith("reverse_kl")]
+    return {"val": val, "reward": reward, "wall_s": rows[-1]["wall_s"], "train_s": t, "phases": phases, "kl": kl}
 
 
 def reached(c: dict, target: float):
@@ -82,28 +127,43 @@ def reached(c: dict, target: float):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--job", choices=sorted(JOBS), default="tiny")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[2, 3])
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--teacher-steps", type=int, default=200)
-    ap.add_argument("--val-every", type=int, default=10)
+    ap.add_argument("--seeds", type=int, nargs="+")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--teacher-steps", type=int)
+    ap.add_argument("--val-every", type=int)
+    ap.add_argument(
+        "--teacher-dir", help="the teacher's run folder, reused once it holds final_model (default: <out>/teacher)"
+    )
     ap.add_argument("--out", default=str(ROOT / "runs" / "distill_vs_grpo"))
     args = ap.parse_args()
     global ACC
-    grpo_cfg, opd_cfg, both, opd_only, ACC = JOBS[args.job]
+    job = JOBS[args.job]
+    for k, v in job.defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    ACC = job.acc
     out = Path(args.out if args.out != ap.get_default("out") else f"{args.out}_{args.job}")
-    val = [f"trainer.val_every={args.val_every}", *both]
-    teacher_dir = out / "teacher"
-    t_rows = train(grpo_cfg, teacher_dir, [f"trainer.steps={args.teacher_steps}", "trainer.seed=1", *val])
+    val = [f"trainer.val_every={args.val_every}", *job.both]
+    teacher_dir = Path(args.teacher_dir) if args.teacher_dir else out / "teacher"
+    if (teacher_dir / "final_model" / "config.json").exists() and (teacher_dir / "metrics.jsonl").exists():
+        print(f"teacher: reusing {teacher_dir / 'final_model'}")
+        t_rows = [json.loads(x) for x in (teacher_dir / "metrics.jsonl").read_text().splitlines() if x]
+        t_rows.append({"wall_s": float("nan")})
+    else:
+        t_val = [f"trainer.val_every={min(10, args.teacher_steps)}", *job.both]
+        t_rows = train(
+            job.grpo, teacher_dir, [f"trainer.steps={args.teacher_steps}", "trainer.seed=1", *t_val], job.env
+        )
     teacher = curve(t_rows)
     t_acc = teacher["val"][-1][2]
     target = t_acc - 0.03
     runs = {}
     for seed in args.seeds:  # the two methods one after the other per seed: drift hits both alike
         common = [f"trainer.steps={args.steps}", f"trainer.seed={seed}", *val]
-        opd = [f"model.teacher_path={teacher_dir / 'final_model'}", *opd_only, *common]
-        runs[f"distill/{seed}"] = curve(train(opd_cfg, out / f"distill_{seed}", opd))
-        same = seed == 1 and args.steps == args.teacher_steps  # GRPO seed 1 is the teacher's own run
-        runs[f"grpo/{seed}"] = teacher if same else curve(train(grpo_cfg, out / f"grpo_{seed}", common))
+        opd = [f"model.teacher_path={teacher_dir / 'final_model'}", *job.distill_only, *common]
+        runs[f"distill/{seed}"] = curve(train(job.distill, out / f"distill_{seed}", opd, job.env))
+        runs[f"grpo/{seed}"] = curve(train(job.grpo, out / f"grpo_{seed}", common, job.env))
+    phase_keys = sorted({k for c in runs.values() for k in c["phases"]})
     rows = []
     for name, c in runs.items():
         step, sec = reached(c, target)
@@ -124,6 +184,19 @@ def main() -> int:
             "train reward (last 10) | s/step | run wall s |",
             "|---|---|---|---|---|---|---|---|",
             *rows,
+            "",
+            "Held-out greedy accuracy per validation step:",
+            "",
+            *(f"- {n}: " + ", ".join(f"{st}: {a:.3f}" for st, _, a in c["val"]) for n, c in runs.items()),
+            "",
+            "Seconds per step, each phase (mean over the run's steps):",
+            "",
+            "| run / seed | " + " | ".join(k.removeprefix("timing_s/") for k in phase_keys) + " |",
+            "|---|" + "---|" * len(phase_keys),
+            *(
+                f"| {n} | " + " | ".join(f"{c['phases'].get(k, 0.0):.2f}" for k in phase_keys) + " |"
+                for n, c in runs.items()
+            ),
         ]
     )
     print(table)
