@@ -33,7 +33,7 @@ def main() -> None:
     from verl_ds.data.chat import ChatCodec
     from verl_ds.envs import calculator, parse_hermes_tool_calls, tool_schemas
     from verl_ds.rollout import make_rollout
-    from verl_ds.rollout.agent_server import AgentEpisodes
+    from verl_ds.rollout.agents import AgentEpisodes
     from verl_ds.rollout.episodes import Sampling, SeedKey, collect
     from verl_ds.trainer import builder
     from verl_ds.trainer.setup import resolve_setup

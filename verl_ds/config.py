@@ -29,7 +29,7 @@ from verl_ds.data.reward import task_reward_fn
 from verl_ds.envs import import_object, load_env_factory, load_tools
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import INT8_ROLES, TRAINED_ROLES, PrecisionConfig
-from verl_ds.rollout.weights import safetensors_damage
+from verl_ds.rollout.engines.weights import safetensors_damage
 from verl_ds.schema import field_errors, markdown, opt, section
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -933,7 +933,7 @@ def resolve_names(cfg: RunConfig) -> tuple[Names, list[ConfigError]]:
 def load_agent(spec: str, key: str = "rollout.multi_turn.agent"):
     """`rollout.multi_turn.agent` resolved: an importable `async def fn(client, example)`, else one
     line naming the key."""
-    from verl_ds.rollout.agent_server import check_agent  # the HTTP stack, imported by agent jobs only
+    from verl_ds.rollout.agents import check_agent  # the HTTP stack, imported by agent jobs only
 
     if ":" not in spec:  # a dotted path may name a module's attribute that is not the agent
         mod, _, attr = spec.rpartition(".")

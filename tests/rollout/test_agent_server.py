@@ -15,7 +15,7 @@ from verl_ds.data.chat import ChatCodec
 from verl_ds.data.tiny import build_chat_tokenizer, build_tiny_llama, load_tokenizer
 from verl_ds.errors import ConfigError, RunFailure
 from verl_ds.rollout import HFRollout
-from verl_ds.rollout.agent_server import EPISODE_HEADER, AgentServer, run_agents
+from verl_ds.rollout.agents import EPISODE_HEADER, AgentServer, run_agents
 from verl_ds.rollout.episodes import Sampling, SeedKey
 
 MAX_NEW = 24  # the random tiny model ends some turns with eos and runs others to the budget
@@ -223,11 +223,11 @@ def test_a_completions_prompt_the_endpoint_cannot_serve_is_a_400(chat_model, pro
 def test_a_tensor_parallel_groups_episodes_go_back_to_the_rank_whose_examples_they_played():
     """Under TP the group's first rank plays every member's examples, in rank order; each member gets
     the episodes of its own examples, their groups renumbered from 0, each with its rows' checks."""
-    from verl_ds.rollout.agent_server import _Played
+    from verl_ds.rollout.agents import Played
     from verl_ds.rollout.episodes import Episode
 
     eps = [Episode(group=g, sample=j, env=None, reward=10 * g + j) for g in range(4) for j in range(2)]
-    played = _Played(eps, [[bool(e.group % 2)] for e in eps], [3, 5])
+    played = Played(eps, [[bool(e.group % 2)] for e in eps], [3, 5])
     first, second = played.split([1, 3])
     assert [(e.group, e.reward) for e in first.episodes] == [(0, 0), (0, 1)]
     assert [(e.group, e.reward) for e in second.episodes] == [(0, 10), (0, 11), (1, 20), (1, 21), (2, 30), (2, 31)]
@@ -429,7 +429,7 @@ def test_an_agent_returning_no_number_is_one_line_naming_it(chat_model):
 def test_agent_failures_past_the_bound_stop_the_run_and_below_it_are_one_line(caplog):
     """`check_agent_failures`: more than the fraction raised or timed out -> RunFailure in one line;
     fewer -> one warning line counting each kind (tracebacks are at DEBUG)."""
-    from verl_ds.rollout.agent_server import check_agent_failures
+    from verl_ds.rollout.agents import check_agent_failures
     from verl_ds.rollout.episodes import Episode
 
     def ep(failure):

@@ -7,7 +7,7 @@ import pytest
 from verl_ds.config import RolloutConfig, load_config
 from verl_ds.errors import ConfigError
 from verl_ds.rollout import HFRollout, choose_engine, make_rollout, resolve_engine
-from verl_ds.rollout.distributed import AUTO_HF_MAX_PARAMS
+from verl_ds.rollout.engines.distributed import AUTO_HF_MAX_PARAMS
 
 
 @pytest.mark.parametrize(
@@ -98,9 +98,9 @@ def test_both_engines_implement_the_whole_rollout_engine_protocol(tiny_model_dir
         for name in methods:
             want = list(inspect.signature(getattr(RolloutEngine, name)).parameters)
             assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls.__name__, name)
-    from verl_ds.rollout.engine import TokenStream
-    from verl_ds.rollout.hf_rollout import ChunkedStream
-    from verl_ds.rollout.vllm_rollout import VLLMStream
+    from verl_ds.rollout.engines.engine import TokenStream
+    from verl_ds.rollout.engines.hf_rollout import ChunkedStream
+    from verl_ds.rollout.engines.vllm_rollout import VLLMStream
 
     for cls in (ChunkedStream, VLLMStream):  # what `stream` returns: the whole TokenStream
         for name in ("add", "step", "close", "__len__"):

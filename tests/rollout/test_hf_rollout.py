@@ -5,7 +5,7 @@ import torch
 
 from tests.rollout.helpers import PROMPTS, load_hf, max_logprob_diff
 from verl_ds.rollout import HFRollout, prompt_seeds
-from verl_ds.rollout.hf_rollout import inverse_cdf_sample, processed_logprobs
+from verl_ds.rollout.engines.hf_rollout import inverse_cdf_sample, processed_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_the_sync_fingerprint_reads_a_bounded_sample_that_covers_every_row():
     """A sync's check reads at most FINGERPRINT_VALUES values per tensor (an embedding of ~49k x 576
     once read 28M values in float64 per sync), yet a change to any one row of a matrix whose rows are
     longer than the stride still changes the fingerprint; equal values give equal fingerprints."""
-    from verl_ds.rollout.weights import FINGERPRINT_VALUES, fingerprint, same_fingerprint
+    from verl_ds.rollout.engines.weights import FINGERPRINT_VALUES, fingerprint, same_fingerprint
 
     g = torch.Generator().manual_seed(0)
     t = torch.randn(FINGERPRINT_VALUES // 64, 576, generator=g)  # 9 x the sample: stride 9 < 576

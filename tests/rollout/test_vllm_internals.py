@@ -1,4 +1,4 @@
-"""What `rollout/vllm_internals.py` reads still exists in the installed vLLM (no engine: cheap). The
+"""What `rollout/engines/vllm_internals.py` reads still exists in the installed vLLM (no engine: cheap). The
 engine-level paths (weight reload, engine-core shutdown and finalizer) run in vllm_cases.py."""
 
 import importlib.util
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from verl_ds.rollout import vllm_internals
+from verl_ds.rollout.engines import vllm_internals
 
 vllm = pytest.importorskip("vllm")
 

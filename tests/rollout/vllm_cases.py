@@ -21,7 +21,7 @@ def engine(model_pair):
     yield r
     # vllm_internals' path to the engine core and its exit-time finalizer (what shutdown(release=False)
     # detaches) still exist in this vLLM; then the real release
-    from verl_ds.rollout import vllm_internals
+    from verl_ds.rollout.engines import vllm_internals
 
     core = vllm_internals._engine_core(r.llm)
     assert core._finalizer.alive, f"vLLM {vllm_internals.VLLM_VERSION}'s engine core finalizer moved"
@@ -177,7 +177,7 @@ def test_the_engine_says_what_it_holds(engine, model_pair):
     (at least the checkpoint's embeddings and norms, which it serves as they are) and the KV cache
     pool `kv_cache_gb` asked for."""
     from verl_ds.diagnostics.memory import account_role
-    from verl_ds.rollout.weights import checkpoint_shapes
+    from verl_ds.rollout.engines.weights import checkpoint_shapes
 
     held = account_role(engine)
     print({k: round(v / 2**20, 2) for k, v in held.items()})

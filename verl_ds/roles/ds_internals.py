@@ -1,7 +1,7 @@
 """Every DeepSpeed (and torch tensor-subclass) internal the project reads, each behind one named function.
 
 Written against DeepSpeed 0.19.8 (`DEEPSPEED_VERSION`; compare `deepspeed.__version__`) and torch
-2.13. Nothing outside this module (and `rollout/vllm_internals.py` for vLLM) touches these
+2.13. Nothing outside this module (and `rollout/engines/vllm_internals.py` for vLLM) touches these
 attributes: `tests/test_structure.py` checks it, and `tests/roles/test_ds_internals.py` builds real
 engines at ZeRO stages 0-3 and checks that each function still returns what it claims, so a DeepSpeed
 upgrade that moves one fails there, by name.

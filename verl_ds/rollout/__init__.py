@@ -1,11 +1,20 @@
-"""Rollout engines (vLLM, HF generate), the `RolloutBatch` they return, and weight sync.
+"""Rollout: what the policy samples, in rooms by concern, each importing only the rooms below it:
 
-Consumes `(name, tensor)` iterables; imports nothing from roles or the trainer. vLLM itself is
-imported only when a `VLLMRollout` is built, so HFRollout works where vLLM is not installed.
+- `partial/`: partial rollouts: the pool of groups in flight, their admission and the stream
+- `agents/`: agents as they are, behind an OpenAI-compatible endpoint: the HTTP surface, the
+  recorder that turns calls into token-exact rows, the scheduler of engine calls, the runner
+- `episodes/`: the one episode loop, the environment contract, the typed records it hands on
+- `engines/`: the engines (vLLM, HF generate), their one interface, weight sync and its checks
+- `batch.py` (`RolloutBatch`, what an engine returns) and `seeding.py` (every sampling seed)
+
+Consumes `(name, tensor)` iterables; imports nothing from roles or the trainer.
 """
 
 from .batch import RolloutBatch
-from .distributed import (
+from .engines import (
+    HFRollout,
+    RolloutEngine,
+    VLLMRollout,
     choose_engine,
     generate_distributed,
     make_rollout,
@@ -13,10 +22,7 @@ from .distributed import (
     resolve_engine,
     sync_distributed,
 )
-from .engine import RolloutEngine
-from .hf_rollout import HFRollout
 from .seeding import prompt_seed, prompt_seeds
-from .vllm_rollout import VLLMRollout
 
 __all__ = [
     "RolloutBatch",

@@ -29,11 +29,11 @@ from verl_ds.roles import (
 )
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.policy import can_share_prompts
-from verl_ds.rollout.agent_server import AgentEpisodes
+from verl_ds.rollout.agents import AgentEpisodes
+from verl_ds.rollout.engines.weights import eos_token_ids
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
 from verl_ds.rollout.partial import PartialLimits, PartialRollouts
-from verl_ds.rollout.partial_agents import PartialAgents
-from verl_ds.rollout.weights import eos_token_ids
+from verl_ds.rollout.partial.agents import PartialAgents
 from verl_ds.trainer.setup import RunSetup
 
 

@@ -14,7 +14,7 @@ from verl_ds.config import longest_row, offload_stages
 from verl_ds.ds_config import ds_dtype
 from verl_ds.precision import INT8_ROLES, TORCH_DTYPES, TRAINED_ROLES
 from verl_ds.roles import attention
-from verl_ds.rollout.distributed import choose_engine
+from verl_ds.rollout.engines.distributed import choose_engine
 
 MIB = 2**20
 GIB = 2**30

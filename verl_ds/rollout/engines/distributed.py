@@ -17,9 +17,9 @@ import torch
 from verl_ds import dist as vdist
 from verl_ds.dist import on_gpu
 
-from .batch import RolloutBatch
+from ..batch import RolloutBatch
+from ..seeding import prompt_seeds
 from .engine import RolloutEngine
-from .seeding import prompt_seeds
 
 log = logging.getLogger(__name__)
 

@@ -21,141 +21,20 @@ prompt is the template's rendering of the conversation so far.
 from __future__ import annotations
 
 import logging
-import numbers
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.errors import ConfigError, RunFailure, shown
+from verl_ds.errors import ConfigError, RunFailure
 
-from .batch import RolloutBatch
-from .distributed import generate_distributed, prompt_positions
-from .engine import RolloutEngine
-from .seeding import prompt_seed, turn_seed
+from ..batch import RolloutBatch
+from ..engines.distributed import generate_distributed, prompt_positions
+from ..engines.engine import RolloutEngine
+from ..seeding import prompt_seed, turn_seed
+from .environment import env_reset, env_step, observation_role
+from .episode import SINGLE_TURN, Episode, EpisodeSpec, Rollout, Sampling, SeedKey, Segment, TurnLimits
 
 log = logging.getLogger(__name__)
-
-DEFAULT_OBSERVATION_ROLE = "user"
-
-
-class Environment(Protocol):
-    """What the loop calls on an environment: `reset` once, then `step` after every model turn until
-    done (envs/base.py's `Environment` is the same contract for its authors; rollout imports no envs).
-    What they return is checked where it enters verl-ds: `env_reset`, `env_step`.
-
-    Optional class attribute `observation_role: str`: the chat role a string observation is sent
-    as. An environment that does not declare it gets "user" (`observation_role(env)`); it is not a
-    Protocol member, since a Protocol cannot declare an attribute that may be absent."""
-
-    def reset(self, example: dict) -> Any: ...
-
-    def step(self, action: str) -> Any: ...
-
-
-def observation_role(env: Environment) -> str:
-    """The role a string observation of `env` is sent as: its `observation_role`, else "user"."""
-    return getattr(env, "observation_role", DEFAULT_OBSERVATION_ROLE)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How each episode's turns are sampled: `n` episodes per prompt, up to `max_new_tokens` a turn."""
-
-    n: int
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-
-
-class SeedKey(NamedTuple):
-    """What a call's seeds derive from (`seeding.py`): the run's seed, the step (a string for
-    validation, apart from every training step's) and the dynamic-sampling round."""
-
-    run_seed: int
-    step: int | str
-    round_: int = 0
-
-
-@dataclass(frozen=True)
-class TurnLimits:
-    """`rollout.multi_turn` limits. Tokens count the response region (model + environment tokens)."""
-
-    max_turns: int = 1
-    max_env_tokens: int = 0  # an observation's content is cut to this many tokens (0: no cut)
-    max_total_tokens: int = 0  # model + environment tokens of a row (0: only max_model_len bounds it)
-    max_model_len: int = 256  # prompt + response; an episode that would pass it ends truncated
-    max_failure_fraction: float = 0.1  # of a call's episodes whose environment may raise before the run stops
-
-
-_SINGLE_TURN = TurnLimits(max_model_len=1 << 62)  # a single-turn episode: max_new_tokens alone bounds it
-
-
-@dataclass(frozen=True)
-class EpisodeSpec:
-    """A multi-turn job's episodes, built once (`trainer.builder.build_episodes`); a single-turn job
-    has none. `codec` is `data.chat.ChatCodec` (prompts and observations as ids; rollout imports no
-    data); `strict`: check each row's ids against the one-shot template (`tokenization_check`)."""
-
-    env_factory: Callable[[], Environment]
-    codec: Any
-    limits: TurnLimits = TurnLimits()
-    strict: bool = True
-
-
-@dataclass
-class Segment:
-    """One training row: a prompt and what followed it, with the conversation as text."""
-
-    prompt_ids: list[int]
-    messages: list[dict]
-    ids: list[int] = field(default_factory=list)
-    mask: list[float] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-    def add(self, ids: list[int], model: bool, logprobs: list[float] | None = None) -> None:
-        self.ids += ids
-        self.mask += [1.0 if model else 0.0] * len(ids)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-
-
-@dataclass
-class Episode:
-    group: int  # the prompt's index in this call
-    sample: int  # 0 .. n-1
-    env: Environment | None  # None: a single-turn episode (its one turn ends it)
-    key: tuple = (0, 0)  # (step, global prompt position): what its seeds derive from
-    segments: list[Segment] = field(default_factory=list)
-    reward: float = 0.0  # the sum of the environment's step rewards
-    turns: int = 0
-    finish: str = "stop"  # stop | length
-    last_action: list[int] = field(default_factory=list)
-    tool_calls: float = 0.0
-    tool_failures: float = 0.0
-    live: bool = True
-    failure: str = ""  # the exception the environment raised (the episode ended there)
-    calls: int = 0  # engine requests sent for it (later requests' seeds count them)
-    pending: Segment | None = None  # a model turn paused before its end (partial rollouts): ids, logprobs
-    versions: list[int] = field(default_factory=list)  # per model token: the weights version that sampled it
-    actions: list[str] = field(default_factory=list)  # the model's turns as the environment got them
-
-    @property
-    def seg(self) -> Segment:
-        return self.segments[-1]
-
-
-@dataclass
-class Rollout:
-    """What a rollout hands the trainer: the rows, and per row its episode's final answer (the
-    text the task's reward function scores), the environment's reward, and the episode index."""
-
-    batch: RolloutBatch
-    final_ids: list[list[int]]
-    env_rewards: torch.Tensor  # [rows] float32
-    episode: torch.Tensor  # [rows] long: rows of one episode (forks) share it
-    metrics: dict[str, float] = field(default_factory=dict)
-    episodes: list[Episode] = field(default_factory=list)
 
 
 def collect(
@@ -246,7 +125,7 @@ def advance(
     `version` tags the sampled tokens. Collective within a tensor-parallel group. -> the call's
     decode steps (its longest new output: what a decode-bound GPU engine's time follows)."""
     n, max_new_tokens = sampling.n, sampling.max_new_tokens
-    limits = spec.limits if spec else _SINGLE_TURN
+    limits = spec.limits if spec else SINGLE_TURN
     budgets = [_budget(ep, max_new_tokens, limits) for ep in live]
     asks = [b if cap is None else min(b, cap) for b in budgets]
     kw = dict(temperature=sampling.temperature, top_p=sampling.top_p, run_seed=run_seed, step=None)
@@ -301,55 +180,8 @@ def request(ep: Episode, sampling: Sampling, run_seed: int, spec: EpisodeSpec | 
     """`ep`'s next engine request as one sample: (its context as ids, the new tokens it may still
     generate this turn, its seed from (run seed, step, position, sample, requests sent so far))."""
     context = ep.seg.prompt_ids + ep.seg.ids + (ep.pending.ids if ep.pending else [])
-    budget = _budget(ep, sampling.max_new_tokens, spec.limits if spec else _SINGLE_TURN)
+    budget = _budget(ep, sampling.max_new_tokens, spec.limits if spec else SINGLE_TURN)
     return context, budget, turn_seed(run_seed, *ep.key, ep.sample, ep.calls)
-
-
-# ---------------------------------------------------------------- the environment contract, checked where it is crossed
-# (envs/base.py's `Environment`): what reset/step return enters verl-ds here
-
-
-def _contract_error(env, method: str, got: Any, wants: str) -> ConfigError:
-    return ConfigError(f"{type(env).__name__}.{method}()", f"returned {shown(got)}; the contract is {wants}")
-
-
-_OBS = "an observation: a string, a list of chat messages, or None"
-_STEP = "(observation, reward, done, info), or gym's (observation, reward, terminated, truncated, info)"
-
-
-def _observation(env, method: str, obs: Any, got: Any) -> str | list | None:
-    if (
-        obs is None
-        or isinstance(obs, str)
-        or (isinstance(obs, list) and all(isinstance(m, dict) and "content" in m for m in obs))
-    ):
-        return obs
-    raise _contract_error(env, method, got, _OBS)
-
-
-def env_reset(env, example: dict) -> str | list | None:
-    """`env.reset(example)`, checked: an observation (None: the task's prompt opens the episode).
-    Gym's `(observation, info)` is accepted, its info dropped."""
-    got = env.reset(example)
-    obs = got[0] if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict) else got
-    return _observation(env, "reset", obs, got)
-
-
-def env_step(env, action: str) -> tuple[str | list | None, float, bool, dict]:
-    """`env.step(action)`, checked: (observation, reward, done, info). Gym's 5-tuple is accepted:
-    done = terminated or truncated. A wrong shape is one line naming the class, the method, what it
-    returned and the contract (a ConfigError: the environment's author has a mistake to fix)."""
-    got = env.step(action)
-    if isinstance(got, tuple) and len(got) == 5:
-        obs, reward, terminated, truncated, info = got
-        done = bool(terminated) or bool(truncated)
-    elif isinstance(got, tuple) and len(got) == 4:
-        obs, reward, done, info = got
-    else:
-        raise _contract_error(env, "step", got, _STEP)
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not isinstance(info, (dict, type(None))):
-        raise _contract_error(env, "step", got, _STEP + " with a number for reward and a dict for info")
-    return _observation(env, "step", obs, got), float(reward), bool(done), dict(info or {})
 
 
 def _guarded(ep: Episode, method: str, call, arg):

@@ -20,7 +20,7 @@ later step j, the groups due by then fit in j steps' batches). With max_stalenes
 outlives its step and every round runs to the full budget, so the step is the synchronous one,
 bitwise.
 
-Episodes are `episodes.py`'s, advanced by its `advance`: single-turn, or an environment's turns,
+Episodes are `episodes`', advanced by its `advance`: single-turn, or an environment's turns,
 where a pause falls inside a model turn (the turn goes on at the next round) or between turns.
 Seeds: a new group's first call samples its n episodes in one request seeded as the synchronous
 step seeds that prompt; every later request is one per episode, seeded from (run seed, the group's
@@ -40,10 +40,10 @@ import torch
 
 from verl_ds import dist as vdist
 
-from .batch import RolloutBatch
-from .distributed import prompt_positions
-from .engine import RolloutEngine
-from .episodes import (
+from ..batch import RolloutBatch
+from ..engines.distributed import prompt_positions
+from ..engines.engine import RolloutEngine
+from ..episodes import (
     Episode,
     EpisodeSpec,
     Rollout,
@@ -58,7 +58,7 @@ from .episodes import (
     start_episodes,
     take,
 )
-from .seeding import prompt_seed
+from ..seeding import prompt_seed
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
-from .batch import RolloutBatch
+from ..batch import RolloutBatch
 
 
 @dataclass

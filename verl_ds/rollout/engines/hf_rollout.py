@@ -12,9 +12,9 @@ from verl_ds.algos import use_fp32_lm_head
 from verl_ds.errors import RunFailure
 from verl_ds.precision import TORCH_DTYPES
 
-from .batch import RolloutBatch
+from ..batch import RolloutBatch
+from ..seeding import chunk_seed
 from .engine import Sampled
-from .seeding import chunk_seed
 from .weights import ParamChecker, eos_token_ids, fingerprint, pad_token_id, sync_mismatch
 
 

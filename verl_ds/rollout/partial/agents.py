@@ -25,10 +25,10 @@ import logging
 import ssl
 import threading
 
-from .agent_server import AgentEpisodes, AgentServer, played_episodes, played_rollout, run_agent
-from .engine import RolloutEngine
-from .episodes import Episode, Rollout, Sampling
-from .partial import InFlight, PartialLimits, PartialRollouts
+from ..agents import AgentEpisodes, AgentServer, played_episodes, played_rollout, run_agent
+from ..engines.engine import RolloutEngine
+from ..episodes import Episode, Rollout, Sampling
+from .pool import InFlight, PartialLimits, PartialRollouts
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class PartialAgents(PartialRollouts):
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="partial-agents", daemon=True)
         self._loop_thread.start()
         self.runs: dict[str, concurrent.futures.Future] = {}  # episode id -> its agent's (reward, failure)
-        self.tls = ssl.create_default_context()  # one for every client (see agent_server._play)
+        self.tls = ssl.create_default_context()  # one for every client (see agents.runner._play)
 
     def _ids(self, g: InFlight) -> list[str]:
         return [f"{g.order}-{j}" for j in range(self.sampling.n)]
@@ -67,7 +67,7 @@ class PartialAgents(PartialRollouts):
 
     def _done(self, g: InFlight) -> bool:
         ids = self._ids(g)
-        return all(e in self.runs and self.runs[e].done() for e in ids) and self.server.settled(ids)
+        return all(e in self.runs and self.runs[e].done() for e in ids) and self.server.scheduler.settled(ids)
 
     def _round(self, version: int) -> int:
         """Start the new groups' agents, wait until every live agent waits on a call or has ended,
@@ -85,15 +85,15 @@ class PartialAgents(PartialRollouts):
             for e in self._ids(g):
                 run = run_agent(self.agents.agent_fn, self.server, e, example, self.agents.timeout_s, self.tls)
                 self.runs[e] = asyncio.run_coroutine_threadsafe(run, self.loop)
-                self.runs[e].add_done_callback(lambda _: self.server.poke())
+                self.runs[e].add_done_callback(lambda _: self.server.scheduler.poke())
         self._wait_for_agents()
         if pause:  # step-and-abort: the calls run until this step can pick, then are cut where they got
 
             def cut(running: int, peak: int) -> bool:
                 return self._cut(version, running, peak)
 
-            return self.server.stream_round(self.limits.chunk_tokens, version, cut, self._wait_for_agents)
-        steps = self.server.round(None, version)
+            return self.server.scheduler.stream_round(self.limits.chunk_tokens, version, cut, self._wait_for_agents)
+        steps = self.server.scheduler.round(None, version)
         self._wait_for_agents()
         return steps
 
@@ -104,7 +104,7 @@ class PartialAgents(PartialRollouts):
         def live() -> list[str]:
             return [e for e, run in list(self.runs.items()) if not run.done()]
 
-        self.server.wait_until_waiting(live, self.agents.timeout_s + 10.0)
+        self.server.scheduler.wait_until_waiting(live, self.agents.timeout_s + 10.0)
 
     def _rows(self, taken: list[InFlight]) -> tuple[Rollout, list[Episode]]:
         ids = [e for g in taken for e in self._ids(g)]

@@ -25,8 +25,8 @@ from verl_ds.errors import ConfigError, RunFailure
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.process import setup_process
 
+from ..batch import RolloutBatch
 from . import vllm_internals
-from .batch import RolloutBatch
 from .engine import Sampled
 from .weights import (
     TIED_HEAD,
@@ -87,7 +87,7 @@ class VLLMRollout:
             tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend="external_launcher",
             logprobs_mode="processed_logprobs",
-            worker_extension_cls="verl_ds.rollout.worker_ext.WeightSyncExtension",
+            worker_extension_cls="verl_ds.rollout.engines.worker_ext.WeightSyncExtension",
         )
         if block_size:  # CPU attention runs per block: 128-token blocks waste work on short rollouts
             kwargs["block_size"] = block_size

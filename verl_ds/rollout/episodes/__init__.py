@@ -1,0 +1,27 @@
+"""Episodes: the one rollout path (`loop`), the environment contract it crosses (`environment`), and
+the typed records it builds and hands the trainer (`episode`)."""
+
+from .environment import Environment, env_reset, env_step, observation_role
+from .episode import Episode, EpisodeSpec, Rollout, Sampling, SeedKey, Segment, TurnLimits
+from .loop import advance, assemble, check_failures, collect, request, start_episodes, take
+
+__all__ = [
+    "Environment",
+    "env_reset",
+    "env_step",
+    "observation_role",
+    "Episode",
+    "EpisodeSpec",
+    "Rollout",
+    "Sampling",
+    "SeedKey",
+    "Segment",
+    "TurnLimits",
+    "advance",
+    "assemble",
+    "check_failures",
+    "collect",
+    "request",
+    "start_episodes",
+    "take",
+]
