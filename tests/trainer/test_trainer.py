@@ -161,7 +161,7 @@ def test_buffer_dtype_bf16_rounds_what_the_buffer_stores(tmp_path):
 
 
 def test_token_rewards_put_the_score_on_the_last_response_token():
-    from verl_ds.trainer.rl_trainer import _token_rewards
+    from verl_ds.trainer.advantages import token_rewards as _token_rewards
 
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]])
     r = _token_rewards(torch.tensor([1.0, 2.0]), mask, None)

@@ -9,8 +9,11 @@ from __future__ import annotations
 import importlib
 import logging
 import re
-from typing import Callable
+from typing import Callable, Sequence
 
+import torch
+
+from verl_ds import algos
 from verl_ds.errors import ConfigError, callable_name, real_number, where
 
 RewardFn = Callable[[str, str], float]
@@ -132,3 +135,20 @@ def call_reward(fn: RewardFn, response: str, answer, key: str = "data.reward_fn"
             "number for every response (0.0 for a wrong one)",
         )
     return number
+
+
+def normalize_reward(
+    scores: torch.Tensor | Sequence[float],
+    mode: str = "batch",
+    clip: float | None = None,
+    stats: algos.RunningMeanStd | None = None,
+) -> torch.Tensor:
+    """Scores normalised as `algorithm.reward_normalization` does in the loop (the trainer calls this
+    function on every rank's scores together), for a custom reward whose scale is unknown, in a
+    user's own pipeline too. `mode`: "batch": (r - mean) / std over these scores; "running": over
+    `stats` (an `algos.RunningMeanStd`, updated with these scores first); "none": as given. Then
+    clipped to [-clip, clip] when `clip` (`algorithm.reward_clip`) is set. `[batch]` -> `[batch]` float."""
+    t = scores if torch.is_tensor(scores) else torch.tensor(scores, dtype=torch.float32)
+    if mode == "none":
+        return t.clamp(-clip, clip) if clip else t
+    return algos.normalize_rewards(t, mode=mode, clip=clip, stats=stats)

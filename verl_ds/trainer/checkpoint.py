@@ -14,13 +14,15 @@ import random
 import re
 import shutil
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from verl_ds.dist import barrier, rank
 from verl_ds.errors import ConfigError, RunFailure
-from verl_ds.roles.params import swap_in
+from verl_ds.roles.params import export_adapter, export_hf, swap_in
 
 _STEP = re.compile(r"^step_(\d+)$")
 log = logging.getLogger(__name__)
@@ -152,3 +154,52 @@ def load_checkpoint(path: Path, roles: dict) -> dict:
     own = path / f"rank{rank()}_state.json"
     state["rank"] = json.loads(own.read_text()) if own.exists() else None
     return state
+
+
+@dataclass
+class LoopState:
+    """What the loop keeps beside the trained roles, checkpointed with them: the prompt sampler, the KL
+    controller, the reward statistics (shared by every rank: rank 0 writes them) and the partial
+    rollouts in flight (each rank's pool and draws are its own)."""
+
+    sampler: Any
+    kl_ctl: Any
+    reward_stats: Any
+    partial: Any = None
+
+    def save(self, root: Path, step: int, roles: dict, keep_last: int) -> Path:
+        state = {
+            "sampler": self.sampler.state_dict(),
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "reward_stats": self.reward_stats.state_dict(),
+        }
+        own = None
+        if self.partial is not None:
+            own = {"partial": self.partial.state_dict(), "sampler": self.sampler.state_dict()}
+        return save_checkpoint(root, step, roles, state, keep_last, rank_state=own)
+
+    def load(self, path: Path, roles: dict) -> int:
+        """The roles, this rank's RNG and the loop's state from checkpoint `path`; -> its step."""
+        state = load_checkpoint(path, roles)
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.reward_stats.load_state_dict(state["reward_stats"])
+        if self.partial is not None:
+            if state["rank"] is None or "partial" not in state["rank"]:
+                log.warning("resume: %s holds no partial rollouts (written without them): the pool starts empty", path)
+            else:
+                self.partial.load_state_dict(state["rank"]["partial"])
+                self.sampler.load_state_dict(state["rank"]["sampler"])
+        return int(state["step"])
+
+
+def export_actor(engine, out_dir: Path, dtype: str, tokenizer, adapter: bool, run_dir: Path) -> None:
+    """The actor as an HF model (safetensors) in `dtype`, or its LoRA adapter alone, written atomically;
+    a write that fails ends the run in one line naming the last good checkpoint."""
+    try:
+        if adapter:
+            export_adapter(engine, out_dir, tokenizer)
+        else:
+            export_hf(engine, out_dir, dtype, tokenizer)
+    except OSError as e:
+        raise RunFailure(f"exporting {out_dir} failed ({e}); {last_good(run_dir / 'checkpoints')}") from None

@@ -5,9 +5,11 @@ rounds become one batch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
+from verl_ds.dist import all_reduce_min, all_reduce_sum
 from verl_ds.rollout import RolloutBatch
 
 
@@ -56,3 +58,43 @@ class Collected:
 def varied_groups(metric: torch.Tensor, group_ids: torch.Tensor, n_groups: int) -> list[int]:
     """Groups whose samples did not all score alike (the only ones with a GRPO gradient)."""
     return [g for g in range(n_groups) if metric[group_ids == g].unique().numel() > 1]
+
+
+def collect_varied(
+    one_round: Callable[[int], Collected], filter_groups, prompts_per_step: int, world: int
+) -> Collected:
+    """Dynamic sampling (`algorithm.filter_groups`): groups with zero variance on the chosen metric are
+    dropped and `one_round(k)` (round k's rollout, scored) draws more prompts until the step has
+    `prompts_per_step` kept groups or `max_rounds` rounds ran; every rank then keeps the same number
+    of groups. Collective."""
+    fg = filter_groups
+    parts, rounds, seen, dropped, drawn = [], 0, 0, 0, []
+    while True:
+        got = one_round(rounds)
+        rounds += 1
+        drawn.append(got.raw)
+        keep = varied_groups(got.raw if fg.metric == "acc" else got.shaped, got.batch.group_ids, len(got.examples))
+        seen, dropped = seen + len(got.examples), dropped + len(got.examples) - len(keep)
+        parts.append(got.select_groups(keep))
+        kept = all_reduce_sum([float(sum(len(p.examples) for p in parts))])[0]
+        if kept >= prompts_per_step or rounds >= fg.max_rounds:
+            break
+    # the same number of groups on every rank (collectives and micro-batches must match)
+    merged = Collected.merge(parts)
+    k = int(all_reduce_min(float(min(len(merged.examples), prompts_per_step // world))))
+    # nothing varied on some rank: train on the last round as drawn (its advantages are zero)
+    out = merged.select_groups(list(range(k))) if k else got
+    drawn = torch.cat(drawn)
+    seen_all, dropped_all, drawn_sum, drawn_n = all_reduce_sum(
+        [float(seen), float(dropped), float(drawn.sum()), float(len(drawn))]
+    )
+    return replace(
+        out,
+        metrics={
+            **got.metrics,
+            "filter/kept_groups": float(k * world),
+            "filter/rounds": float(rounds),
+            "filter/zero_variance_fraction": dropped_all / max(seen_all, 1.0),
+            "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0),  # before filtering
+        },
+    )

@@ -1,40 +1,44 @@
 """The RL loop: PPO (GAE + critic), GRPO, Dr.GRPO, RLOO, REINFORCE++ on per-role DeepSpeed engines.
 
 `RLTrainer.step()` reads top to bottom as the data flow of one step (see docs/ARCHITECTURE.md). It is the only
-place that knows every role; each phase is one call into the layer that owns it.
+place that knows every role; each phase is one call into the layer that owns it: rewards
+(`trainer/rewards.py`), the sync's probe (`probe.py`), validation (`validation.py`), the step's metrics
+(`metrics.py`), sample tables (`samples.py`), checkpoints and the export (`checkpoint.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from verl_ds import algos
 from verl_ds.config import RunConfig
-from verl_ds.data.reward import call_reward
 from verl_ds.diagnostics.memory import MemoryTimer
-from verl_ds.diagnostics.metrics import MetricsLogger, Timer, reduce_metrics
+from verl_ds.diagnostics.metrics import MetricsLogger, Timer
 from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.plots import plot_curves
 from verl_ds.diagnostics.progress import Progress
-from verl_ds.dist import all_gather_object, all_reduce_max, all_reduce_min, all_reduce_sum
-from verl_ds.errors import RunFailure
+from verl_ds.dist import all_reduce_sum
 from verl_ds.gemm import fp32_gemm
 from verl_ds.process import release_free_memory
-from verl_ds.roles import align_overflow, forget_destroyed_world, iter_full_params
+from verl_ds.roles import forget_destroyed_world, iter_full_params
 from verl_ds.roles.batch import TrainBatch
-from verl_ds.roles.params import export_adapter, export_hf
 from verl_ds.rollout import RolloutBatch, episodes, make_rollout, sync_distributed
 from verl_ds.rollout.episodes import Sampling, SeedKey
-from verl_ds.trainer import builder
-from verl_ds.trainer.checkpoint import last_good, load_checkpoint, save_checkpoint
-from verl_ds.trainer.groups import Collected, varied_groups
+from verl_ds.trainer import advantages, builder
+from verl_ds.trainer.checkpoint import LoopState, export_actor
+from verl_ds.trainer.groups import Collected, collect_varied
+from verl_ds.trainer.metrics import StepMetrics
+from verl_ds.trainer.probe import SyncProbe
+from verl_ds.trainer.rewards import Rewards
+from verl_ds.trainer.samples import sample_rows
 from verl_ds.trainer.setup import resolve_setup
+from verl_ds.trainer.update import mini_batches, ppo_update
+from verl_ds.trainer.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +58,14 @@ class RLTrainer:
         self.run_dir = Path(cfg.trainer.run_dir)
         # where this rank is, for the launcher to name if the rank dies by a signal (the OOM killer)
         self.progress = Progress(self.rank, str(self.run_dir), dict(s.memory_estimate), s.rank_memory)
-        self.reward_fn = s.reward_fn
         data = builder.build_data(s)  # the tokenizer, codec, episodes, prompts and their sampler
         self.tokenizer, self.codec, self.episode_spec = data.tokenizer, data.codec, data.episode_spec
         self.prompts, self.val_prompts, self.sampler = data.prompts, data.val_prompts, data.sampler
         self.roles = builder.build_roles(s)
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
-        self.reference, self.reward_model = self.roles.get("reference"), self.roles.get("reward")
+        self.reference = self.roles.get("reference")
         self.teacher = self.roles.get("teacher")  # on-policy distillation (algorithm.distill)
+        self.rewards = Rewards(cfg, s.reward_fn, self.roles.get("reward"), self.tokenizer, self.rank)
         self.estimator = algos.get_advantage_estimator(cfg.algorithm.estimator)
         a = cfg.algorithm
         self.kl_ctl = (
@@ -69,7 +73,6 @@ class RLTrainer:
             if a.kl_target
             else algos.FixedKLController(a.kl_coef)
         )
-        self.reward_stats = algos.RunningMeanStd()
         self.buffer_dtype = self.precision.torch_dtype("buffer")
         self.rollout = make_rollout(
             cfg.rollout,
@@ -82,6 +85,11 @@ class RLTrainer:
         self.agents = builder.build_agents(s, self.codec, self.rollout)  # None: not an agent job
         # None: each step generates its own batch to the end; else groups stay in flight across steps
         self.partial = builder.build_partial(s, self.rollout, self.prompts, self._draw, self.episode_spec, self.agents)
+        self.probe = SyncProbe(
+            self.prompts, cfg.trainer.seed, cfg.rollout.temperature, self.precision.actor, self.precision.rollout
+        )
+        self.step_metrics = StepMetrics(cfg.algorithm, self.roles, self.rollout, self.sampler)
+        self.state = LoopState(self.sampler, self.kl_ctl, self.rewards.stats, self.partial)
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
@@ -107,13 +115,15 @@ class RLTrainer:
             # 1-3. prompts -> rollout -> rewards (+ overlong shaping); with dynamic sampling, more
             # rounds until enough groups whose samples did not all score alike
             got = self._collect(timer)
-            probe = self._probe_sample()  # the last sync's probe, while the engine is awake (none before it)
+            # the last sync's probe, sampled while the engine is awake (none before the first sync)
+            probe = self.probe.sample(self.rollout) if self.global_step else None
             # GPU: vLLM's memory to the roles; the sync replaces the weights, so they are discarded
             # (level 2), not copied to the host and back
             self.rollout.sleep(level=2)
             self._wake_roles()  # roles.<role>.sleep: their states come back from the host
-            probe_metrics = self._probe_check(probe)  # a weight the last sync did not land stops the run here
-            scores = self._normalize(got.shaped)
+            # a weight the last sync did not land stops the run here
+            probe_metrics = self.probe.check(probe, self.actor, self.global_step) if probe else {}
+            scores = self.rewards.normalize(got.shaped)
             # 4. old, reference and teacher logprobs and values, stored in the buffer dtype
             n_minis = self._mini_batches(len(got.batch))
             stored, old_lp = self._score_pass(got.batch, timer, on_policy=self._first_is_old(n_minis))
@@ -135,53 +145,17 @@ class RLTrainer:
             if isinstance(timer, MemoryTimer):
                 timer.floor()
         self.global_step += 1
-        # 9. metrics (reduced over ranks; rank 0 writes them)
-        metrics = self._step_metrics(got, stored, scores, old_lp, update_metrics, sync_metrics, timer)
+        # 9. metrics (reduced over ranks; rank 0 writes them); the adaptive KL controller takes this step's KL
+        kl = self._kl_update(stored)
+        metrics = self.step_metrics(got, stored, scores, old_lp, kl, {**update_metrics, **sync_metrics}, timer)
         if self.val_prompts and cfg.trainer.val_every and self.global_step % cfg.trainer.val_every == 0:
             metrics.update(self.validate())
         self.logger.log(metrics, self.global_step)
         if cfg.logging.sample_every and self.global_step % cfg.logging.sample_every == 0:
-            self._log_samples(got.batch, got.examples, got.raw)
+            self.logger.log_samples(sample_rows(self.tokenizer, got.batch, got.examples, got.raw), self.global_step)
         return metrics
 
     # ------------------------------------------------------------------ phases
-    PROBE_PROMPTS, PROBE_PROMPT_TOKENS, PROBE_TOKENS = 2, 32, 4  # one engine call, a few ms of scoring
-
-    def _probe_sample(self):
-        """After a sync, the engine samples a fixed probe (the first training prompts, a fixed seed), at the
-        next step's generation while the engine is awake; `_probe_check` has the actor score it once the
-        roles are awake (on a GPU the two never hold the device at once). None before the first sync."""
-        if self.global_step == 0:
-            return None
-        t0 = time.perf_counter()
-        prompts = [list(p["prompt_ids"])[-self.PROBE_PROMPT_TOKENS :] for p in self.prompts[: self.PROBE_PROMPTS]]
-        seeds = [self.cfg.trainer.seed + i for i in range(len(prompts))]
-        ro = self.rollout.generate(prompts, 1, self.cfg.rollout.temperature, 1.0, self.PROBE_TOKENS, seeds=seeds)
-        return ro, time.perf_counter() - t0
-
-    def _probe_check(self, probe) -> dict[str, float]:
-        """The actor's logprobs of the probe's tokens on the weights it synced against the engine's: they
-        differ by the two formats' rounding (`algos.probe_bound`), or a weight did not land (one the sync's
-        read-back cannot see: the CPU backend repacks linear weights, fused q/k/v and gate/up have no
-        checkpoint name). Past the bound the run stops in one line, before this step trains. Collective:
-        every rank scores the same probe."""
-        if probe is None:
-            return {}
-        ro, sample_s = probe
-        t0 = time.perf_counter()
-        mine = self.actor.logprobs(_inputs(ro), self.cfg.rollout.temperature).cpu()
-        mask = ro.loss_mask
-        gap = float(((mine - ro.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
-        p = self.precision
-        bound = algos.probe_bound(p.actor, p.rollout)
-        if not gap <= bound:
-            raise RunFailure(
-                f"weight sync {self.global_step}: the rollout engine's logprobs of a fixed probe are {gap:.3g} "
-                f"from the actor's on the same tokens (mean over {int(mask.sum())}; at most {bound:.3g} for "
-                f"{p.actor} vs {p.rollout}): a weight did not reach the engine"
-            )
-        return {"rollout/sync_probe_gap": gap, "timing_s/sync_probe": sample_s + time.perf_counter() - t0}
-
     def _timer(self) -> Timer:
         """A Timer that, every logging.memory_every steps, also accounts each role's memory per stage."""
         every = self.cfg.logging.memory_every
@@ -228,135 +202,44 @@ class RLTrainer:
         return stored, old_lp
 
     def _advantages(self, stored: TrainBatch, scores: torch.Tensor, batch: RolloutBatch, timer: Timer) -> TrainBatch:
-        """The train batch: `stored` with each token's advantage and return. The score sits on the last
-        model token, minus the KL to the reference when the KL is in the reward (classic PPO; GRPO-style
-        runs put it in the loss); on-policy distillation adds the teacher's per-token reverse KL."""
-        a, mask = self.cfg.algorithm, stored.loss_mask
-        kl_in_reward = None
-        if not a.use_kl_loss:
-            kl_in_reward = self._kl(stored.old_logprobs, stored.ref_logprobs, mask) * self.kl_ctl.value
-        token_rewards = _token_rewards(scores, mask, kl_in_reward)
-        with timer("adv"):
-            adv, returns = self.estimator(
-                token_rewards=token_rewards,
-                scores=token_rewards.sum(-1),
-                values=stored.old_values,
-                response_mask=mask,
-                group_ids=batch.group_ids,
-                gamma=a.gamma,
-                lam=a.lam,
-            )
-            distill = a.distill if self.teacher else None
-            if distill is not None:  # distillation alone, or added to the task's advantages
-                if not distill.with_task_reward:
-                    adv = returns = torch.zeros_like(adv)
-                if distill.mode == "reward":  # each token's reward -coef * (log pi_s - log pi_t)
-                    d_adv = algos.distill_advantages(
-                        stored.old_logprobs, stored.teacher_logprobs, mask, distill.coef, distill.discount
-                    )
-                    adv, returns = adv + d_adv, returns + d_adv
-        if a.mask_truncated:  # samples cut at max_new_tokens teach nothing about endings
-            mask = mask * (1 - _truncated(batch))[:, None]
-        return stored.replace(advantages=adv.float(), returns=returns.float(), loss_mask=mask)
+        """`stored` with each token's advantage and return (`trainer/advantages.py`)."""
+        a = self.cfg.algorithm
+        distill = a.distill if self.teacher else None
+        return advantages.compute(stored, scores, batch, a, self.estimator, self.kl_ctl.value, distill, timer)
 
     def _collect(self, timer) -> Collected:
-        """Rollout and rewards for this rank's prompts. With `algorithm.filter_groups`, groups with zero
-        variance on the chosen metric are dropped and more prompts are drawn until the step has
-        `prompts_per_step` kept groups or `max_rounds` rounds ran; every rank then keeps the same
-        number of groups."""
-        cfg, r, fg = self.cfg, self.cfg.rollout, self.cfg.algorithm.filter_groups
+        """Rollout and rewards for this rank's prompts: one round, or, with `algorithm.filter_groups`,
+        rounds until enough groups whose samples did not all score alike (`groups.collect_varied`)."""
+        cfg, r = self.cfg, self.cfg.rollout
         sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
-        parts, rounds, seen, dropped, drawn = [], 0, 0, 0, []
-        while True:
+
+        def one_round(round_: int) -> Collected:
             with timer("gen", stage="rollout", role="rollout"):
                 if self.partial is not None:  # the groups that finished first, from the pool in flight
                     ro, examples = self.partial.collect(self.global_step)
                 else:
                     examples = [self.prompts[i] for i in self._draw()]
-                    ro = self._episodes(examples, sampling, SeedKey(cfg.trainer.seed, self.global_step, rounds))
+                    ro = self._episodes(examples, sampling, SeedKey(cfg.trainer.seed, self.global_step, round_))
             with timer("reward", stage="score", role="reward"):
-                raw = self._score(ro, examples)
-                got = Collected(ro.batch, examples, raw, raw + self._overlong(ro.batch), ro.metrics)
+                raw = self.rewards.score(ro, examples)
+                got = Collected(ro.batch, examples, raw, raw + self.rewards.overlong(ro.batch), ro.metrics)
             for o in self.observers:
                 o.on_rollout(self, ro, raw)
-            rounds += 1
-            if not fg.enabled:
-                return got
-            drawn.append(raw)
-            keep = varied_groups(raw if fg.metric == "acc" else got.shaped, got.batch.group_ids, len(examples))
-            seen, dropped = seen + len(examples), dropped + len(examples) - len(keep)
-            parts.append(got.select_groups(keep))
-            kept = all_reduce_sum([float(sum(len(p.examples) for p in parts))])[0]
-            if kept >= cfg.trainer.prompts_per_step or rounds >= fg.max_rounds:
-                break
-        # the same number of groups on every rank (collectives and micro-batches must match)
-        merged = Collected.merge(parts)
-        k = int(all_reduce_min(float(min(len(merged.examples), cfg.trainer.prompts_per_step // self.world))))
-        # nothing varied on some rank: train on the last round as drawn (its advantages are zero)
-        out = merged.select_groups(list(range(k))) if k else got
-        drawn = torch.cat(drawn)
-        seen_all, dropped_all, drawn_sum, drawn_n = all_reduce_sum(
-            [float(seen), float(dropped), float(drawn.sum()), float(len(drawn))]
-        )
-        return replace(
-            out,
-            metrics={
-                **ro.metrics,
-                "filter/kept_groups": float(k * self.world),
-                "filter/rounds": float(rounds),
-                "filter/zero_variance_fraction": dropped_all / max(seen_all, 1.0),
-                "filter/reward_mean_drawn": drawn_sum / max(drawn_n, 1.0),  # before filtering
-            },
-        )
+            return got
+
+        fg = cfg.algorithm.filter_groups
+        return collect_varied(one_round, fg, cfg.trainer.prompts_per_step, self.world) if fg.enabled else one_round(0)
 
     def validate(self) -> dict[str, float]:
-        """Held-out prompts on the rollout engine with the current weights: greedy accuracy (mean
-        reward at temperature 0) and, from `trainer.val_n` samples at the rollout temperature,
-        mean@k and unbiased pass@k (a sample passes with reward >= 1). Collective: every rank calls it."""
-        with fp32_gemm(self.precision.fp32_gemm):
-            return self._validate()
-
-    def _validate(self) -> dict[str, float]:
-        cfg, r = self.cfg, self.cfg.rollout
-        k, name = cfg.trainer.val_n, cfg.data.task
+        """Held-out prompts on the rollout engine with the current weights (`trainer/validation.py`);
+        rank 0 logs a table of greedy samples. Collective: every rank calls it."""
         mine = self.val_prompts[self.rank :: self.world]
-        tag = f"val{self.global_step}"  # seeds apart from every training step's
-        greedy = self._episodes(mine, Sampling(1, 0.0, 1.0, r.max_new_tokens), SeedKey(cfg.trainer.seed, tag))
-        sampled = self._episodes(
-            mine, Sampling(k, r.temperature, r.top_p, r.max_new_tokens), SeedKey(cfg.trainer.seed, tag, round_=1)
-        )
-        # the next generation comes without a sync (the weights stay, on the host) and a checkpoint or
-        # the export may wake the roles first
-        self.rollout.sleep(level=1)
-        acc = _per_episode(self._score(greedy, mine), greedy.episode)
-        scores = (
-            _per_episode(self._score(sampled, mine), sampled.episode).view(len(mine), k) if mine else torch.zeros(0, k)
-        )
-        passed = [algos.pass_at_k(k, int((row >= 1).sum()), k) for row in scores]
-        tot = all_reduce_sum(
-            [
-                float(acc.sum()),
-                float(scores.mean(-1).sum()) if mine else 0.0,
-                sum(passed),
-                float(greedy.batch.loss_mask.sum()),
-                float(len(mine)),
-            ]
-        )
-        n = max(tot[4], 1.0)
-        if self.rank == 0 and mine:
-            last_rows = [int((greedy.episode == e).nonzero()[-1]) for e in range(len(mine))]  # forks: the last
-            texts = self._decode(greedy.batch.select(last_rows))
-            rows = [(e["prompt"], text, float(s)) for e, text, s in zip(mine, texts, acc)][:16]
+        with fp32_gemm(self.precision.fp32_gemm):
+            out, rows = validate(
+                self.cfg, mine, self.global_step, self._episodes, self.rewards.score, self.rollout, self.tokenizer
+            )
+        if self.rank == 0 and rows:
             self.logger.log_samples(rows, self.global_step, key="val_samples")
-        out = {
-            f"val/{name}/accuracy": tot[0] / n,
-            f"val/{name}/mean@{k}": tot[1] / n,
-            f"val/{name}/pass@{k}": tot[2] / n,
-            "val/response_length/mean": tot[3] / n,
-        }
-        # multi-turn: the greedy episodes' turns and tool use (mean over ranks, as every metric)
-        keep = ("tools/", "multi_turn/turns", "agent/calls", "agent/failures")
-        out.update({f"val/{k}": v for k, v in greedy.metrics.items() if k.startswith(keep)})
         return out
 
     def _draw(self) -> list[int]:
@@ -371,199 +254,29 @@ class RLTrainer:
         ids = [e["prompt_ids"] for e in examples]
         return episodes.collect(self.rollout, examples, ids, sampling, seed, self.episode_spec)
 
-    def _overlong(self, batch) -> torch.Tensor:
-        o, r = self.cfg.algorithm.overlong, self.cfg.rollout
-        lengths = batch.loss_mask.sum(-1)
-        return (
-            algos.overlong_penalty(lengths, r.max_new_tokens, o.buffer_len, o.penalty)
-            if o.buffer_len
-            else torch.zeros_like(lengths)
-        )
-
-    def _score(self, ro: episodes.Rollout, examples) -> torch.Tensor:
-        """Each row's score: the reward model's on the whole row, or the task's reward function on
-        its episode's final answer; plus the environment's reward (0 in single-turn jobs)."""
-        batch = ro.batch
-        if self.reward_model is not None:
-            return self.reward_model.score(_inputs(batch)).cpu() + ro.env_rewards
-        texts = self.tokenizer.batch_decode(ro.final_ids, skip_special_tokens=True)
-        out = [call_reward(self.reward_fn, t, examples[int(g)]["answer"]) for t, g in zip(texts, batch.group_ids)]
-        return torch.tensor(out) + ro.env_rewards
-
-    def _normalize(self, scores: torch.Tensor) -> torch.Tensor:
-        a = self.cfg.algorithm
-        if a.reward_normalization == "none":
-            return scores.clamp(-a.reward_clip, a.reward_clip) if a.reward_clip else scores
-        # statistics over the whole batch (every rank), so each rank's normalizer state stays identical
-        everyone = all_gather_object(scores.tolist())
-        start = sum(len(x) for x in everyone[: self.rank])
-        full = algos.normalize_rewards(
-            torch.tensor([v for x in everyone for v in x]),
-            mode=a.reward_normalization,
-            clip=a.reward_clip,
-            stats=self.reward_stats,
-        )
-        return full[start : start + len(scores)]
-
     def _buffered(self, t):
         """The rollout buffer keeps logprobs/values in `buffer_dtype`; the math upcasts to fp32."""
         return None if t is None else t.to(self.buffer_dtype).float()
 
-    def _kl(self, logprobs, ref_logprobs, mask) -> torch.Tensor:
-        if ref_logprobs is None:
-            return torch.zeros_like(mask)
-        return algos.kl_penalty(logprobs, ref_logprobs, self.cfg.algorithm.kl_estimator) * mask
-
-    def _mini_rows(self, n: int) -> int:
-        """This rank's rows per mini-batch (all `n` when trainer.mini_batch_size is unset)."""
-        return self.setup.mini_rows or n
-
     def _mini_batches(self, n: int) -> int:
-        """Mini-batches per epoch, the same on every rank (forked multi-turn episodes give ranks
-        different row counts): the most any rank needs for `n` rows of `_mini_rows` each."""
-        return max(1, int(all_reduce_max(float(-(-n // max(self._mini_rows(n), 1))))))  # collective: no early exit
+        """Mini-batches per epoch, the same on every rank (`update.mini_batches`). Collective."""
+        return mini_batches(n, self.setup.mini_rows or n)
 
-    def _update(self, train: TrainBatch, timer: Timer, n_minis: int) -> tuple[dict, torch.Tensor | None]:
-        """`ppo_epochs` over `n_minis` mini-batches -> (metrics, the first epoch's fp32 logprobs when
-        `train.on_policy`, else None). On-policy, the first epoch (one mini-batch, in order) computes
-        the old logprobs; the later epochs read them, buffered, from a copy of `train`."""
-        n = len(train)
-        mini = self._mini_rows(n)
-        sums: dict[str, float] = {}
-        count, first_lp = 0, None
-        for _ in range(self.cfg.algorithm.ppo_epochs):
-            collect = train.on_policy  # one mini-batch: the whole batch, in order
-            perm = torch.arange(n) if collect else torch.randperm(n)
-            # mini-batches of `mini` rows; a rank with fewer rows than another splits them as evenly
-            parts = perm.split(mini) if -(-n // mini) == n_minis else perm.tensor_split(n_minis)
-            for rows in parts:
-                mb = train.select(rows)
-                tokens, seqs = _global_counts(mb.loss_mask)
-                with timer("update_actor", stage="update", role="actor"):
-                    acc = self.actor.accumulate(mb, tokens, seqs, keep=collect)
-                m = acc.metrics
-                if collect:
-                    first_lp = acc.outputs.float().cpu()
-                if self.critic:
-                    with timer("update_critic", stage="update", role="critic"):
-                        critic_m = self.critic.accumulate(mb, tokens, seqs).metrics
-                    m.update({f"critic/{k}": v for k, v in critic_m.items()})
-                    align_overflow(self.actor, self.critic)  # an overflow in either skips both
-                    with timer("update_critic", stage="update", role="critic"):
-                        self.critic.step()
-                with timer("update_actor", stage="update", role="actor"):
-                    self.actor.step()
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
-            if collect:
-                train = train.replace(old_logprobs=self._buffered(first_lp), on_policy=False)
-        out = {(k if k.startswith("critic/") else f"actor/{k}"): v / count for k, v in sums.items()}
-        if self.critic:
-            out["critic/vf_explained_var"] = _explained_var(train.returns, train.old_values, train.loss_mask)
-        return out, first_lp
-
-    def _step_metrics(
-        self, got: Collected, stored: TrainBatch, scores, old_lp, update_metrics: dict, sync_metrics: dict, timer
-    ) -> dict[str, float]:
-        """The step's metrics, reduced over ranks; the adaptive KL controller takes this step's KL."""
-        batch, mask = got.batch, stored.loss_mask
-        kl = self._kl(stored.old_logprobs, stored.ref_logprobs, mask)
-        kl_sum, n_tok, n_seq = all_reduce_sum([float((kl * mask).sum()), float(mask.sum()), float(len(batch))])
+    def _kl_update(self, stored: TrainBatch) -> tuple[float, float]:
+        """This step's KL to the reference (mean over every rank's tokens) into the KL controller ->
+        (the KL, the coefficient the controller holds after it)."""
+        mask = stored.loss_mask
+        kl = advantages.kl_to_reference(stored.old_logprobs, stored.ref_logprobs, mask, self.cfg.algorithm)
+        kl_sum, n_tok, n_seq = all_reduce_sum([float((kl * mask).sum()), float(mask.sum()), float(len(stored))])
         kl_mean = kl_sum / max(n_tok, 1.0)
         self.kl_ctl.update(kl_mean, n_steps=int(n_seq))  # same value on every rank
-        metrics = reduce_metrics(
-            {
-                **update_metrics,
-                **sync_metrics,
-                **timer.times,
-                **timer.memory_metrics(),
-                **self._batch_metrics(batch, got.raw, scores, old_lp, kl_mean, timer.times["timing_s/step"]),
-                **got.metrics,
-                **self._distill_metrics(stored),
-                "response/truncated_fraction": float(_truncated(batch).mean()),
-                **self._precision_metrics(),
-            }
-        )
-        return {**metrics, **self._padding_metrics()}
+        return kl_mean, float(self.kl_ctl.value)
 
-    def _batch_metrics(self, batch, raw_scores, scores, old_lp, kl_mean, step_s) -> dict[str, float]:
-        mask, a = batch.loss_mask, self.cfg.algorithm
-        rollout_perf = {k: v for k, v in self.rollout.last_metrics.items() if k.startswith("perf/")}
-        return {
-            "reward/mean": raw_scores.mean().item(),
-            "reward/normalized_mean": scores.mean().item(),
-            "response_length/mean": mask.sum(-1).mean().item(),
-            # the tail a synchronous step waits for: on a decode-bound GPU its generation follows the max
-            "response_length/p90": mask.sum(-1).quantile(0.9).item() if len(mask) else 0.0,
-            "response_length/max": mask.sum(-1).max().item() if len(mask) else 0.0,
-            "actor/kl_ref": kl_mean,
-            "actor/kl_coef": float(self.kl_ctl.value),
-            "data/position": float(self.sampler.epoch * self.sampler.n + self.sampler.pos),
-            # rollout-vs-trainer gap on the same weights: precision and sync health
-            **{
-                f"rollout_corr/{k}": float(v)
-                for k, v in algos.mismatch_metrics(
-                    old_lp, batch.rollout_logprobs, mask, a.clip_low, a.clip_high, a.tis_cap
-                ).items()
-            },
-            "perf/throughput": float(batch.attention_mask.sum()) / max(step_s, 1e-9),
-            **rollout_perf,
-        }
-
-    def _distill_metrics(self, stored: TrainBatch) -> dict[str, float]:
-        """distill/*: the student's per-token reverse KL to the teacher on its own samples (old
-        policy, model tokens, mean over every rank's tokens) and the teacher's mean logprob."""
-        if self.teacher is None:
-            return {}
-        mask, teacher = stored.loss_mask, stored.teacher_logprobs
-        kl = algos.reverse_kl(stored.old_logprobs, teacher, mask)
-        kl_sum, t_sum, n = all_reduce_sum([float(kl.sum()), float((teacher * mask).sum()), float(mask.sum())])
-        return {"distill/reverse_kl/mean": kl_sum / max(n, 1.0), "distill/teacher_logprob/mean": t_sum / max(n, 1.0)}
-
-    def _precision_metrics(self) -> dict[str, float]:
-        out = {}
-        for name, role in self.roles.items():
-            for k, v in role.precision_stats().items():
-                if isinstance(v, float):
-                    out[f"precision/{name}/{k}"] = v
-        out["actor/grad_norm"] = out.get("precision/actor/grad_norm", float("nan"))
-        return out
-
-    def _padding_metrics(self) -> dict[str, float]:
-        """perf/padding_efficiency/<role>/<pass>: real tokens / tokens its forwards ran (every
-        rank's), for each role's scoring and update passes of this step. 1.0: no padding ran."""
-        keys, sums = [], []
-        for name, role in self.roles.items():
-            for kind, (real, processed) in role.take_token_counts().items():
-                keys.append(f"perf/padding_efficiency/{name}/{kind}")
-                sums += [real, processed]
-        sums = all_reduce_sum(sums)  # the same roles on every rank: the same list
-        return {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(keys) if sums[2 * i + 1]}
-
-    def _decode(self, batch) -> list[str]:
-        """Each row's response as text; multi-turn rows with their turns marked ([model] / [env])."""
-        lens = batch.response_mask.sum(1).long().tolist()  # right-padded: the first n are the response
-        rows = [ids[:n] for ids, n in zip(batch.response_ids.tolist(), lens)]
-        if not batch.multi_turn:
-            return self.tokenizer.batch_decode(rows, skip_special_tokens=True)
-        out = []
-        for ids, m in zip(rows, batch.loss_mask.tolist()):
-            runs, start = [], 0
-            for t in range(1, len(ids) + 1):
-                if t == len(ids) or m[t] != m[start]:
-                    tag = "[model] " if m[start] else "[env] "
-                    runs.append(tag + self.tokenizer.decode(ids[start:t], skip_special_tokens=False))
-                    start = t
-            out.append("\n".join(runs))
-        return out
-
-    def _log_samples(self, batch, examples, scores):
-        rows = [
-            (examples[int(g)]["prompt"], resp, float(s))
-            for g, resp, s in list(zip(batch.group_ids, self._decode(batch), scores))[:16]
-        ]
-        self.logger.log_samples(rows, self.global_step)
+    def _update(self, train: TrainBatch, timer: Timer, n_minis: int) -> tuple[dict, torch.Tensor | None]:
+        """`ppo_epochs` over `n_minis` mini-batches of the actor and the critic (`update.ppo_update`)."""
+        n = len(train)
+        epochs, mini = self.cfg.algorithm.ppo_epochs, self.setup.mini_rows or n
+        return ppo_update(self.actor, self.critic, train, timer, epochs, mini, n_minis, self._buffered)
 
     # ------------------------------------------------------------------ checkpoints
     def _sleep_roles(self) -> None:
@@ -581,21 +294,8 @@ class RLTrainer:
 
     def save(self) -> Path:
         self._wake_roles()  # a checkpoint reads every state where the engine keeps it
-        state = {
-            "sampler": self.sampler.state_dict(),
-            "kl_ctl": self.kl_ctl.state_dict(),
-            "reward_stats": self.reward_stats.state_dict(),
-        }
-        own = None
-        if self.partial is not None:  # each rank's pool and draws are its own
-            own = {"partial": self.partial.state_dict(), "sampler": self.sampler.state_dict()}
-        path = save_checkpoint(
-            self.run_dir / "checkpoints",
-            self.global_step,
-            self._trained_roles(),
-            state,
-            self.cfg.checkpoint.keep_last,
-            rank_state=own,
+        path = self.state.save(
+            self.run_dir / "checkpoints", self.global_step, self._trained_roles(), self.cfg.checkpoint.keep_last
         )
         self._sleep_roles()
         self.progress.checkpoint(str(path))
@@ -603,20 +303,8 @@ class RLTrainer:
 
     def _resume(self, path: Path) -> None:
         """Continue from checkpoint `path` (`setup.resume_from`: checked whole before any engine was
-        built): the trained roles, this rank's RNG, the sampler, the KL and reward statistics, the
-        partial rollouts in flight and the step."""
-        trained = self._trained_roles()
-        state = load_checkpoint(path, trained)
-        self.global_step = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.reward_stats.load_state_dict(state["reward_stats"])
-        if self.partial is not None:
-            if state["rank"] is None or "partial" not in state["rank"]:
-                log.warning("resume: %s holds no partial rollouts (written without them): the pool starts empty", path)
-            else:
-                self.partial.load_state_dict(state["rank"]["partial"])
-                self.sampler.load_state_dict(state["rank"]["sampler"])
+        built): the trained roles, this rank's RNG, the loop's state (`LoopState`) and the step."""
+        self.global_step = self.state.load(path, self._trained_roles())
         sync_distributed(self.rollout, iter_full_params(self.actor.engine))  # the engine started from step 0
         self.progress.checkpoint(str(path))
         if self.rank == 0:
@@ -625,13 +313,8 @@ class RLTrainer:
     def export(self, out_dir: Path, dtype: str) -> None:
         """The actor as an HF model (safetensors) in `dtype`, written atomically."""
         self._wake_roles()
-        try:
-            if self.cfg.model.lora.rank and self.cfg.checkpoint.export == "adapter":
-                export_adapter(self.actor.engine, out_dir, self.tokenizer)
-            else:
-                export_hf(self.actor.engine, out_dir, dtype, self.tokenizer)
-        except OSError as e:
-            raise RunFailure(f"exporting {out_dir} failed ({e}); {last_good(self.run_dir / 'checkpoints')}") from None
+        adapter = bool(self.cfg.model.lora.rank) and self.cfg.checkpoint.export == "adapter"
+        export_actor(self.actor.engine, out_dir, dtype, self.tokenizer, adapter, self.run_dir)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
@@ -698,35 +381,3 @@ def _import_heavy_libraries() -> None:
 def _inputs(batch: RolloutBatch) -> TrainBatch:
     """What a scoring pass reads of a rollout: its rows, and the model's tokens as the loss mask."""
     return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask)
-
-
-def _truncated(batch: RolloutBatch) -> torch.Tensor:
-    """`[B]` 1.0 where the sample was cut at max_new_tokens."""
-    return torch.tensor([f == "length" for f in batch.finish_reasons], dtype=batch.loss_mask.dtype)
-
-
-def _token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl_penalty: torch.Tensor | None) -> torch.Tensor:
-    """`[B, R]` rewards: each sequence's score on its last response token, minus the per-token KL
-    penalty when the KL is in the reward."""
-    rewards = torch.zeros_like(mask)
-    last = mask.cumsum(-1).argmax(-1)  # index of the last response token
-    rewards[torch.arange(len(scores)), last] = scores.to(rewards.dtype)
-    return rewards - kl_penalty if kl_penalty is not None else rewards
-
-
-def _per_episode(row_scores: torch.Tensor, episode: torch.Tensor) -> torch.Tensor:
-    """One score per episode from its rows' (the rows of a forked episode score alike)."""
-    n = int(episode.max()) + 1 if len(episode) else 0
-    return torch.zeros(n, dtype=row_scores.dtype).scatter_(0, episode, row_scores)
-
-
-def _global_counts(mask: torch.Tensor) -> tuple[float, float]:
-    """Response tokens and sequences in the whole mini-batch, over every rank (at least 1: a
-    mini-batch of only masked-out samples contributes a zero loss, not NaN)."""
-    tokens, seqs = all_reduce_sum([float(mask.sum()), float(mask.shape[0])])
-    return max(tokens, 1.0), seqs
-
-
-def _explained_var(returns, values, mask) -> float:
-    var_r = algos.masked_var(returns, mask)
-    return float(1 - algos.masked_var(returns - values, mask) / (var_r + 1e-8))
