@@ -27,7 +27,7 @@ from verl_ds.algos import (
 )
 from verl_ds.data.reward import task_reward_fn
 from verl_ds.envs import import_object, load_env_factory, load_tools
-from verl_ds.errors import ConfigError, raise_all
+from verl_ds.errors import ConfigError, broken, raise_all
 from verl_ds.precision import INT8_ROLES, TRAINED_ROLES, PrecisionConfig
 from verl_ds.rollout.engines.weights import safetensors_damage
 from verl_ds.schema import field_errors, markdown, opt, section
@@ -175,6 +175,16 @@ class ModelConfig:
         choices=("auto", True, False),
     )
 
+    def check(self) -> list[ConfigError]:
+        """The rules within this section that its fields' bounds cannot state."""
+        return broken(
+            (
+                self.lora.rank > 0 and not self.lora.target_modules,
+                "model.lora.target_modules",
+                "a LoRA actor needs at least one target module",
+            ),
+        )
+
 
 @dataclass
 class ArithmeticConfig:
@@ -226,6 +236,43 @@ class DataConfig:
     seed: int = opt(0, "seed of the shuffle and of the validation split")
     arithmetic: ArithmeticConfig = section(ArithmeticConfig)
     reasoning_gym: ReasoningGymConfig = section(ReasoningGymConfig)
+
+    def check(self) -> list[ConfigError]:
+        """The rules within this section that its fields' bounds cannot state."""
+        return broken(
+            (
+                bool(self.val_files) and self.task != "files",
+                "data.val_files",
+                "validation files go with task 'files' (the built-in task uses data.val_fraction)",
+            ),
+            (
+                self.task == "files" and not self.train_files,
+                "data.train_files",
+                "task 'files' needs at least one jsonl or parquet file",
+            ),
+            (
+                self.system_prompt is not None and not self.apply_chat_template,
+                "data.system_prompt",
+                "a system prompt needs data.apply_chat_template: true",
+            ),
+            (
+                bool(self.few_shot) and not self.apply_chat_template,
+                "data.few_shot",
+                "few-shot chat messages need data.apply_chat_template: true",
+            ),
+            *(
+                (
+                    not (
+                        isinstance(m, dict)
+                        and set(m) == {"role", "content"}
+                        and all(isinstance(v, str) for v in m.values())
+                    ),
+                    f"data.few_shot[{i}]",
+                    f"expected {{role: ..., content: ...}} (strings), got {m!r}",
+                )
+                for i, m in enumerate(self.few_shot)
+            ),
+        )
 
 
 @dataclass
@@ -304,6 +351,32 @@ class AlgorithmConfig:
     overlong: OverlongConfig = section(OverlongConfig)
     distill: DistillConfig = section(DistillConfig)
     mask_truncated: bool = opt(False, "samples cut at max_new_tokens contribute no loss")
+
+    def check(self) -> list[ConfigError]:
+        """The rules within this section that its fields' bounds cannot state."""
+        return broken(
+            (
+                self.dual_clip_c is not None and self.dual_clip_c <= 1,
+                "algorithm.dual_clip_c",
+                f"must be > 1, got {self.dual_clip_c}",
+            ),
+            (
+                self.dual_clip_c is not None and self.policy_loss != "vanilla",
+                "algorithm.dual_clip_c",
+                f"dual clip applies to the vanilla PPO loss only, not '{self.policy_loss}'",
+            ),
+            (
+                self.kl_target is not None and self.use_kl_loss,
+                "algorithm.kl_target",
+                "the adaptive KL controller acts on the in-reward KL; set algorithm.use_kl_loss: false or drop "
+                "kl_target",
+            ),
+            (
+                self.distill.coef > 0 and self.estimator in ESTIMATORS_NEEDING_CRITIC,
+                "algorithm.distill.coef",
+                f"distillation pairs with critic-free estimators (grpo, rloo, ...), not '{self.estimator}'",
+            ),
+        )
 
 
 @dataclass
@@ -413,6 +486,27 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = section(MultiTurnConfig)
     partial: PartialConfig = section(PartialConfig)
 
+    def check(self) -> list[ConfigError]:
+        """The rules within this section that its fields' bounds cannot state."""
+        mt, pr = self.multi_turn, self.partial
+        return broken(
+            (
+                self.block_size % 32 != 0,
+                "rollout.block_size",
+                f"must be 0 (vLLM's default) or a multiple of 32, got {self.block_size}",
+            ),
+            (
+                bool(mt.env) and bool(mt.agent),
+                "rollout.multi_turn.agent",
+                "an agent runs its own episodes: set rollout.multi_turn.env or .agent, not both",
+            ),
+            (
+                pr.enabled and bool(mt.agent) and self.tensor_parallel_size > 1,
+                "rollout.partial.enabled",
+                "partial rollouts of agent episodes run one engine per rank: set rollout.tensor_parallel_size: 1",
+            ),
+        )
+
 
 OFFLOADS = ("none", "optimizer", "params", "optimizer+params")
 
@@ -483,6 +577,11 @@ class RolesConfig:
     teacher: RoleConfig = opt(
         help="the frozen distillation teacher (model.teacher_path)", factory=lambda: _role("teacher_zero0.json")
     )
+
+    def check(self) -> list[ConfigError]:
+        """The rules within this section that its fields' bounds cannot state."""
+        betas = self.actor.betas
+        return broken((len(betas) != 2, "roles.actor.betas", f"expected two numbers, got {betas!r}"))
 
 
 @dataclass
@@ -721,6 +820,10 @@ def config_reference() -> str:
     )
 
 
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
@@ -730,169 +833,115 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
     ConfigError naming the key (or file).
 
     Field types were checked when the config was built; here: each field's choices and bounds (its
-    `opt` metadata), then the rules between fields, the names a run resolves (reward function,
-    environment, tools), the batch geometry against `world_size` ranks (default: $WORLD_SIZE) and
-    the facts of each role's DeepSpeed JSON file. The model and data paths: `validate_paths`.
+    `opt` metadata), each section's own rules (its `check`, next to its fields), the rules between
+    sections (`_between_sections`), the names a run resolves (reward function, environment, tools),
+    the batch geometry against `world_size` ranks (default: $WORLD_SIZE) and the facts of each role's
+    DeepSpeed JSON file. The model and data paths: `validate_paths`.
     """
     errors = [*(errors or []), *field_errors(cfg)]  # `errors`: what building the config found
     raise_all(errors)  # the rules below assume each field is in range
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    a, r, t, d, mt = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.data, cfg.rollout.multi_turn
-
-    def rule(bad: bool, key: str, message: str) -> None:
-        if bad:
-            errors.append(ConfigError(key, message))
-
-    rule(a.dual_clip_c is not None and a.dual_clip_c <= 1, "algorithm.dual_clip_c", f"must be > 1, got {a.dual_clip_c}")
-    rule(
-        a.dual_clip_c is not None and a.policy_loss != "vanilla",
-        "algorithm.dual_clip_c",
-        f"dual clip applies to the vanilla PPO loss only, not '{a.policy_loss}'",
-    )
-    rule(
-        a.kl_target is not None and a.use_kl_loss,
-        "algorithm.kl_target",
-        "the adaptive KL controller acts on the in-reward KL; set algorithm.use_kl_loss: false or drop kl_target",
-    )
-    rule(
-        bool(d.val_files) and d.task != "files",
-        "data.val_files",
-        "validation files go with task 'files' (the built-in task uses data.val_fraction)",
-    )
-    rule(
-        d.task == "files" and not d.train_files,
-        "data.train_files",
-        "task 'files' needs at least one jsonl or parquet file",
-    )
-    rule(
-        cfg.model.lora.rank > 0 and not cfg.model.lora.target_modules,
-        "model.lora.target_modules",
-        "a LoRA actor needs at least one target module",
-    )
-    rule(
-        cfg.model.lora.rank > 0 and "critic" in active_roles(cfg),
-        "model.lora.rank",
-        "LoRA is for the actor of critic-free estimators here (grpo, rloo, ...)",
-    )
-    rule(
-        a.overlong.buffer_len > r.max_new_tokens,
-        "algorithm.overlong.buffer_len",
-        f"must be in [0, rollout.max_new_tokens = {r.max_new_tokens}], got {a.overlong.buffer_len}",
-    )
-    rule(
-        a.filter_groups.enabled and r.n < 2,
-        "algorithm.filter_groups.enabled",
-        "filtering groups by reward variance needs rollout.n >= 2",
-    )
-    rule(
-        a.estimator in GROUP_ESTIMATORS and r.n < 2,
-        "rollout.n",
-        f"estimator '{a.estimator}' compares samples of one prompt: needs n >= 2, got {r.n}",
-    )
-    rule(
-        r.block_size % 32 != 0,
-        "rollout.block_size",
-        f"must be 0 (vLLM's default) or a multiple of 32, got {r.block_size}",
-    )
-    rule(
-        r.max_model_len < d.max_prompt_length + r.max_new_tokens,
-        "rollout.max_model_len",
-        f"{r.max_model_len} < data.max_prompt_length {d.max_prompt_length} + rollout.max_new_tokens {r.max_new_tokens}",
-    )
-    rule(
-        bool(d.tools) and mt.env != "tools",
-        "data.tools",
-        "tools are called through the tool environment: set rollout.multi_turn.env: tools",
-    )
-    rule(
-        mt.env == "tools" and not d.tools,
-        "data.tools",
-        "rollout.multi_turn.env: tools needs at least one tool (e.g. [calculator])",
-    )
-    rule(
-        bool(mt.env) and bool(mt.agent),
-        "rollout.multi_turn.agent",
-        "an agent runs its own episodes: set rollout.multi_turn.env or .agent, not both",
-    )
-    rule(
-        bool(mt.agent) and not d.apply_chat_template,
-        "rollout.multi_turn.agent",
-        "the agent's endpoint renders chat messages: set data.apply_chat_template: true",
-    )
-    pr = r.partial
-    rule(
-        pr.enabled and bool(mt.agent) and r.tensor_parallel_size > 1,
-        "rollout.partial.enabled",
-        "partial rollouts of agent episodes run one engine per rank: set rollout.tensor_parallel_size: 1",
-    )
-    rule(
-        pr.enabled and pr.max_staleness > 0 and a.tis_cap is None,
-        "algorithm.tis_cap",
-        "partial rollouts train tokens sampled by older weights: set the importance-weight cap (e.g. 2.0), "
-        "or rollout.partial.max_staleness: 0",
-    )
-    rule(
-        mt.enabled and a.overlong.buffer_len > 0,
-        "algorithm.overlong.buffer_len",
-        "the overlong penalty measures one response against rollout.max_new_tokens; multi-turn rows hold several turns",
-    )
-    rule(
-        d.system_prompt is not None and not d.apply_chat_template,
-        "data.system_prompt",
-        "a system prompt needs data.apply_chat_template: true",
-    )
-    rule(
-        bool(d.few_shot) and not d.apply_chat_template,
-        "data.few_shot",
-        "few-shot chat messages need data.apply_chat_template: true",
-    )
-    for i, m in enumerate(d.few_shot):
-        ok = isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
-        rule(not ok, f"data.few_shot[{i}]", f"expected {{role: ..., content: ...}} (strings), got {m!r}")
-    dist = a.distill
-    rule(
-        dist.coef > 0 and not cfg.model.teacher_path,
-        "algorithm.distill.coef",
-        "distillation needs a teacher: set model.teacher_path",
-    )
-    rule(
-        bool(cfg.model.teacher_path) and dist.coef == 0,
-        "model.teacher_path",
-        "a teacher is used by distillation only: set algorithm.distill.coef > 0 (or drop the teacher)",
-    )
-    rule(
-        dist.coef > 0 and a.estimator in ESTIMATORS_NEEDING_CRITIC,
-        "algorithm.distill.coef",
-        f"distillation pairs with critic-free estimators (grpo, rloo, ...), not '{a.estimator}'",
-    )
-    for role in TRAINED_ROLES:
-        ls = getattr(cfg.precision, f"{role}_loss_scaling")
-        rule(
-            ls.loss_scale == 0 and ls.min_loss_scale > 2.0**ls.initial_scale_power,
-            f"precision.{role}_loss_scaling.min_loss_scale",
-            f"{ls.min_loss_scale} is above the starting scale 2**{ls.initial_scale_power}",
-        )
-    rule(len(cfg.roles.actor.betas) != 2, "roles.actor.betas", f"expected two numbers, got {cfg.roles.actor.betas!r}")
+    for part in (cfg.model, cfg.data, cfg.algorithm, cfg.rollout, cfg.roles, cfg.precision):
+        errors += part.check()
+    errors += _between_sections(cfg)
     errors += resolve_names(cfg)[1]
-    # batch geometry over `world` ranks
-    rule(
-        world % r.tensor_parallel_size != 0,
-        "rollout.tensor_parallel_size",
-        f"{r.tensor_parallel_size} does not divide the world size {world}",
-    )
-    batch, mini = t.prompts_per_step * r.n, mini_batch(cfg)
-    rule(
-        batch % mini != 0,
-        "trainer.mini_batch_size",
-        f"{mini} does not divide the rollout batch {batch} (trainer.prompts_per_step x rollout.n)",
-    )
-    rule(
-        t.prompts_per_step % world != 0,
-        "trainer.prompts_per_step",  # every rank runs as many micro-batches
-        f"{t.prompts_per_step} prompts do not split evenly over {world} ranks",
-    )
-    errors += _ds_file_errors(cfg, world, mini)
+    errors += _batch_geometry(cfg, world)
+    errors += _ds_file_errors(cfg, world, mini_batch(cfg))
     raise_all(errors)
+
+
+def _between_sections(cfg: RunConfig) -> list[ConfigError]:
+    """The rules that tie one section's fields to another's: the one place they live (a table of
+    rules, one entry each, read top to bottom: longer than a function should be, on purpose)."""
+    a, r, d, m, mt = cfg.algorithm, cfg.rollout, cfg.data, cfg.model, cfg.rollout.multi_turn
+    return broken(
+        (
+            m.lora.rank > 0 and "critic" in active_roles(cfg),
+            "model.lora.rank",
+            "LoRA is for the actor of critic-free estimators here (grpo, rloo, ...)",
+        ),
+        (
+            a.overlong.buffer_len > r.max_new_tokens,
+            "algorithm.overlong.buffer_len",
+            f"must be in [0, rollout.max_new_tokens = {r.max_new_tokens}], got {a.overlong.buffer_len}",
+        ),
+        (
+            a.filter_groups.enabled and r.n < 2,
+            "algorithm.filter_groups.enabled",
+            "filtering groups by reward variance needs rollout.n >= 2",
+        ),
+        (
+            a.estimator in GROUP_ESTIMATORS and r.n < 2,
+            "rollout.n",
+            f"estimator '{a.estimator}' compares samples of one prompt: needs n >= 2, got {r.n}",
+        ),
+        (
+            r.max_model_len < d.max_prompt_length + r.max_new_tokens,
+            "rollout.max_model_len",
+            f"{r.max_model_len} < data.max_prompt_length {d.max_prompt_length} + rollout.max_new_tokens "
+            f"{r.max_new_tokens}",
+        ),
+        (
+            bool(d.tools) and mt.env != "tools",
+            "data.tools",
+            "tools are called through the tool environment: set rollout.multi_turn.env: tools",
+        ),
+        (
+            mt.env == "tools" and not d.tools,
+            "data.tools",
+            "rollout.multi_turn.env: tools needs at least one tool (e.g. [calculator])",
+        ),
+        (
+            bool(mt.agent) and not d.apply_chat_template,
+            "rollout.multi_turn.agent",
+            "the agent's endpoint renders chat messages: set data.apply_chat_template: true",
+        ),
+        (
+            r.partial.enabled and r.partial.max_staleness > 0 and a.tis_cap is None,
+            "algorithm.tis_cap",
+            "partial rollouts train tokens sampled by older weights: set the importance-weight cap (e.g. 2.0), "
+            "or rollout.partial.max_staleness: 0",
+        ),
+        (
+            mt.enabled and a.overlong.buffer_len > 0,
+            "algorithm.overlong.buffer_len",
+            "the overlong penalty measures one response against rollout.max_new_tokens; multi-turn rows hold "
+            "several turns",
+        ),
+        (
+            a.distill.coef > 0 and not m.teacher_path,
+            "algorithm.distill.coef",
+            "distillation needs a teacher: set model.teacher_path",
+        ),
+        (
+            bool(m.teacher_path) and a.distill.coef == 0,
+            "model.teacher_path",
+            "a teacher is used by distillation only: set algorithm.distill.coef > 0 (or drop the teacher)",
+        ),
+    )
+
+
+def _batch_geometry(cfg: RunConfig, world: int) -> list[ConfigError]:
+    """The batch over `world` ranks: tensor-parallel groups, mini-batches and prompts split evenly."""
+    r, t = cfg.rollout, cfg.trainer
+    batch, mini = t.prompts_per_step * r.n, mini_batch(cfg)
+    return broken(
+        (
+            world % r.tensor_parallel_size != 0,
+            "rollout.tensor_parallel_size",
+            f"{r.tensor_parallel_size} does not divide the world size {world}",
+        ),
+        (
+            batch % mini != 0,
+            "trainer.mini_batch_size",
+            f"{mini} does not divide the rollout batch {batch} (trainer.prompts_per_step x rollout.n)",
+        ),
+        (
+            t.prompts_per_step % world != 0,
+            "trainer.prompts_per_step",  # every rank runs as many micro-batches
+            f"{t.prompts_per_step} prompts do not split evenly over {world} ranks",
+        ),
+    )
 
 
 @dataclass(frozen=True)

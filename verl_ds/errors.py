@@ -44,6 +44,11 @@ class RunFailure(RuntimeError):
     `error: <line>` and exits 1, with no traceback)."""
 
 
+def broken(*checks: tuple[bool, str, str]) -> list[ConfigError]:
+    """The rules that failed, as ConfigErrors: each check is `(bad, key, message)`."""
+    return [ConfigError(key, message) for bad, key, message in checks if bad]
+
+
 def raise_all(errors: list[ConfigError]) -> None:
     """Raise what was collected: nothing, the one error, or all of them."""
     if len(errors) == 1:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from verl_ds.dist import on_gpu
-from verl_ds.errors import ConfigError
+from verl_ds.errors import ConfigError, broken
 from verl_ds.schema import opt, section
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,20 @@ class PrecisionConfig:
             ls = getattr(self, f"{role}_loss_scaling")
             if isinstance(ls, dict):  # Python API convenience: plain dicts are accepted
                 setattr(self, f"{role}_loss_scaling", LossScaling(**ls))
+
+    def check(self) -> list[ConfigError]:
+        """The rules within this section that its fields' bounds cannot state."""
+        return broken(
+            *(
+                (
+                    ls.loss_scale == 0 and ls.min_loss_scale > 2.0**ls.initial_scale_power,
+                    f"precision.{role}_loss_scaling.min_loss_scale",
+                    f"{ls.min_loss_scale} is above the starting scale 2**{ls.initial_scale_power}",
+                )
+                for role in TRAINED_ROLES
+                for ls in [getattr(self, f"{role}_loss_scaling")]
+            )
+        )
 
     def role_dtype(self, role: str) -> str:
         return getattr(self, f"{role}_dtype")
