@@ -44,6 +44,7 @@ POS_INT, POS_FLOAT = _positive(int), _positive(float)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """(Long on purpose: the command line's table, one subcommand after another.)"""
     p = _Parser(prog="verl-ds", description="RL post-training for LLMs on DeepSpeed")
     p.add_argument("--version", action="version", version=f"verl-ds {__version__}")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher

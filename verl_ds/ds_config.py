@@ -67,7 +67,8 @@ def render_role(
     offload: str = "none",
     sleep: bool = False,
 ) -> dict:
-    """Merge one role's DeepSpeed JSON with its resolved precision and batch settings.
+    """(Long on purpose: one block per DeepSpeed key it sets, each the one place that key is decided.)
+    Merge one role's DeepSpeed JSON with its resolved precision and batch settings.
 
     Trained roles get an optimizer; frozen ones lose any optimizer block. `json_loss_scaling`: an
     fp16 block in the JSON keeps its loss-scaling keys (the role's dtype was `auto`, deferring to

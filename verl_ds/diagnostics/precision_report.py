@@ -180,19 +180,8 @@ def _pct(x):
     return f"{x:.2%}"
 
 
-def build_report(
-    roles: dict,
-    rows: list[dict],
-    mem: dict[str, dict[str, float]],
-    world: int,
-    hw,
-    steps: int,
-    seconds: float,
-    notes: list[str] = (),
-) -> dict:
-    """`roles`: each role's measurements; `mem`: its weight bytes per dtype (`weight_memory`)."""
-    auto = resolve_precision(PrecisionConfig(), hw, log_choice=False).auto_choice  # what `auto` means here
-    advice = {name: advise(name, m, auto) for name, m in roles.items()}
+def _dtype_rows(roles: dict, mem: dict[str, dict[str, float]]) -> list[list[str]]:
+    """Per role and dtype: its error against fp32, its gradients' fractions lost, its weights, its forward time."""
     table = []
     for name, m in roles.items():
         for dt in COMPUTE_DTYPES:
@@ -206,6 +195,11 @@ def build_report(
             table.append(
                 [name, dt, _pct(m["rel_err"][dt]), gap, *grads, fmt_bytes(mem[name][dt]), f"{m['fwd_s'][dt]:.3f}"]
             )
+    return table
+
+
+def _range_rows(roles: dict) -> list[list[str]]:
+    """Per role: the ranges of its weights, activations, outputs and gradients, and the fp16 scale they allow."""
     ranges = []
     for name, m in roles.items():
         lost = m.get("vanish")
@@ -222,6 +216,24 @@ def build_report(
                 (f"{_pct(lost['bf16'])} / {_pct(lost['fp16'])} of {m['pairs']}" if lost else "-"),
             ]
         )
+    return ranges
+
+
+def build_report(
+    roles: dict,
+    rows: list[dict],
+    mem: dict[str, dict[str, float]],
+    world: int,
+    hw,
+    steps: int,
+    seconds: float,
+    notes: list[str] = (),
+) -> dict:
+    """(Long on purpose: the report's text, section after section, as a reader sees it.)
+    `roles`: each role's measurements; `mem`: its weight bytes per dtype (`weight_memory`)."""
+    auto = resolve_precision(PrecisionConfig(), hw, log_choice=False).auto_choice  # what `auto` means here
+    advice = {name: advise(name, m, auto) for name, m in roles.items()}
+    table, ranges = _dtype_rows(roles, mem), _range_rows(roles)
     lines = [
         f"## debug precision: {steps} steps, world size {world}, {hw.device}, `auto` = {auto}",
         "",

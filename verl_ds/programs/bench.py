@@ -73,7 +73,8 @@ def _time_train_step(model_path: str, batch_size: int, seq_len: int, reps: int) 
 
 
 def bench_rollout(cfg, reps: int = 3) -> dict[str, float]:
-    """Print and return tokens/s (vLLM, HF, ratio) and sync vs train-step seconds."""
+    """(A benchmark program read top to bottom: each engine timed in turn, then the ratios.)
+    Print and return tokens/s (vLLM, HF, ratio) and sync vs train-step seconds."""
 
     rc = cfg.rollout
     dtype = run_precision(cfg).rollout

@@ -52,7 +52,8 @@ def matmul_rate(dtype: str, n: int | None = None, reps: int = 5) -> float:
 
 
 def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_id: int, eos_ids: list[int]):
-    """A minimal GRPO step in plain PyTorch on the same job, as a generator: each `next()` runs one
+    """(Long on purpose: the plain-PyTorch yardstick, kept whole to be checked against verl-ds's step.)
+    A minimal GRPO step in plain PyTorch on the same job, as a generator: each `next()` runs one
     step and yields its phases' seconds under verl-ds's names (the first includes warm-up), so it can
     alternate with verl-ds's steps."""
     from transformers import AutoModelForCausalLM
@@ -133,7 +134,8 @@ PHASE_PASS = {
 
 
 def bench_step(cfg, steps: int = 5) -> dict[str, float]:
-    """Run `steps` (+1 warm-up) verl-ds steps and as many plain-PyTorch floor steps, alternating (a
+    """(A benchmark program read top to bottom: build both, alternate their steps, print the ratios.)
+    Run `steps` (+1 warm-up) verl-ds steps and as many plain-PyTorch floor steps, alternating (a
     shared host's speed drifts: back to back, one side could get the slow minutes); print ratios."""
     with RLTrainer(cfg) as trainer:
         dtype = trainer.precision.actor

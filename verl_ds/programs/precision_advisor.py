@@ -270,7 +270,8 @@ def debug_precision(
     out_dir: str | Path | None,
     trainer_cls: type[RLTrainer] = RLTrainer,
 ) -> dict:
-    """Run `steps` steps with every role probed; print-ready report, `precision.yaml` in `out_dir`.
+    """(One program read top to bottom (measure, render, report); its parts are calls, the length is their sequence.)
+    Run `steps` steps with every role probed; print-ready report, `precision.yaml` in `out_dir`.
     `trainer_cls`: a subclass of `RLTrainer` (a test plants a fault in one role's loss)."""
     if steps <= 0:
         raise ConfigError("--steps", f"must be > 0, got {steps}")

@@ -67,7 +67,8 @@ class RunSetup:
 
 
 def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup:
-    """The run's facts, each after the ones it needs, what the config alone decides first: every
+    """(Long on purpose: one fact a line, each after the ones it needs; docs/ARCHITECTURE.md, "One run setup".)
+    The run's facts, each after the ones it needs, what the config alone decides first: every
     active role's DeepSpeed JSON (read once), the paths, token budgets and names the config gives;
     then the process group (rank and world), the precision, the model (a teacher's tokenizer checked
     against it), the engine, the batch checked against this rank's memory, the configs rendered (with

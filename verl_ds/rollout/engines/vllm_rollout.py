@@ -60,7 +60,7 @@ class VLLMRollout:
         trust_remote_code: bool = False,
         lm_head_fp32: bool = False,
     ):
-
+        """(Long on purpose: vLLM's engine arguments, each stated where the engine is built.)"""
         init_distributed()  # external_launcher joins the process group the roles use
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"rollout dtype {dtype!r}: expected one of {', '.join(TORCH_DTYPES)}")
