@@ -120,6 +120,42 @@ def curve(rows: list[dict]) -> dict:
     return {"val": val, "reward": reward, "wall_s": rows[-1]["wall_s"], "train_s": t, "phases": phases, "kl": kl}
 
 
+def teacher_dtypes(job: Job, teacher_dir: Path, dtypes: list[str], steps: int, out: Path) -> int:
+    """Distillation runs that differ only in the teacher's dtype: the same student (fp32), prompts and seeds,
+    so step 1's samples are the same and the KL the teacher gives differs by the teacher's rounding alone."""
+    rows = {}
+    for dt in dtypes:
+        over = [
+            f"model.teacher_path={teacher_dir / 'final_model'}",
+            *job.distill_only,
+            *job.both,
+            f"precision.teacher_dtype={dt}",
+            f"trainer.steps={steps}",
+            "trainer.seed=2",
+            "trainer.val_every=0",
+            "trainer.val_before_train=false",
+            "logging.memory_every=1",
+        ]
+        rows[dt] = [r for r in train(job.distill, out / f"teacher_{dt}", over, job.env) if "timing_s/step" in r]
+    base = rows[dtypes[0]][0]["distill/reverse_kl/mean"]
+    lines = [
+        f"Teacher dtypes: {steps} distillation steps each from the same student; KL at step 1 (same samples).",
+        "",
+        "| teacher dtype | teacher memory (MiB) | teacher pass s/step | step s | reverse KL step 1 | "
+        f"vs {dtypes[0]} | reverse KL last |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for dt, rs in rows.items():
+        mem = max(r.get("memory/score/teacher/total_mib", float("nan")) for r in rs)
+        t_s = sum(r.get("timing_s/teacher", 0.0) for r in rs) / len(rs)
+        step_s = sum(r["timing_s/step"] for r in rs) / len(rs)
+        kl1, kl_last = rs[0]["distill/reverse_kl/mean"], rs[-1]["distill/reverse_kl/mean"]
+        lines.append(f"| {dt} | {mem:.0f} | {t_s:.2f} | {step_s:.1f} | {kl1:.5f} | {kl1 - base:+.2e} | {kl_last:.4f} |")
+    print("\n".join(lines))
+    (out / "teacher_dtypes.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def reached(c: dict, target: float):
     return next(((s, sec) for s, sec, acc in c["val"] if acc >= target - 1e-9), (None, None))
 
@@ -133,6 +169,12 @@ def main() -> int:
     ap.add_argument("--val-every", type=int)
     ap.add_argument(
         "--teacher-dir", help="the teacher's run folder, reused once it holds final_model (default: <out>/teacher)"
+    )
+    ap.add_argument(
+        "--teacher-dtypes",
+        nargs="+",
+        help="instead of the comparison: distillation from the teacher held in each dtype (fp32 bf16 int8 ...), "
+        "--steps steps each from the same student and samples: the teacher's memory and seconds, and the KL it gives",
     )
     ap.add_argument("--out", default=str(ROOT / "runs" / "distill_vs_grpo"))
     args = ap.parse_args()
@@ -154,6 +196,8 @@ def main() -> int:
         t_rows = train(
             job.grpo, teacher_dir, [f"trainer.steps={args.teacher_steps}", "trainer.seed=1", *t_val], job.env
         )
+    if args.teacher_dtypes:
+        return teacher_dtypes(job, teacher_dir, args.teacher_dtypes, args.steps, out)
     teacher = curve(t_rows)
     t_acc = teacher["val"][-1][2]
     target = t_acc - 0.03
