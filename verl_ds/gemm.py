@@ -2,7 +2,7 @@
 
 Without avx512_bf16/AMX (bf16) or AVX512-FP16/AMX-FP16 (fp16), ATen runs 16-bit GEMMs in a
 generic loop that is an order of magnitude slower than its fp32 GEMM (docs/BENCHMARKS.md,
-"16-bit GEMMs on a CPU without them"). `fp32_gemm(dtypes)` runs each such product on fp32 copies of
+"16-bit GEMMs on a CPU without 16-bit kernels"). `fp32_gemm(dtypes)` runs each such product on fp32 copies of
 its 16-bit operands and rounds the result to the operands' dtype once. That is the arithmetic of
 16-bit hardware (tensor cores, AMX, avx512_bf16): the product of two 16-bit numbers is exact in
 fp32, sums accumulate in fp32, the output is rounded to 16 bits; only the summation order differs,

@@ -3,7 +3,7 @@ math's backward.
 
 torch's fused CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) is the fastest forward in
 every dtype, but its bf16/fp16 backward is several times slower than the plain matmul-softmax-matmul
-(docs/BENCHMARKS.md, "Token budgets by default"). So the policy models register one attention
+(docs/BENCHMARKS_HISTORY.md, "Against the code before token budgets"). So the policy models register one attention
 implementation with transformers: every pass runs transformers' SDPA forward on SDPA's mask, the very
 kernel and inputs of the rollout's HF engine and of no-grad scoring, so a matched pair's first-epoch
 logprobs equal the rollout's; a 16-bit CPU query that requires grad gets its backward from the model's
@@ -25,7 +25,7 @@ _LOW = (torch.bfloat16, torch.float16)
 
 # The math backward recomputes one layer's [rows, heads, q, k] probabilities (fp32 softmax): past this
 # many mask elements (rows x q x k; one 4k-token row) the fused backward runs instead, slower but in
-# memory linear in the row (docs/BENCHMARKS.md, "Long rows on one rank").
+# memory linear in the row (docs/BENCHMARKS.md, "Long rows and memory").
 MATH_MAX_ELEMENTS = 1 << 24
 
 

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # `rollout.engine: auto` on CPU: below this many parameters HF generate samples faster than vLLM,
 # whose per-sequence scheduling and output bookkeeping (Python, every engine step) outweighs so small
 # a model's compute. Where the crossover lies was measured with `verl-ds bench rollout`
-# (docs/BENCHMARKS.md, "Against TRL": the tokens/s ratios by model size).
+# (docs/BENCHMARKS.md, "Which rollout engine": the tokens/s ratios by model size).
 AUTO_HF_MAX_PARAMS = 2_000_000
 
 
