@@ -1,6 +1,8 @@
 """On-policy distillation vs GRPO from the same base, measured in one run.
 
-    source launch/env.sh && python benchmarks/distill_vs_grpo.py --job smollm2     # ~80 min on 2 cores
+    source launch/env.sh && python benchmarks/distill_vs_grpo.py --job smollm2     # ~2 h on 2 cores
+    python benchmarks/distill_vs_grpo.py --job smollm2 --teacher-only   # the teacher alone (~35 min, cached)
+    python benchmarks/distill_vs_grpo.py --job smollm2 --teacher-dtypes fp32 bf16 int8 --steps 3
     python benchmarks/distill_vs_grpo.py                 # the tiny task: 2 seeds, ~10 min
     python benchmarks/distill_vs_grpo.py --job smollm2 --seeds 2 --steps 4 --val-every 2   # a short check
 
@@ -176,6 +178,7 @@ def main() -> int:
         help="instead of the comparison: distillation from the teacher held in each dtype (fp32 bf16 int8 ...), "
         "--steps steps each from the same student and samples: the teacher's memory and seconds, and the KL it gives",
     )
+    ap.add_argument("--teacher-only", action="store_true", help="train (or find) the teacher, print its accuracy, stop")
     ap.add_argument("--out", default=str(ROOT / "runs" / "distill_vs_grpo"))
     args = ap.parse_args()
     global ACC
@@ -200,6 +203,12 @@ def main() -> int:
         return teacher_dtypes(job, teacher_dir, args.teacher_dtypes, args.steps, out)
     teacher = curve(t_rows)
     t_acc = teacher["val"][-1][2]
+    if args.teacher_only:
+        print(
+            f"teacher {teacher_dir / 'final_model'}: held-out greedy accuracy "
+            + ", ".join(f"step {st}: {a:.3f}" for st, _, a in teacher["val"])
+        )
+        return 0
     target = t_acc - 0.03
     runs = {}
     for seed in args.seeds:  # the two methods one after the other per seed: drift hits both alike
