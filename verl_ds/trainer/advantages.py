@@ -11,7 +11,7 @@ from verl_ds.config import AlgorithmConfig, DistillConfig
 from verl_ds.diagnostics.metrics import Timer
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch
-from verl_ds.trainer.metrics import truncated
+from verl_ds.trainer.groups import truncated
 
 
 def kl_to_reference(logprobs, ref_logprobs, mask, algorithm: AlgorithmConfig) -> torch.Tensor:

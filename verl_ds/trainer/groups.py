@@ -10,7 +10,18 @@ from typing import Callable
 import torch
 
 from verl_ds.dist import all_reduce_min, all_reduce_sum
+from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch
+
+
+def scoring_inputs(batch: RolloutBatch) -> TrainBatch:
+    """What a scoring pass reads of a rollout: its rows, and the model's tokens as the loss mask."""
+    return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask)
+
+
+def truncated(batch: RolloutBatch) -> torch.Tensor:
+    """`[B]` 1.0 where the sample was cut at max_new_tokens."""
+    return torch.tensor([f == "length" for f in batch.finish_reasons], dtype=batch.loss_mask.dtype)
 
 
 @dataclass(frozen=True)

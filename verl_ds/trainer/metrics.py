@@ -12,12 +12,7 @@ from verl_ds.diagnostics.metrics import Timer, reduce_metrics
 from verl_ds.dist import all_reduce_sum
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch
-from verl_ds.trainer.groups import Collected
-
-
-def truncated(batch: RolloutBatch) -> torch.Tensor:
-    """`[B]` 1.0 where the sample was cut at max_new_tokens."""
-    return torch.tensor([f == "length" for f in batch.finish_reasons], dtype=batch.loss_mask.dtype)
+from verl_ds.trainer.groups import Collected, truncated
 
 
 class StepMetrics:

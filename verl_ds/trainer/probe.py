@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from verl_ds import algos
 from verl_ds.errors import RunFailure
-from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch
+from verl_ds.trainer.groups import scoring_inputs
 
 
 @dataclass
@@ -47,7 +47,7 @@ class SyncProbe:
         (sync `sync` named). Collective: every rank scores the same probe."""
         t0 = time.perf_counter()
         ro = probe.batch
-        mine = actor.logprobs(TrainBatch(ro.input_ids, ro.attention_mask, ro.loss_mask), self.temperature).cpu()
+        mine = actor.logprobs(scoring_inputs(ro), self.temperature).cpu()
         mask = ro.loss_mask
         gap = float(((mine - ro.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
         bound = algos.probe_bound(self.actor_dtype, self.rollout_dtype)

@@ -11,9 +11,9 @@ from verl_ds import algos
 from verl_ds.config import RunConfig
 from verl_ds.data.reward import call_reward, normalize_reward
 from verl_ds.dist import all_gather_object
-from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch
 from verl_ds.rollout.episodes import Rollout
+from verl_ds.trainer.groups import scoring_inputs
 
 
 class Rewards:
@@ -30,8 +30,7 @@ class Rewards:
         its episode's final answer; plus the environment's reward (0 in single-turn jobs)."""
         batch = ro.batch
         if self.reward_model is not None:
-            inputs = TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask)
-            return self.reward_model.score(inputs).cpu() + ro.env_rewards
+            return self.reward_model.score(scoring_inputs(batch)).cpu() + ro.env_rewards
         texts = self.tokenizer.batch_decode(ro.final_ids, skip_special_tokens=True)
         out = [call_reward(self.reward_fn, t, examples[int(g)]["answer"]) for t, g in zip(texts, batch.group_ids)]
         return torch.tensor(out) + ro.env_rewards

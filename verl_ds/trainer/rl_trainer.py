@@ -31,7 +31,7 @@ from verl_ds.rollout import RolloutBatch, episodes, make_rollout, sync_distribut
 from verl_ds.rollout.episodes import Sampling, SeedKey
 from verl_ds.trainer import advantages, builder
 from verl_ds.trainer.checkpoint import LoopState, export_actor
-from verl_ds.trainer.groups import Collected, collect_varied
+from verl_ds.trainer.groups import Collected, collect_varied, scoring_inputs
 from verl_ds.trainer.metrics import StepMetrics
 from verl_ds.trainer.probe import SyncProbe
 from verl_ds.trainer.rewards import Rewards
@@ -180,7 +180,7 @@ class RLTrainer:
         """Every frozen view of the batch the update and the advantages read, each stored in the buffer
         dtype: (the train batch without advantages, the old logprobs in fp32 for the rollout-vs-trainer
         metrics; None when `on_policy`: the update's first forward computes them)."""
-        data, t = _inputs(batch), self.cfg.rollout.temperature
+        data, t = scoring_inputs(batch), self.cfg.rollout.temperature
         old_lp = None
         if not on_policy:
             with timer("old_logprob", stage="score", role="actor"):
@@ -236,9 +236,16 @@ class RLTrainer:
         mine = self.val_prompts[self.rank :: self.world]
         with fp32_gemm(self.precision.fp32_gemm):
             out, rows = validate(
-                self.cfg, mine, self.global_step, self._episodes, self.rewards.score, self.rollout, self.tokenizer
+                self.cfg,
+                mine,
+                self.global_step,
+                self._episodes,
+                self.rewards.score,
+                self.rollout,
+                self.tokenizer,
+                samples=self.rank == 0,
             )
-        if self.rank == 0 and rows:
+        if rows:
             self.logger.log_samples(rows, self.global_step, key="val_samples")
         return out
 
@@ -376,8 +383,3 @@ def _import_heavy_libraries() -> None:
     at the next collective: the ranks took turns."""
     import deepspeed  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
-
-
-def _inputs(batch: RolloutBatch) -> TrainBatch:
-    """What a scoring pass reads of a rollout: its rows, and the model's tokens as the loss mask."""
-    return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask)

@@ -26,10 +26,17 @@ def per_episode(row_scores: torch.Tensor, episode: torch.Tensor) -> torch.Tensor
 
 
 def validate(
-    cfg: RunConfig, mine: list[dict], step: int, episodes: Episodes, score: Score, rollout, tokenizer
+    cfg: RunConfig,
+    mine: list[dict],
+    step: int,
+    episodes: Episodes,
+    score: Score,
+    rollout,
+    tokenizer,
+    samples: bool,
 ) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
-    """This rank's held-out prompts `mine` at `step` -> (the metrics over every rank, this rank's
-    sample rows: prompt, greedy response, its score)."""
+    """This rank's held-out prompts `mine` at `step` -> (the metrics over every rank, and with `samples`
+    (the rank that logs them) this rank's sample rows: prompt, greedy response, its score)."""
     r = cfg.rollout
     k, name = cfg.trainer.val_n, cfg.data.task
     tag = f"val{step}"  # seeds apart from every training step's
@@ -52,7 +59,7 @@ def validate(
     )
     n = max(tot[4], 1.0)
     rows = []
-    if mine:
+    if samples and mine:
         last_rows = [int((greedy.episode == e).nonzero()[-1]) for e in range(len(mine))]  # forks: the last
         texts = decode_responses(tokenizer, greedy.batch.select(last_rows))
         rows = [(e["prompt"], text, float(s)) for e, text, s in zip(mine, texts, acc)][:MAX_ROWS]
