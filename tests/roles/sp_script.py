@@ -1,9 +1,12 @@
 """Run by test_sequence_parallel.py under `deepspeed --num_gpus 2` (CPU, gloo): a frozen policy role's
 logprobs with each row split over 2 ranks by DeepSpeed's Ulysses SP equal the unsplit pass's."""
 
+import atexit
+import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from tests.roles.helpers import ds_config, make_group_batch
 from verl_ds.dist import init_distributed, world_size
@@ -38,3 +41,9 @@ def main(model_dir: str, stage: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[-2], int(sys.argv[-1]))
+    # as the CLI ends a rank (two_rank_script.py): exit handlers, then no interpreter teardown, where a
+    # rank aborted in CI ("terminate called without an active exception", exit -6) after both had passed
+    dist.barrier()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    os._exit(0)
