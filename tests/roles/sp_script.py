@@ -1,5 +1,10 @@
-"""Run by test_sequence_parallel.py under `deepspeed --num_gpus 2` (CPU, gloo): a frozen policy role's
-logprobs with each row split over 2 ranks by DeepSpeed's Ulysses SP equal the unsplit pass's."""
+"""Run by test_sequence_parallel.py under `deepspeed --num_gpus 2` (CPU, gloo): each row split over 2 ranks
+by DeepSpeed's Ulysses SP gives what the unsplit pass gives on the same rows: a frozen policy's logprobs
+and entropy, the actor's gradients at ZeRO 0-3 (and with LoRA), the critic's values and gradients.
+
+The unsplit passes run first: registering SP replaces the process's sdpa attention for every model.
+`SP_PLANT` plants a bug the checks must catch: `divisor` (the loss scaled by the world, as without SP),
+`boundary` (each shard's last label dropped)."""
 
 import atexit
 import os
@@ -8,39 +13,119 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.roles.helpers import ds_config, make_group_batch
+from tests.roles.helpers import Cfg, assert_same_gradients, ds_config, make_group_batch
 from verl_ds.dist import init_distributed, world_size
-from verl_ds.roles import Reference, load_causal_lm
+from verl_ds.roles import Actor, Critic, Reference, load_causal_lm, load_value_model
+from verl_ds.roles import ds_internals as dsi
 from verl_ds.roles.sequence_parallel import SequenceParallel
 
+STAGES = (0, 1, 2, 3)
+VOCAB = 20  # the tiny model's (conftest `tiny_model_dir`)
 
-def main(model_dir: str, stage: int) -> None:
-    init_distributed()
-    ds = ds_config("reference", stage, "fp32", micro=4, total=4)
-    ds["train_batch_size"] = 4 * world_size()
-    ref = Reference(load_causal_lm(model_dir, attn_implementation="sdpa"), ds)
-    vocab = ref.module.config.vocab_size
-    # rows of unequal length in one batch (left-padded prompts, right-padded responses), odd lengths
-    # SP 2 does not divide, and shard boundaries inside responses (a dropped boundary token shows there)
-    batch = make_group_batch(vocab, prompt_lens=(2, 5, 3), resp_lens=(9, 6, 3, 8), seed=7)
+
+def rows():
+    """Rows of unequal length (left-padded prompts, right-padded responses), lengths SP 2 does not
+    divide, and shard boundaries inside responses (where a dropped boundary token shows)."""
+    batch = make_group_batch(VOCAB, prompt_lens=(2, 5, 3), resp_lens=(9, 6, 3, 8), seed=7)
     lengths = batch.attention_mask.sum(1).tolist()
     assert any(n % 2 for n in lengths) and len(set(lengths)) > 3, lengths
     plens = (batch.attention_mask[:, : -batch.response_width].sum(1)).tolist()
     assert any(-(-n // 2) > p for n, p in zip(lengths, plens)), "no shard boundary inside a response"
-    want = ref.logprobs(batch)  # the role's own pass, unsplit (before SP is registered)
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask
+    return batch.replace(advantages=adv, returns=torch.randn(batch.loss_mask.shape, generator=g))
 
-    sp = SequenceParallel.register(ref.module, 2)
-    assert (sp.size, world_size()) == (2, 2)
-    got = sp.logprobs(ref.engine, batch)
-    mask = batch.attention_mask[:, -batch.response_width :].bool()
-    diff = float((got - want)[mask].abs().max())
-    assert diff <= 1e-5, f"SP 2 logprobs differ from SP 1 by {diff:.3g}"
-    assert torch.all(got[~mask] == 0)
-    print(f"SP_OK stage={stage} max_abs_diff={diff:.3g} tokens={int(mask.sum())}", flush=True)
+
+def config(role: str, stage: int, dp: int, n: int) -> dict:
+    """One row per micro-batch (SP's), `n` rows a step on each of `dp` data-parallel ranks."""
+    ds = ds_config(role, stage, "fp32", micro=1, total=n)
+    ds["train_batch_size"], ds["gradient_accumulation_steps"] = n * dp, n
+    ds["zero_optimization"]["stage"] = stage
+    return ds
+
+
+def grads(role, batch, replicas: int) -> dict:
+    """One mini-batch's reduced gradient per parameter (`safe_get_full_grad`: collective at ZeRO-3). The
+    rows sit on `replicas` data-parallel ranks, so the global counts are that many times the batch's."""
+    from deepspeed.utils import safe_get_full_grad
+
+    role.accumulate(batch, float(batch.loss_mask.sum()) * replicas, float(len(batch)) * replicas)
+    trained = [(n, p) for n, p in role.module.named_parameters() if p.requires_grad]
+    out = {n: safe_get_full_grad(p).detach().float().clone() for n, p in trained}
+    return out
+
+
+def actor(model_dir: str, stage: int, dp: int, n: int, sp=None, lora: bool = False):
+    model = load_causal_lm(model_dir, attn_implementation="sdpa")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)  # the same adapters in both runs; random B too, else A gets no gradient
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = get_peft_model(model, cfg)
+    return Actor(model, config("actor", stage, dp, n), Cfg(entropy_coef=0.01), sp=sp)
+
+
+def value_model(model_dir: str):
+    """The critic with a seeded nonzero head (the zero head would hide the backbone's gradients)."""
+    model = load_value_model(model_dir)
+    torch.nn.init.normal_(model.v_head.weight, std=0.1, generator=torch.Generator().manual_seed(0))
+    return model
+
+
+def main(model_dir: str) -> None:
+    init_distributed()
+    plant = os.environ.get("SP_PLANT", "")
+    world = world_size()
+    batch = rows()
+    n = len(batch)
+    zeros = torch.zeros(batch.loss_mask.shape)
+    batch = batch.replace(old_logprobs=zeros, old_values=zeros)
+    mask = batch.loss_mask.bool()
+
+    # ---- unsplit: every rank runs every row (the world's data-parallel ranks hold the same rows)
+    ref = Reference(load_causal_lm(model_dir, attn_implementation="sdpa"), config("reference", 3, world, n))
+    want_lp, want_ent = ref.logprobs(batch, with_entropy=True)
+    want_grads = {s: grads(actor(model_dir, s, world, n), batch, world) for s in STAGES}
+    want_lora = grads(actor(model_dir, 2, world, n, lora=True), batch, world)
+    critic = Critic(value_model(model_dir), config("critic", 2, world, n), Cfg())
+    want_values = critic.values(batch)
+    want_critic = grads(critic, batch, world)
+
+    # ---- split: SP 2, one data-parallel group
+    sp = SequenceParallel.register(model_dir, 2)
+    assert (sp.size, world) == (2, 2)
+    if plant == "divisor":
+        dsi.gradient_divisor = lambda engine: float(engine.world_size)
+    if plant == "boundary":
+        shard = SequenceParallel.shard
+        SequenceParallel.shard = lambda self, ids: (lambda a, p, y: (a, p, torch.cat([y[:-1], y[-1:] * 0])))(
+            *shard(self, ids)
+        )
+    dp = world // sp.size
+    ref = Reference(load_causal_lm(model_dir, attn_implementation="sdpa"), config("reference", 3, dp, n), sp=sp)
+    got_lp, got_ent = ref.logprobs(batch, with_entropy=True)
+    for what, got, want in (("logprobs", got_lp, want_lp), ("entropy", got_ent, want_ent)):
+        diff = float((got - want)[mask].abs().max())
+        assert diff <= 1e-5, f"SP 2 {what} differ from SP 1 by {diff:.3g}"
+        assert torch.all(got[~mask] == 0), what
+    for s in STAGES:
+        got = grads(actor(model_dir, s, dp, n, sp=sp), batch, dp)
+        try:
+            assert_same_gradients(got, want_grads[s])
+        except AssertionError as e:
+            raise AssertionError(f"ZeRO-{s} actor gradients: {e}") from None
+    assert_same_gradients(grads(actor(model_dir, 2, dp, n, sp=sp, lora=True), batch, dp), want_lora)
+    critic = Critic(value_model(model_dir), config("critic", 2, dp, n), Cfg(), sp=sp)
+    got_values = critic.values(batch)
+    diff = float((got_values - want_values)[mask].abs().max())
+    assert diff <= 1e-5, f"SP 2 critic values differ from SP 1 by {diff:.3g}"
+    assert_same_gradients(grads(critic, batch, dp), want_critic)
+    print(f"SP_OK rows={n} tokens={int(mask.sum())} stages={STAGES}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[-2], int(sys.argv[-1]))
+    main(sys.argv[-1])
     # as the CLI ends a rank (two_rank_script.py): exit handlers, then no interpreter teardown, where a
     # rank aborted in CI ("terminate called without an active exception", exit -6) after both had passed
     dist.barrier()

@@ -272,13 +272,16 @@ class Role:
         trainable: bool,
         optimizer=None,
         int8_activation: str | None = None,
+        sp=None,
     ):
         """`int8_activation`: a frozen role whose Linear weights become int8 (`quantize_int8`), the
-        dtype of everything else; None: the role runs in `ds_config`'s dtype."""
+        dtype of everything else; None: the role runs in `ds_config`'s dtype. `sp`: this process's
+        `SequenceParallel` (registered before any role is built): every pass splits its rows over it."""
         init_distributed()
         import deepspeed
 
         self.name, self.ds_config, self.trainable = name, ds_config, trainable
+        self.sp = sp
         self.dtype = ds_dtype(ds_config)
         self.int8 = int8_activation is not None
         if self.dtype == "fp16":
@@ -293,7 +296,7 @@ class Role:
         # a user's torch optimizer replaces the config's optimizer block
         params = [p for p in model.parameters() if p.requires_grad] if trainable and optimizer is None else None
         self.engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=params, optimizer=optimizer, config=ds_config
+            model=model, model_parameters=params, optimizer=optimizer, config=ds_config, mpu=sp and sp.mpu
         )
         if self.int8:  # after the engine's broadcast of plain weights, which an int8 tensor cannot take
             quantize_int8(self.engine.module, name)
@@ -388,7 +391,7 @@ class Role:
         on-policy batch, which are the old logprobs of its later epochs."""
         self.notify("on_accumulate", batch)
         gas = self.engine.gradient_accumulation_steps()
-        scale = gas * self.engine.world_size  # undo DeepSpeed's 1/gas and rank averaging
+        scale = gas * self._grad_divisor()  # undo DeepSpeed's 1/gas and rank averaging
         batch = batch.to(self.device)
         # `gas` micro-steps: of micro_batch_size rows, or fewer when dynamic sampling shrank the batch.
         # Under a token budget, rows packed by length (`packed`), with the accumulation boundary set
@@ -406,8 +409,18 @@ class Role:
             if keep and out is not None and not mb.pad_row:
                 rows.append(mb.rows)
                 kept.append(out)
-        metrics = summarize(sums, len(mbs), self.engine.world_size, self.global_metric_keys)
+        metrics = summarize(sums, len(mbs), self.dp_size, self.global_metric_keys)
         return Accumulated(metrics, in_row_order(rows, kept) if kept else None)  # packed: out of order
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world, over the sequence-parallel size (a group's ranks hold the same rows)."""
+        return self.engine.world_size // (self.sp.size if self.sp else 1)
+
+    def _grad_divisor(self) -> float:
+        """What the summed gradients of the ranks get divided by: the world by our own all-reduce
+        (`BucketAllReduce`), else DeepSpeed's divisor for this stage (`gradient_divisor`)."""
+        return self.engine.world_size if self._reducer else dsi.gradient_divisor(self.engine)
 
     def backward(self, loss: torch.Tensor, boundary: bool) -> None:
         """Backward through the engine; `engine.step()` for all but the boundary micro-batch, whose

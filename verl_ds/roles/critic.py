@@ -41,11 +41,13 @@ def load_value_model(path: str, trust_remote_code: bool = False, grad_checkpoint
 class Critic(Role):
     """Reads vf_clip, vf_coef, loss_agg_mode from `loss_cfg`."""
 
-    def __init__(self, model: ValueModel, ds_config: dict, loss_cfg: AlgorithmConfig):
-        super().__init__("critic", model, ds_config, trainable=True)
+    def __init__(self, model: ValueModel, ds_config: dict, loss_cfg: AlgorithmConfig, sp=None):
+        super().__init__("critic", model, ds_config, trainable=True, sp=sp)
         self.cfg = loss_cfg
 
     def forward(self, batch: TrainBatch) -> torch.Tensor:
+        if self.sp:  # each row split along the sequence (`roles/sequence_parallel.py`)
+            return self.sp.values(self.engine, batch)
         inputs, resp_len = trim_padding(batch)  # only the columns some row uses
         values = self.engine(**inputs)
         # V(state before each response token)

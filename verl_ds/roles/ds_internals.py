@@ -235,6 +235,19 @@ def quiet_bf16_optimizer() -> None:
     bf16_optimizer.see_memory_usage = to_debug_log
 
 
+def gradient_divisor(engine) -> float:
+    """What DeepSpeed divides the sum of the ranks' gradients by, its "average": the world; under
+    sequence parallelism the world / SP at ZeRO-0/1/2 and at ZeRO-3 without reduce-scatter
+    (`engine._reduce_non_expert_gradients`, `stage_1_and_2.average_tensor`,
+    `stage3.__avg_scatter_contiguous_grads` divide by that), while ZeRO-3's reduce-scatter
+    (`reduce_scatter_coalesced`) divides by the world. A loss scaled by it gets the summed gradient
+    back at every stage (a fixed world would be SP times too large at ZeRO-1/2)."""
+    sp = getattr(engine, "sequence_parallel_size", 1)
+    if sp > 1 and not (engine.zero_optimization_stage() == 3 and engine.zero_reduce_scatter()):
+        return engine.world_size / sp
+    return float(engine.world_size)
+
+
 def forget_destroyed_world() -> None:
     """Drop DeepSpeed's references to process groups of a world that is gone. DeepSpeed keeps groups
     cloned from the world (`deepspeed.utils.groups`: the world clone, the data-parallel group, ...)

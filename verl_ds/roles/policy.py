@@ -102,6 +102,8 @@ class PolicyRole(Role):
     in the last R positions; outputs are fp32 `[B, R]`."""
 
     def forward(self, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False):
+        if self.sp:  # each row split along the sequence (`roles/sequence_parallel.py`)
+            return self.sp.policy_forward(self.engine, batch, temperature, with_entropy, self._entropy_needs_grad)
         logits, labels, to_rows = self._packed_logits(batch) if self.packing else self._padded_logits(batch)
         if temperature != 1.0:
             logits = logits / temperature  # match the rollout's processed logprobs
@@ -148,15 +150,15 @@ class PolicyRole(Role):
 
 
 class Reference(PolicyRole):
-    def __init__(self, model, ds_config: dict):
-        super().__init__("reference", model, ds_config, trainable=False)
+    def __init__(self, model, ds_config: dict, sp=None):
+        super().__init__("reference", model, ds_config, trainable=False, sp=sp)
 
 
 class Teacher(PolicyRole):
     """Scores the student's samples for on-policy distillation (`logprobs`, as the reference)."""
 
-    def __init__(self, model, ds_config: dict, int8_activation: str | None = None):
-        super().__init__("teacher", model, ds_config, trainable=False, int8_activation=int8_activation)
+    def __init__(self, model, ds_config: dict, int8_activation: str | None = None, sp=None):
+        super().__init__("teacher", model, ds_config, trainable=False, int8_activation=int8_activation, sp=sp)
 
 
 class Actor(PolicyRole):
@@ -167,8 +169,8 @@ class Actor(PolicyRole):
     (its loss mode: a reverse-KL term to the teacher).
     """
 
-    def __init__(self, model, ds_config: dict, loss_cfg: AlgorithmConfig, temperature: float = 1.0):
-        super().__init__("actor", model, ds_config, trainable=True)
+    def __init__(self, model, ds_config: dict, loss_cfg: AlgorithmConfig, temperature: float = 1.0, sp=None):
+        super().__init__("actor", model, ds_config, trainable=True, sp=sp)
         self.cfg, self.temperature = loss_cfg, temperature
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
         self.policy_loss = algos.get_policy_loss(loss_cfg.policy_loss)

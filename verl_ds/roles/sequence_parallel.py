@@ -13,9 +13,15 @@ What holds the result exact:
   first token (a shard-local `logits[:, :-1]` would drop one token at every boundary);
 - position ids are the row's own (DeepSpeed all-gathers them for the causal mask).
 
-Status (issue 57): scoring passes (logprobs), proven against the unsplit pass on 2 CPU ranks
-(`tests/roles/test_sequence_parallel.py`); not yet the update's backward, nor wired into the trainer or
-the run config.
+Gradients: every rank of the group computes the same loss from the same gathered per-token values, so
+the gradient each holds for its own slice of them is already the whole gradient of that slice
+(`_GatherShards` keeps it; `torch.distributed.nn`'s all-gather would sum it over the group: SP times too
+large). The ranks' parameter gradients then sum to the row's gradient; what DeepSpeed divides that sum by
+depends on the ZeRO stage under SP (`ds_internals.gradient_divisor`), and `Role.accumulate` scales the loss
+by it.
+
+Every micro-batch is one row (DeepSpeed's registration fixes the batch dimension; rows run one forward
+each, so ZeRO-3's per-forward weight gathers stay matched across ranks).
 """
 
 from __future__ import annotations
@@ -29,13 +35,31 @@ from verl_ds import algos
 from verl_ds.roles.batch import TrainBatch
 
 
+class _GatherShards(torch.autograd.Function):
+    """All-gather of `[c]` shards into `[c * size]` whose backward hands each rank its own slice of the
+    incoming gradient, unsummed (see the module's docstring)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.lo, ctx.hi = rank * len(local), (rank + 1) * len(local)
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.lo : ctx.hi], None, None, None
+
+
 @dataclass(frozen=True)
 class SequenceParallel:
-    """This process's SP group: `size` ranks, this one `rank` among them."""
+    """This process's SP group: `size` ranks, this one `rank` among them; `mpu` is DeepSpeed's
+    `parallel_state_sp`, which every role's `deepspeed.initialize` takes."""
 
     group: dist.ProcessGroup
     size: int
     rank: int
+    mpu: object = None
 
     @classmethod
     def register(cls, model, size: int, attn_implementation: str = "sdpa") -> SequenceParallel:
@@ -49,7 +73,7 @@ class SequenceParallel:
             model, attn_implementation, size, micro_batch_size=1, seq_length_is_variable=True
         )
         group = mpu.get_sequence_parallel_group()
-        return cls(group, dist.get_world_size(group), dist.get_rank(group))
+        return cls(group, dist.get_world_size(group), dist.get_rank(group), mpu)
 
     def shard(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One row's real tokens `[n]` -> this rank's (ids `[1, c]`, position ids `[1, c]`, labels `[c]`):
@@ -63,34 +87,72 @@ class SequenceParallel:
         return full[None, lo:hi], pos, full[lo + 1 : hi + 1]
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """Every shard's `[c]` values, in sequence order: `[c * size]` on every rank of the group."""
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts)
+        """Every shard's `[c]` values, in sequence order: `[c * size]` on every rank of the group
+        (differentiable: `_GatherShards`)."""
+        return _GatherShards.apply(local, self.group, self.rank, self.size)
 
-    def row_logprobs(self, model, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """`[n - 1]`: the log-probability of each token of the row `ids` after the one before it, the row
-        split over the group. Collective: every rank of the group passes the same row."""
-        local_ids, pos, labels = self.shard(ids)
-        logits = model(input_ids=local_ids, position_ids=pos, use_cache=False).logits
-        if temperature != 1.0:
-            logits = logits / temperature
-        lp = algos.logprobs_from_logits(logits, labels[None], chunk_size=1024)[0]
-        return self.gather(lp)[: len(ids) - 1]
+    def per_token(self, batch: TrainBatch, shard_fn) -> tuple[torch.Tensor | None, ...]:
+        """`[B, R]` per-response-token outputs, each row split over the group. `shard_fn(ids [1, c],
+        positions [1, c], labels [c], (a, b))` -> a tuple of `[c]` values (or None), the value at local
+        position j being about the token after it (`labels[j]`); only positions a..b-1 predict response
+        tokens, and the others may be left 0. Collective: every rank of the group passes the same batch."""
+        width = batch.response_width
+        prompt_cols = batch.attention_mask.shape[1] - width
+        rows = []
+        for i in range(len(batch)):
+            real = batch.attention_mask[i].bool()
+            ids = batch.input_ids[i][real]
+            p = max(1, int(real[:prompt_cols].sum()))  # the row's real prompt tokens
+            r = int(real[prompt_cols:].sum())  # and response tokens (right-padded)
+            local_ids, pos, labels = self.shard(ids if len(ids) else batch.input_ids[i][:1])
+            c, lo = local_ids.shape[1], self.rank * local_ids.shape[1]
+            # response token j sits at p + j and is predicted at p + j - 1
+            window = (min(max(p - 1 - lo, 0), c), min(max(p - 1 + r - lo, 0), c))
+            outs = shard_fn(local_ids, pos, labels, window)
+            rows.append(
+                tuple(
+                    None if v is None else torch.nn.functional.pad(self.gather(v)[p - 1 : p - 1 + r], (0, width - r))
+                    for v in outs
+                )
+            )
+        return tuple(None if parts[0] is None else torch.stack(parts) for parts in zip(*rows))
+
+    def policy_forward(
+        self, model, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`PolicyRole.forward` split: (logprobs `[B, R]`, entropy `[B, R]` or None). Logits only for the
+        shard's positions that predict response tokens (`logits_to_keep`), as the unsplit pass keeps."""
+
+        def shard_fn(ids, pos, labels, window):
+            a, b = window
+            keep = torch.arange(a, b, device=ids.device)
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
+            if temperature != 1.0:
+                logits = logits / temperature
+            y = labels[a:b][None]
+            entropy = None
+            if with_entropy and not (torch.is_grad_enabled() and entropy_grad):
+                lp, entropy = algos.logprobs_and_entropy(logits, y, chunk_size=1024)
+            else:
+                lp = algos.logprobs_from_logits(logits, y, chunk_size=1024)
+                if with_entropy:
+                    entropy = algos.entropy_from_logits(logits, chunk_size=1024)
+            c = ids.shape[1]
+            spread = lambda x: None if x is None else torch.nn.functional.pad(x[0].float(), (a, c - b))  # noqa: E731
+            return spread(lp), spread(entropy)
+
+        return self.per_token(batch, shard_fn)
+
+    def values(self, model, batch: TrainBatch) -> torch.Tensor:
+        """The critic's `[B, R]` values V(state before each response token), split."""
+
+        def shard_fn(ids, pos, labels, window):
+            return (model(input_ids=ids, attention_mask=None, position_ids=pos)[0].float(),)
+
+        return self.per_token(batch, shard_fn)[0]
 
     @torch.no_grad()
     def logprobs(self, model, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
         """`[B, R]` fp32 log-probabilities of the response tokens, as `PolicyRole.logprobs` gives them
-        (0 where the response is padding), each row split over the group. Collective: every rank of the
-        group passes the same batch."""
-        out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
-        width = batch.response_width
-        prompt_cols = batch.attention_mask.shape[1] - width
-        for i in range(len(batch)):
-            real = batch.attention_mask[i].bool()
-            ids = batch.input_ids[i][real]
-            p = int(real[:prompt_cols].sum())  # the row's real prompt tokens
-            r = int(real[prompt_cols:].sum())  # and response tokens (right-padded)
-            lp = self.row_logprobs(model, ids, temperature).float().cpu()
-            out[i, :r] = lp[p - 1 : p - 1 + r]  # response token j sits at p + j, predicted at p + j - 1
-        return out
+        (0 where the response is padding), each row split over the group."""
+        return self.policy_forward(model, batch, temperature, False, False)[0]
