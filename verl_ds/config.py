@@ -621,6 +621,14 @@ class TrainerConfig:
     steps: int = opt(100, "rollout steps", gt=0)
     prompts_per_step: int = opt(16, "rollout batch in prompts (x rollout.n samples)", gt=0)
     mini_batch_size: int = opt(0, "samples per optimizer step; 0: the whole rollout batch", ge=0)
+    sequence_parallel_size: int = opt(
+        1,
+        "ranks each row's tokens are split over in every scoring and training pass (DeepSpeed's Ulysses SP, "
+        "roles/sequence_parallel.py); 1: off. One per run: DeepSpeed's SP group is process-global, every role "
+        "shares it. Every rank still generates its own prompts; a group's ranks then train on their joined rows "
+        "(data-parallel ranks: world / SP). A micro-batch is one row",
+        gt=0,
+    )
     max_grad_norm: float = opt(1.0, "gradient clipping", gt=0)
     seed: int = opt(1, "the run's seed (sampling, shuffling, dropout)")
     run_dir: str = opt("runs/default", "metrics, checkpoints, samples and the final model go here")
@@ -846,7 +854,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
     errors += _between_sections(cfg)
     errors += resolve_names(cfg)[1]
     errors += _batch_geometry(cfg, world)
-    errors += _ds_file_errors(cfg, world, mini_batch(cfg))
+    errors += _ds_file_errors(cfg, dp_world(cfg, world), mini_batch(cfg))
     raise_all(errors)
 
 
@@ -918,7 +926,56 @@ def _between_sections(cfg: RunConfig) -> list[ConfigError]:
             "model.teacher_path",
             "a teacher is used by distillation only: set algorithm.distill.coef > 0 (or drop the teacher)",
         ),
+        *_sequence_parallel_rules(cfg),
     )
+
+
+def _sequence_parallel_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
+    """What `trainer.sequence_parallel_size` > 1 needs of the other sections (the rows run one at a time,
+    split, through DeepSpeed's wrapper of the policy models' attention)."""
+    sp, roles = cfg.trainer.sequence_parallel_size, active_roles(cfg)
+    if sp == 1:
+        return []
+    why = f"trainer.sequence_parallel_size {sp}"
+    rules = [
+        (
+            "reward" in roles,
+            "model.reward_path",
+            f"{why}: a reward model is not split along the sequence here; score with data.reward_fn",
+        ),
+        (
+            cfg.rollout.engine == "hf",
+            "rollout.engine",
+            f"{why}: the HF engine generates with the actor's model, whose attention SP replaces; use vllm",
+        ),
+        (
+            cfg.model.packing is True,
+            "model.packing",
+            f"{why}: rows run one at a time, each split over the group; packing is for unsplit rows",
+        ),
+        (
+            cfg.model.attn_implementation == "eager",
+            "model.attn_implementation",
+            f"{why}: DeepSpeed's Ulysses SP wraps sdpa or flash attention, not eager",
+        ),
+    ]
+    for role in roles:
+        rc = getattr(cfg.roles, role)
+        rules.append(
+            (
+                rc.micro_batch_size != 1,
+                f"roles.{role}.micro_batch_size",
+                f"{why}: a micro-batch is one row (DeepSpeed's SP registration fixes the batch dimension); set 1",
+            )
+        )
+        rules.append(
+            (
+                rc.max_tokens_per_micro_batch not in ("auto", 0),
+                f"roles.{role}.max_tokens_per_micro_batch",
+                f"{why}: a micro-batch is one row, split over the group; leave the token budget at auto",
+            )
+        )
+    return rules
 
 
 def _batch_geometry(cfg: RunConfig, world: int) -> list[ConfigError]:
@@ -941,7 +998,17 @@ def _batch_geometry(cfg: RunConfig, world: int) -> list[ConfigError]:
             "trainer.prompts_per_step",  # every rank runs as many micro-batches
             f"{t.prompts_per_step} prompts do not split evenly over {world} ranks",
         ),
+        (
+            world % t.sequence_parallel_size != 0,
+            "trainer.sequence_parallel_size",
+            f"{t.sequence_parallel_size} does not divide the world size {world}",
+        ),
     )
+
+
+def dp_world(cfg: RunConfig, world: int) -> int:
+    """Data-parallel ranks: the world over the sequence-parallel size (a group's ranks hold the same rows)."""
+    return max(1, world // cfg.trainer.sequence_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -1142,8 +1209,11 @@ def token_budget(cfg: RunConfig, role: str) -> int:
     """`roles.<role>.max_tokens_per_micro_batch` resolved: `auto` is micro_batch_size x
     `longest_row`, the padded tokens of a row micro-batch whose rows all run full length, which the
     user's micro_batch_size already has to fit: packing short rows up to it never needs more memory
-    (activations grow with tokens, attention with rows x width^2 <= budget x the longest row)."""
+    (activations grow with tokens, attention with rows x width^2 <= budget x the longest row). Under
+    sequence parallelism none (0): a micro-batch is one row, split over the group."""
     rc = getattr(cfg.roles, role)
+    if cfg.trainer.sequence_parallel_size > 1:
+        return 0
     if rc.max_tokens_per_micro_batch == "auto":
         return rc.micro_batch_size * longest_row(cfg)
     return rc.max_tokens_per_micro_batch

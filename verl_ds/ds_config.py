@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import os
 
-from verl_ds.config import active_roles, mini_batch, read_ds_json
+from verl_ds.config import active_roles, dp_world, mini_batch, read_ds_json
 from verl_ds.errors import ConfigError
 from verl_ds.precision import (
     TRAINED_ROLES,
@@ -181,6 +181,7 @@ def render_ds_configs(
     `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
     see trainer/setup.py), else its JSON file's."""
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))  # `cfg` was validated at load (config.validate)
+    world = dp_world(cfg, world)  # DeepSpeed's batch arithmetic counts data-parallel ranks
     files = files or read_ds_files(cfg)
     precision = precision or run_precision(cfg, files=files)
     mini = mini_batch(cfg)

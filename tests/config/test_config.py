@@ -837,3 +837,34 @@ def test_config_render_refuses_the_data_files_train_would_refuse(tmp_path, files
     out = run_cli(*args, *([f"data.val_files={val}"] if val else []), cwd=ROOT)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == ["error: " + line.format(d=tmp_path)]
+
+
+SP = ["trainer.sequence_parallel_size=2", *[f"roles.{r}.micro_batch_size=1" for r in ("actor", "critic", "reference")]]
+
+
+def test_sequence_parallel_batches_count_data_parallel_ranks_and_one_row_a_micro_batch(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = load_config(CPU_PPO, [*SP, "roles.actor.max_tokens_per_micro_batch=auto"])
+    actor = render_ds_configs(cfg, world_size=4)["actor"]  # 4 ranks at SP 2: 2 data-parallel ranks
+    rows = cfg.trainer.prompts_per_step * cfg.rollout.n
+    assert (actor["train_batch_size"], actor["train_micro_batch_size_per_gpu"]) == (rows, 1)
+    assert actor["gradient_accumulation_steps"] == rows // 2
+    from verl_ds.config import token_budget
+
+    assert token_budget(cfg, "actor") == 0  # no packing: each micro-batch one row, split
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("roles.actor.micro_batch_size=4", "roles.actor.micro_batch_size"),
+        ("roles.reference.max_tokens_per_micro_batch=4096", "roles.reference.max_tokens_per_micro_batch"),
+        ("rollout.engine=hf", "rollout.engine"),
+        ("model.packing=true", "model.packing"),
+        ("trainer.sequence_parallel_size=3", "trainer.sequence_parallel_size"),  # does not divide 2 ranks
+    ],
+)
+def test_sequence_parallel_refuses_what_it_cannot_split_in_one_line(override, key):
+    out = cli("config", "render", "--config", str(CPU_PPO), "--world-size", "2", *SP, override)
+    assert out.returncode == 2 and key in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

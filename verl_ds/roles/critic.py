@@ -6,6 +6,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
+from verl_ds.roles import attention
 from verl_ds.roles.base import Role, enable_grad_checkpointing, pad_response, trim_padding
 from verl_ds.roles.batch import TrainBatch
 
@@ -28,11 +29,18 @@ class ValueModel(torch.nn.Module):
         return self.v_head(h).squeeze(-1)
 
 
-def load_value_model(path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False) -> ValueModel:
-    """The backbone of the causal LM at `path` (the actor's, unless a critic path is given)."""
+def load_value_model(
+    path: str, trust_remote_code: bool = False, grad_checkpointing: bool = False, attn_implementation: str = "sdpa"
+) -> ValueModel:
+    """The backbone of the causal LM at `path` (the actor's, unless a critic path is given), with the policy
+    models' attention (under sequence parallelism, the one DeepSpeed's wrapper replaces)."""
     from transformers import AutoModel
 
-    backbone = AutoModel.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    if attn_implementation == attention.NAME:
+        attention.register()
+    backbone = AutoModel.from_pretrained(
+        path, dtype=torch.float32, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+    )
     if grad_checkpointing:
         enable_grad_checkpointing(backbone)
     return ValueModel(backbone, backbone.config.hidden_size)

@@ -86,6 +86,12 @@ class SequenceParallel:
         pos = torch.arange(lo, hi, device=ids.device)[None]
         return full[None, lo:hi], pos, full[lo + 1 : hi + 1]
 
+    def same(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as the group's first rank holds it, on every rank of the group (a shuffle of the rows they
+        share, drawn from per-rank random states)."""
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return t
+
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every shard's `[c]` values, in sequence order: `[c * size]` on every rank of the group
         (differentiable: `_GatherShards`)."""

@@ -29,6 +29,7 @@ from verl_ds.roles import (
 )
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.policy import can_share_prompts
+from verl_ds.roles.sequence_parallel import SequenceParallel
 from verl_ds.rollout.agents import AgentEpisodes
 from verl_ds.rollout.engines.weights import eos_token_ids
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
@@ -131,6 +132,9 @@ def build_roles(setup: RunSetup) -> dict:
     fp32_head, lora = precision.lm_head_fp32, m.lora
     attn = setup.attention
     policy = load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head, attn)
+    # before any engine: DeepSpeed's SP group and attention wrapper are the process's, every role's
+    size = cfg.trainer.sequence_parallel_size
+    sp = SequenceParallel.register(policy, size, attn) if size > 1 else None
     if lora.rank:
         tied = tied_embedding_targets(policy, lora.target_modules)
         if tied:  # adapters on a tied embedding cannot be merged into the engine's one matrix
@@ -139,17 +143,21 @@ def build_roles(setup: RunSetup) -> dict:
                 f"{tied} is this model's tied input/output embedding: train it in full with modules_to_save instead",
             )
         policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules, lora.modules_to_save)
-    roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, temperature=cfg.rollout.temperature)}
+    roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, temperature=cfg.rollout.temperature, sp=sp)}
     if lora.rank and cfg.algorithm.kl_coef > 0:
         roles["reference"] = AdapterOffReference(roles["actor"])
     if "critic" in setup.roles:
         roles["critic"] = Critic(
-            load_value_model(m.critic_path or model_path, m.trust_remote_code, gc), ds["critic"], cfg.algorithm
+            load_value_model(m.critic_path or model_path, m.trust_remote_code, gc, attn),
+            ds["critic"],
+            cfg.algorithm,
+            sp=sp,
         )
     if "reference" in setup.roles:
         roles["reference"] = Reference(
             load_causal_lm(model_path, m.trust_remote_code, lm_head_fp32=fp32_head, attn_implementation=attn),
             ds["reference"],
+            sp=sp,
         )
     if "reward" in setup.roles:
         roles["reward"] = RewardModel(
@@ -162,11 +170,13 @@ def build_roles(setup: RunSetup) -> dict:
             load_causal_lm(m.teacher_path, m.trust_remote_code, lm_head_fp32=fp32_head, attn_implementation=attn),
             ds["teacher"],
             int8_activation=precision.teacher_activation if precision.teacher == "int8" else None,
+            sp=sp,
         )
     for name, role in roles.items():
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = setup.token_budgets[name]
         if isinstance(role, PolicyRole):  # packed rows run every prompt in its own row
             role.packing = setup.packing
-            role.share_prompts = m.share_prompt and can_share_prompts(role.module) and not setup.packing
+            share = m.share_prompt and can_share_prompts(role.module) and not setup.packing
+            role.share_prompts = share and sp is None  # a split row runs alone
     return roles

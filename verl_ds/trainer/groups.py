@@ -66,6 +66,18 @@ class Collected:
         )
 
 
+def join_sequence_group(got: Collected, sp) -> Collected:
+    """Sequence parallelism (`trainer.sequence_parallel_size`): every rank generated its own prompts' rows,
+    and the ranks of an SP group train on the same rows, each split over them; so the group's rows join
+    here, in rank order, each rank's groups renumbered past the previous ranks'. The rollout metrics stay
+    this rank's (the step reports their mean over every rank). Collective over the group."""
+    import torch.distributed as dist
+
+    parts = [None] * sp.size
+    dist.all_gather_object(parts, got, group=sp.group)
+    return replace(Collected.merge(parts), metrics=got.metrics)
+
+
 def varied_groups(metric: torch.Tensor, group_ids: torch.Tensor, n_groups: int) -> list[int]:
     """Groups whose samples did not all score alike (the only ones with a GRPO gradient)."""
     return [g for g in range(n_groups) if metric[group_ids == g].unique().numel() > 1]

@@ -31,7 +31,7 @@ from verl_ds.rollout import RolloutBatch, episodes, make_rollout, sync_distribut
 from verl_ds.rollout.episodes import Sampling, SeedKey
 from verl_ds.trainer import advantages, builder
 from verl_ds.trainer.checkpoint import LoopState, export_actor
-from verl_ds.trainer.groups import Collected, collect_varied, scoring_inputs
+from verl_ds.trainer.groups import Collected, collect_varied, join_sequence_group, scoring_inputs
 from verl_ds.trainer.metrics import StepMetrics
 from verl_ds.trainer.probe import SyncProbe
 from verl_ds.trainer.rewards import Rewards
@@ -115,6 +115,8 @@ class RLTrainer:
             # 1-3. prompts -> rollout -> rewards (+ overlong shaping); with dynamic sampling, more
             # rounds until enough groups whose samples did not all score alike
             got = self._collect(timer)
+            if self.actor.sp:  # a sequence-parallel group trains on its ranks' rows together, each split
+                got = join_sequence_group(got, self.actor.sp)
             # the last sync's probe, sampled while the engine is awake (none before the first sync)
             probe = self.probe.sample(self.rollout) if self.global_step else None
             # GPU: vLLM's memory to the roles; the sync replaces the weights, so they are discarded

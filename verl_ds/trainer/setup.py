@@ -14,7 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from verl_ds.config import RunConfig, longest_row, resolve_names, token_budget, validate_paths
+from verl_ds.config import RunConfig, dp_world, longest_row, resolve_names, token_budget, validate_paths
 from verl_ds.data.tiny import check_teacher_tokenizer, prepare_model
 from verl_ds.diagnostics.memory import (
     BYTES,
@@ -107,6 +107,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         log.info("roles.{%s}.sleep: a no-op on CPU (no device memory to hand to the rollout)", ",".join(sleepers))
     budget, shape = rank_budget(cfg, world, gpu), load_shape(model_path)
     check_context(cfg, model_path)
+    check_sequence_parallel(cfg, shape)
     check_batch_fits(cfg, shape, precision, world, gpu, budget)
     stages = zero_stages(cfg, shape, files, precision, world, budget)
     ds = render_ds_configs(cfg, world, precision, stages, files)
@@ -135,11 +136,29 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         env_factory=names.env_factory,
         agent=names.agent,
         reward_fn=reward_fn or names.reward_fn,
-        mini_rows=cfg.trainer.mini_batch_size // world,
+        mini_rows=cfg.trainer.mini_batch_size // dp_world(cfg, world),  # a SP group's ranks hold its rows
         resume_from=resume_from,
         rank_memory=budget,
         memory_estimate=MappingProxyType(estimate),
     )
+
+
+def check_sequence_parallel(cfg: RunConfig, shape) -> None:
+    """What `trainer.sequence_parallel_size` needs of the resolved engine and the model (the config's own
+    rules: `config._sequence_parallel_rules`): vLLM generating (the HF engine runs the actor's model,
+    whose attention SP replaces), and attention heads the group splits evenly (DeepSpeed's all-to-all
+    hands each rank whole heads)."""
+    sp = cfg.trainer.sequence_parallel_size
+    if sp == 1:
+        return
+    if cfg.rollout.engine == "hf":
+        raise ConfigError("rollout.engine", f"trainer.sequence_parallel_size {sp} needs vllm (auto resolved to hf)")
+    if shape.heads % sp or (shape.kv_heads % sp and sp % shape.kv_heads):
+        raise ConfigError(
+            "trainer.sequence_parallel_size",
+            f"{sp} must divide the model's {shape.heads} attention heads and divide or be a multiple of its "
+            f"{shape.kv_heads} key/value heads (DeepSpeed's all-to-all hands each rank whole heads)",
+        )
 
 
 def resolve_attention(attn: str, packing, gpu: bool) -> tuple[str, bool]:
@@ -257,6 +276,8 @@ def fit_token_budgets(
             errors.append(ConfigError(f"roles.{role}", _no_row_fits(cfg, role, fit)))
             continue
         rows = max(1, fit.rows(HEADROOM))
+        if cfg.trainer.sequence_parallel_size > 1:
+            continue  # one row a micro-batch (`token_budget`)
         if rc.max_tokens_per_micro_batch == "auto":
             out[role] = min(budgets[role], rows * t)
             why = "memory" if out[role] < budgets[role] else "micro_batch_size"

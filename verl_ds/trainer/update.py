@@ -40,11 +40,13 @@ def ppo_update(
     for _ in range(epochs):
         collect = train.on_policy  # one mini-batch: the whole batch, in order
         perm = torch.arange(n) if collect else torch.randperm(n)
+        if actor.sp:  # a sequence-parallel group shares its rows, and so their order
+            perm = actor.sp.same(perm)
         # mini-batches of `mini` rows; a rank with fewer rows than another splits them as evenly
         parts = perm.split(mini) if -(-n // mini) == n_minis else perm.tensor_split(n_minis)
         for rows in parts:
             mb = train.select(rows)
-            tokens, seqs = _global_counts(mb.loss_mask)
+            tokens, seqs = _global_counts(mb.loss_mask, actor.sp.size if actor.sp else 1)
             with timer("update_actor", stage="update", role="actor"):
                 acc = actor.accumulate(mb, tokens, seqs, keep=collect)
             m = acc.metrics
@@ -70,11 +72,12 @@ def ppo_update(
     return out, first_lp
 
 
-def _global_counts(mask: torch.Tensor) -> tuple[float, float]:
-    """Response tokens and sequences in the whole mini-batch, over every rank (at least 1: a
-    mini-batch of only masked-out samples contributes a zero loss, not NaN)."""
+def _global_counts(mask: torch.Tensor, replicas: int = 1) -> tuple[float, float]:
+    """Response tokens and sequences in the whole mini-batch, over every rank, each row counted once
+    where `replicas` ranks (a sequence-parallel group) hold it (at least 1: a mini-batch of only
+    masked-out samples contributes a zero loss, not NaN)."""
     tokens, seqs = all_reduce_sum([float(mask.sum()), float(mask.shape[0])])
-    return max(tokens, 1.0), seqs
+    return max(tokens / replicas, 1.0), seqs / replicas
 
 
 def _explained_var(returns, values, mask) -> float:
