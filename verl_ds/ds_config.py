@@ -66,6 +66,7 @@ def render_role(
     json_loss_scaling: bool = True,
     offload: str = "none",
     sleep: bool = False,
+    sequence_parallel: bool = False,
 ) -> dict:
     """(Long on purpose: one block per DeepSpeed key it sets, each the one place that key is decided.)
     Merge one role's DeepSpeed JSON with its resolved precision and batch settings.
@@ -75,6 +76,7 @@ def render_role(
     the file); an explicit dtype takes the PrecisionConfig's loss scaling. `offload`
     (`roles.<role>.offload`): DeepSpeed's offload_optimizer / offload_param blocks, to the CPU, pinned.
     `sleep` (`roles.<role>.sleep`): refused where DeepSpeed builds an optimizer that cannot move its states.
+    `sequence_parallel`: the run splits rows (`trainer.sequence_parallel_size` > 1).
     """
     ds = copy.deepcopy(base)
     dtype = precision.role(role)
@@ -107,6 +109,11 @@ def render_role(
         comm = getattr(precision, f"{role}_comm")
         if comm:
             ds["communication_data_type"] = comm
+        if sequence_parallel:
+            # under SP DeepSpeed reduces gradients in `seq_parallel_communication_data_type` (fp32 unless
+            # set) instead: the role's own communication dtype holds there too, as PrecisionConfig says
+            # (fp32 would also hold an fp32 copy of each 16-bit gradient bucket)
+            ds["seq_parallel_communication_data_type"] = comm or dtype
         if ds.get("gradient_clipping", "auto") == "auto":
             ds["gradient_clipping"] = float(max_grad_norm)
         opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
@@ -204,5 +211,6 @@ def render_ds_configs(
             json_loss_scaling=cfg.precision.role_dtype(role) == "auto",
             offload=rc.offload,
             sleep=rc.sleep,
+            sequence_parallel=cfg.trainer.sequence_parallel_size > 1,
         )
     return out
