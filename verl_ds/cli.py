@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--reward-config", help="--plan: a reward model's HF config.json (adds the reward role)")
     mem.add_argument("--host-memory-gb", type=POS_FLOAT, default=None, help="--plan: host memory per node")
     mem.add_argument("--top", type=POS_INT, default=8, help="--plan: plans printed")
+    mem.add_argument(
+        "--row-tokens",
+        type=POS_INT,
+        default=None,
+        help="the longest row (prompt + response): sets rollout.max_model_len and the response budget "
+        "(rollout.max_new_tokens = it - data.max_prompt_length)",
+    )
     mem.add_argument("overrides", nargs="*")
     prec = dsub.add_parser(
         "precision", help="per role: value ranges and what fp32/bf16/fp16 would do; a recommended precision: block"
@@ -222,6 +229,8 @@ def cmd_debug(args) -> int:
         return memory.load_shape(str(Path(prepare_model(cfg.model, cfg.trainer.run_dir)) / "config.json"))
 
     world = args.world_size or 1
+    if args.row_tokens and args.config:
+        args.overrides = args.overrides + _row_overrides(load_config(args.config, args.overrides), args.row_tokens)
     if args.plan:
         return _debug_memory_plan(args, world)
     if args.compare:
@@ -258,6 +267,14 @@ def cmd_debug(args) -> int:
         world = args.world_size or ran_world
     print(memory.report(cfg, shape_of(cfg), world, args.stage, measured, args.gpu_memory_gb))
     return 0
+
+
+def _row_overrides(cfg, tokens: int) -> list[str]:
+    """`--row-tokens`: rows of up to `tokens` tokens, the prompt as the config cuts it, the rest response."""
+    prompt = cfg.data.max_prompt_length
+    if tokens <= prompt:
+        raise ConfigError("--row-tokens", f"{tokens} leaves no response after data.max_prompt_length {prompt}")
+    return [f"rollout.max_model_len={tokens}", f"rollout.max_new_tokens={tokens - prompt}"]
 
 
 def _debug_memory_plan(args, world: int) -> int:

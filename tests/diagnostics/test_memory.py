@@ -290,3 +290,20 @@ def test_debug_memory_prints_the_host_share_of_an_offloaded_optimizer(capsys):
     assert "Host memory per rank (offloaded): actor: master 3.74 GiB + optimizer 7.48 GiB + grads 3.74 GiB." in out
     update = parse_md_tables(out.split("### stage: update", 1)[1])[0]
     assert not [r for r in update if r[0] == "actor" and r[1] in ("master", "optimizer")]  # not on the GPU
+
+
+def test_sequence_parallel_splits_a_rows_activations_and_adds_the_all_to_all_buffers():
+    from verl_ds.diagnostics.memory.estimate import pass_memory
+
+    shape = M.load_shape(str(LLAMA_8B))
+    kw = dict(head="lm", grad=True, grad_checkpointing=True)
+    one = pass_memory(shape, "bf16", 1, 65536, 4096, **kw)
+    two = pass_memory(shape, "bf16", 1, 65536, 4096, **kw, sp=2)
+    # a 32k shard's layer inputs on each rank; the saved fp32 logits of the 4k response tokens stay whole
+    logits = 4096 * shape.vocab * 4 * 3
+    assert two["activations"] - logits == pytest.approx((one["activations"] - logits) / 2)
+    assert two["other"] == pytest.approx(one["other"] / 2)  # one checkpointed layer's recomputation
+    assert two["logits_buffer"] == one["logits_buffer"]  # the 4k response tokens all sit in the last shard
+    assert "sp_buffers" not in one and 0 < two["sp_buffers"] < two["activations"]
+    short = pass_memory(shape, "bf16", 1, 65536, 65000, **kw, sp=4)
+    assert short["logits_buffer"] == pytest.approx(one["logits_buffer"] * 16384 / 4096)  # at most a shard scored

@@ -1,11 +1,12 @@
 """`verl-ds debug memory --plan`: placements that fit, cheapest first, and a block that renders."""
 
+import dataclasses
 import re
 
 import pytest
 import yaml
 
-from tests.diagnostics.helpers import DATA, LLAMA_8B
+from tests.diagnostics.helpers import DATA, LLAMA_8B, parse_md_tables
 from verl_ds import cli
 from verl_ds.config import load_config
 from verl_ds.diagnostics.memory import plan as P
@@ -96,3 +97,29 @@ def test_role_options_follow_deepspeeds_rules():
     ref = P.role_options("reference")
     assert {o.stage for o in ref} == {0, 3} and not any("optimizer" in o.offload or o.sleep for o in ref)
     assert {o.dtype for o in P.role_options("reward")} == {"bf16", "int8"}
+
+
+def test_a_64k_row_on_8_gpus_gets_a_sequence_parallel_plan_that_renders(tmp_path, capsys):
+    """Llama-3-8B GRPO with 64k-token rows on 8 x 80 GB: no placement fits a whole row on one GPU, so the
+    plans split it (SP > 1, one row a micro-batch), and the best block renders."""
+    overrides = ["data.train_files=[]", "data.task=arithmetic"]
+    out, block = _plan(capsys, "examples/grpo_gpu_qwen05b.yaml", LLAMA_8B, 8, "--row-tokens", "65536", *overrides)
+    assert block["trainer"]["sequence_parallel_size"] in (2, 4, 8), block
+    assert all(r["micro_batch_size"] == 1 for r in block["roles"].values())
+    head, *rows = parse_md_tables(out)[0]
+    assert rows and all(int(r[head.index("SP")]) > 1 for r in rows), out  # no plan runs a whole row
+    cfg = _renders(tmp_path, "examples/grpo_gpu_qwen05b.yaml", [*overrides, "rollout.max_model_len=65536"], block, 8)
+    assert cfg.trainer.sequence_parallel_size == block["trainer"]["sequence_parallel_size"]
+
+
+def test_sequence_parallel_sizes_follow_deepspeeds_head_rule_and_leave_out_a_reward_model():
+    cfg = load_config("examples/grpo_gpu_qwen05b.yaml", ["data.train_files=[]", "data.task=arithmetic"])
+    from verl_ds.diagnostics.memory import load_shape
+
+    llama = load_shape(str(LLAMA_8B))  # 32 heads, 8 key/value heads
+    assert P.sp_sizes(cfg, {"actor": llama}, world=8, per_node=8) == [1, 2, 4, 8]
+    assert P.sp_sizes(cfg, {"actor": llama}, world=4, per_node=8) == [1, 2, 4]
+    smol = dataclasses.replace(llama, heads=9, kv_heads=3)  # SmolLM2-135M's heads
+    assert P.sp_sizes(cfg, {"actor": smol}, world=8, per_node=8) == [1]
+    with_rm = load_config("examples/ppo_cpu_tiny.yaml", [*PPO_8B, "model.reward_path=x"])
+    assert P.sp_sizes(with_rm, {"actor": llama}, world=8, per_node=8) == [1]

@@ -96,6 +96,7 @@ class Workload:
     seq_len: int  # prompt + response (upper bound)
     resp_len: int
     world: int = 1
+    sp: int = 1  # `trainer.sequence_parallel_size`: each pass runs a 1/sp shard of every row
 
 
 def workload(cfg, world: int) -> Workload:
@@ -104,7 +105,8 @@ def workload(cfg, world: int) -> Workload:
     # one engine per tensor-parallel group: it generates for the group's ranks
     gen = per_rank * (cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1)
     t = longest_row(cfg)  # a multi-turn episode's row holds every turn
-    return Workload(gen, per_rank, t, max(1, t - cfg.data.max_prompt_length), world)
+    sp = cfg.trainer.sequence_parallel_size  # a group's ranks hold its rows together, each split
+    return Workload(gen, per_rank * sp, t, max(1, t - cfg.data.max_prompt_length), world, sp)
 
 
 def pass_memory(
@@ -118,9 +120,14 @@ def pass_memory(
     grad: bool,
     grad_checkpointing: bool = False,
     math_attention: str = "",
+    sp: int = 1,
 ) -> dict[str, float]:
     """Transient bytes of one micro-batch's pass over `rows` rows of `t` tokens, `r` of them scored
     (the response: logits only where they predict one, `logits_to_keep`): {activations, logits_buffer}.
+    `sp` > 1 (sequence parallelism): the rank runs a `t / sp` shard of each row, scores the response
+    tokens that fall in it (all of them on the last shard, at most the shard), and DeepSpeed's all-to-all
+    holds one layer's query, keys, values and output in both layouts (`sp_buffers`); the core attention
+    sees every token for `heads / sp` heads.
     No grad: one layer's intermediates live at a time. Under grad every layer keeps what its backward
     needs (SwiGLU decoder), or with `grad_checkpointing` one input a layer plus one layer recomputed.
     `math_attention`: "backward": the backward recomputes the plain math (`roles/attention.py`: a 16-bit
@@ -130,15 +137,22 @@ def pass_memory(
     b = BYTES[dtype]
     h, kvdim, ffn = shape.hidden, shape.kv_heads * shape.head_dim, shape.ffn
     lm = head == "lm"
-    out_logits = rows * (r if lm else t) * (shape.vocab if lm else 1) * b
     # the math backward's one layer of probabilities (fp32 softmax and its 16-bit copy), a transient
-    attn = rows * shape.heads * t * t * (4 + b) if math_attention else 0.0
+    attn = rows * (shape.heads // sp) * t * t * (4 + b) if math_attention else 0.0
+    split = {}
+    if sp > 1:
+        t = -(-t // sp)
+        r = min(r, t)
+        kv_rep = max(1, sp // shape.kv_heads)  # DeepSpeed repeats key/value heads fewer than the ranks
+        split = {"sp_buffers": 2 * rows * t * (2 * h + 2 * kvdim * kv_rep) * b}
+    out_logits = rows * (r if lm else t) * (shape.vocab if lm else 1) * b
     saved_attn = attn if math_attention == "saved" else 0.0
     attn -= saved_attn
     if not grad:
         return {
             "activations": rows * t * (4 * h + 2 * kvdim + 3 * ffn) * b,
             "logits_buffer": out_logits + (rows * r * shape.vocab * 4 if lm else 0),  # + fp32 log-softmax
+            **split,
         }
     # saved for backward, per token: ~12 hidden-sized values (norm inputs and outputs, q, the attention
     # output and its projection's input...), 5 kv-sized (k, v before and after rope), 5.5 ffn-sized (gate, up,
@@ -151,8 +165,13 @@ def pass_memory(
     # with checkpointing that set itself, recomputed: transients under `other`
     if grad_checkpointing:  # one input a layer kept
         acts = shape.layers * rows * t * h * b
-        return {"activations": acts + outside, "logits_buffer": out_logits, "other": 2 * per_layer + attn}
-    return {"activations": shape.layers * per_layer + outside, "logits_buffer": out_logits, "other": per_layer + attn}
+        return {"activations": acts + outside, "logits_buffer": out_logits, "other": 2 * per_layer + attn, **split}
+    return {
+        "activations": shape.layers * per_layer + outside,
+        "logits_buffer": out_logits,
+        "other": per_layer + attn,
+        **split,
+    }
 
 
 def role_memory(
@@ -191,7 +210,9 @@ def role_memory(
     )
     stages = {s: dict(resident) for s in STAGES}
     # every role runs a no-grad forward while scoring
-    stages["score"].update(pass_memory(shape, dtype, mb, w.seq_len, w.resp_len, head=head, grad=False), other=gathered)
+    stages["score"].update(
+        pass_memory(shape, dtype, mb, w.seq_len, w.resp_len, head=head, grad=False, sp=w.sp), other=gathered
+    )
     if trainable:
         bucket = min(psi, float(zero.get("reduce_bucket_size", 5e8))) * BYTES[grad_dtype] if stage in (1, 2) else 0.0
         train = pass_memory(
@@ -204,6 +225,7 @@ def role_memory(
             grad=True,
             grad_checkpointing=grad_checkpointing,
             math_attention=math_attention,
+            sp=w.sp,
         )
         recompute = train.pop("other", 0.0)
         stages["update"].update(
@@ -480,7 +502,7 @@ def fit_passes(
     activations and logits (every role's model states, the rollout engine, the process), and what one
     full-length row of the pass adds."""
     est = estimate_memory(cfg, shape, ds_configs, world, rollout_dtype, gpu_gib, role_shapes)
-    transient = ("activations", "logits_buffer")
+    transient = ("activations", "logits_buffer", "sp_buffers")
     w = workload(cfg, world)
 
     def pass_of(role: str, stage: str, n: int) -> dict[str, float]:
@@ -495,6 +517,7 @@ def fit_passes(
             grad=stage == "update" and role in TRAINED_ROLES,
             grad_checkpointing=cfg.precision.enable_grad_checkpointing,
             math_attention=math_attention(cfg, role, ds_dtype(ds), n, w.seq_len, bool(gpu_gib)),
+            sp=w.sp,
         )
 
     def rows(role: str) -> int:

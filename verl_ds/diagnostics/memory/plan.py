@@ -3,7 +3,9 @@
 Searched per role: ZeRO stage (trained roles 0-3, frozen 0 or 3), offload (optimizer; optimizer +
 parameters at ZeRO-3; a frozen role's parameters at ZeRO-3), `sleep` (trained roles at ZeRO >= 1 whose
 parameters stay on the device), int8 weights for a reward model or teacher; for the run, activation
-checkpointing and vLLM's share of the GPU (`rollout.gpu_memory_utilization`). Compute dtypes stay
+checkpointing, vLLM's share of the GPU (`rollout.gpu_memory_utilization`) and the sequence-parallel size
+(`trainer.sequence_parallel_size`: the sizes that divide a node's GPUs and the model's heads as DeepSpeed's
+all-to-all needs; one row a micro-batch; not with a reward model, which is not split). Compute dtypes stay
 bf16 (the GPU rule); LoRA is not searched (it changes what is trained).
 
 A plan fits when the analytic estimate (`estimate_memory`: every stage's device bytes, vLLM asleep
@@ -19,6 +21,9 @@ The cost model (seconds per step, from bytes moved and work added; constants bel
 - Collectives (ring): ZeRO-0 all-reduces the gradients, ZeRO-1/2 reduce-scatter them and all-gather
   the parameters, ZeRO-3 reduce-scatters them and gathers the parameters for every forward and
   backward pass; at the intra-node rate on one node, the inter-node rate across nodes.
+- Sequence parallelism: every attention layer all-to-alls its query, keys, values and output, forward and
+  backward (and again in a checkpointed layer's recomputation), (SP - 1) / SP of them leaving the rank,
+  within a node at the intra-node rate.
 - Activation checkpointing recomputes each training forward (2 FLOPs/param/token).
 Ties go to the larger vLLM share (a larger KV pool batches more sequences), then to the simpler
 placement (lower ZeRO stages, fewer offloads and sleeps), then the lower peak.
@@ -66,6 +71,7 @@ class Plan:
     roles: dict[str, RolePlacement]
     grad_checkpointing: bool
     vllm_share: float
+    sp: int = 1  # trainer.sequence_parallel_size
     peak: float = 0.0  # device bytes at the peak stage
     peak_stage: str = ""
     dominant: str = ""  # the role and component that dominate the peak
@@ -78,6 +84,8 @@ class Plan:
         lines = ["roles:"]
         for role, p in self.roles.items():
             keys = [f"zero_stage: {p.stage}"]
+            if self.sp > 1:  # a split row runs alone
+                keys += ["micro_batch_size: 1", "max_tokens_per_micro_batch: auto"]
             if p.offload != "none":
                 keys.append(f"offload: {p.offload}")
             if p.sleep:
@@ -87,6 +95,8 @@ class Plan:
         ckpt = str(self.grad_checkpointing).lower()
         lines.append(f"precision: {{{dtypes}, rollout_dtype: bf16, enable_grad_checkpointing: {ckpt}}}")
         lines.append(f"rollout: {{engine: vllm, sleep: true, gpu_memory_utilization: {self.vllm_share}}}")
+        if self.sp > 1:
+            lines.append(f"trainer: {{sequence_parallel_size: {self.sp}}}")
         return "\n".join(lines)
 
 
@@ -128,11 +138,12 @@ def plan_cost(
     w = workload(cfg, world)
     coll_rate = INTRA_NODE_BYTES_S if nodes == 1 else INTER_NODE_BYTES_S
     ring = (world - 1) / world if world > 1 else 0.0
-    out = {"pcie": 0.0, "host_adam": 0.0, "collectives": 0.0, "recompute": 0.0}
+    out = {"pcie": 0.0, "host_adam": 0.0, "collectives": 0.0, "all_to_all": 0.0, "recompute": 0.0}
     for role, p in plan.roles.items():
+        out["all_to_all"] += sp_all_to_all_s(cfg, shapes[role], role, plan.sp, plan.grad_checkpointing, world)
         psi = shapes[role].params(HEADS[role])
         b = BYTES[p.dtype]
-        mb = getattr(cfg.roles, role).micro_batch_size
+        mb = 1 if plan.sp > 1 else getattr(cfg.roles, role).micro_batch_size  # a split row runs alone
         passes = max(1, -(-w.local_batch // mb))  # micro-batches per pass over this rank's rows
         trained = role in TRAINED_ROLES
         fwd_bwd = passes * cfg.algorithm.ppo_epochs * (2 if trained else 0) + passes  # + the scoring pass
@@ -147,11 +158,36 @@ def plan_cost(
             if p.sleep:
                 out["pcie"] += 2 * _resident(states[role]["device"]) / PCIE_BYTES_S
             if plan.grad_checkpointing:
-                tokens = w.local_batch * w.seq_len * cfg.algorithm.ppo_epochs
+                tokens = w.local_batch * w.seq_len * cfg.algorithm.ppo_epochs / plan.sp  # this rank's shards
                 out["recompute"] += 2 * psi * tokens / GPU_FLOPS
         if "params" in p.offload:
             out["pcie"] += fwd_bwd * psi * b / world / PCIE_BYTES_S
     return out
+
+
+def sp_all_to_all_s(cfg, shape: ModelShape, role: str, sp: int, grad_checkpointing: bool, world: int) -> float:
+    """Seconds a step of `role`'s passes spends in sequence parallelism's all-to-alls (the module's model):
+    every layer sends (SP - 1) / SP of its shard's query, keys, values (repeated where SP exceeds the
+    key/value heads) and attention output, in 16-bit, per forward; a backward twice that."""
+    if sp == 1:
+        return 0.0
+    w = workload(replace(cfg, trainer=replace(cfg.trainer, sequence_parallel_size=sp)), world)
+    kv = shape.kv_heads * shape.head_dim * max(1, sp // shape.kv_heads)
+    per_forward = w.local_batch * w.seq_len / sp * shape.layers * (2 * shape.hidden + 2 * kv) * 2 * (sp - 1) / sp
+    forwards = 1 + (cfg.algorithm.ppo_epochs * (3 + grad_checkpointing) if role in TRAINED_ROLES else 0)
+    return forwards * per_forward / INTRA_NODE_BYTES_S
+
+
+def sp_sizes(cfg, shapes: dict[str, ModelShape], world: int, per_node: int) -> list[int]:
+    """The sequence-parallel sizes a run may take: 1, and where no reward model runs (it is not split),
+    the sizes that divide the world, fit in a node and split every model's heads as DeepSpeed does."""
+    if "reward" in active_roles(cfg):
+        return [1]
+
+    def splits(s: ModelShape, n: int) -> bool:
+        return s.heads % n == 0 and (s.kv_heads % n == 0 or n % s.kv_heads == 0)
+
+    return [n for n in (1, 2, 4, 8) if world % n == 0 and n <= per_node and all(splits(s, n) for s in shapes.values())]
 
 
 def search(
@@ -187,18 +223,21 @@ def search(
         )
         if host_gib is not None and host > host_gib * GIB:
             continue
-        for gc, share in itertools.product((False, True), VLLM_SHARES):
+        for gc, share, sp in itertools.product((False, True), VLLM_SHARES, sp_sizes(cfg, shapes, world, per_node)):
             c = replace(
                 placed,
                 precision=replace(placed.precision, enable_grad_checkpointing=gc),
                 rollout=replace(cfg.rollout, engine="vllm", sleep=True, gpu_memory_utilization=share),
+                trainer=replace(cfg.trainer, sequence_parallel_size=sp),
             )
-            est = estimate_memory(c, shapes["actor"], ds, world, "bf16", gpu_gib, role_shapes=shapes)
+            # one row a micro-batch under SP
+            split = {r: {**d, "train_micro_batch_size_per_gpu": 1} for r, d in ds.items()} if sp > 1 else ds
+            est = estimate_memory(c, shapes["actor"], split, world, "bf16", gpu_gib, role_shapes=shapes)
             totals = stage_totals(est)
             peak_stage = max(totals, key=totals.get)
             if totals[peak_stage] > gpu_gib * GIB:
                 continue
-            plan = Plan(placement, gc, share, totals[peak_stage], peak_stage, _dominant(est[peak_stage]), host)
+            plan = Plan(placement, gc, share, sp, totals[peak_stage], peak_stage, _dominant(est[peak_stage]), host)
             plan.costs = plan_cost(c, plan, shapes, states, world, nodes)
             plan.cost_s = sum(plan.costs.values())
             plans.append(plan)
@@ -208,7 +247,8 @@ def search(
 
 
 def _complexity(p: Plan) -> int:
-    return sum(r.stage + 4 * (r.offload != "none") + 2 * r.sleep for r in p.roles.values()) + 2 * p.grad_checkpointing
+    roles = sum(r.stage + 4 * (r.offload != "none") + 2 * r.sleep for r in p.roles.values())
+    return roles + 2 * p.grad_checkpointing + 2 * (p.sp > 1)
 
 
 def _dominant(stage: dict[str, dict[str, float]]) -> str:
@@ -223,17 +263,18 @@ def render_plans(plans: list[Plan], top: int, world: int, gpu_gib: float, host_g
     if not plans:
         return head + "No placement fits: more GPUs, a smaller model, shorter sequences or smaller micro-batches."
     rows = [
-        "| # | " + " | ".join(plans[0].roles) + " | ckpt | vLLM | peak GiB (stage: dominant) | host GiB/node | "
-        "s/step (PCIe, host Adam, collectives, recompute) |",
-        "|---|" + "---|" * len(plans[0].roles) + "---|---|---|---|---|",
+        "| # | " + " | ".join(plans[0].roles) + " | ckpt | SP | vLLM | peak GiB (stage: dominant) | host GiB/node | "
+        "s/step (PCIe, host Adam, collectives, all-to-all, recompute) |",
+        "|---|" + "---|" * len(plans[0].roles) + "---|---|---|---|---|---|",
     ]
     for i, p in enumerate(plans[:top], 1):
         cells = [_short(r) for r in p.roles.values()]
         c = p.costs
         rows.append(
-            f"| {i} | " + " | ".join(cells) + f" | {'on' if p.grad_checkpointing else 'off'} | {p.vllm_share:g} | "
-            f"{p.peak / GIB:.1f} ({p.peak_stage}: {p.dominant}) | {p.host / GIB:.0f} | {p.cost_s:.2f} "
-            f"({c['pcie']:.2f}, {c['host_adam']:.2f}, {c['collectives']:.2f}, {c['recompute']:.2f}) |"
+            f"| {i} | " + " | ".join(cells) + f" | {'on' if p.grad_checkpointing else 'off'} | {p.sp} | "
+            f"{p.vllm_share:g} | {p.peak / GIB:.1f} ({p.peak_stage}: {p.dominant}) | {p.host / GIB:.0f} | "
+            f"{p.cost_s:.2f} ({c['pcie']:.2f}, {c['host_adam']:.2f}, {c['collectives']:.2f}, "
+            f"{c['all_to_all']:.2f}, {c['recompute']:.2f}) |"
         )
     return (
         head
