@@ -123,6 +123,7 @@ class TinyModelConfig:
     heads: int = opt(4, "attention heads (must divide hidden)", gt=0)
     ffn: int = opt(256, "MLP width", gt=0)
     seed: int = opt(0, "initialisation seed")
+    max_positions: int = opt(256, "the longest row it takes (max_position_embeddings)", gt=0)
 
 
 @dataclass
@@ -543,6 +544,11 @@ class RoleConfig:
         False,
         "GPU: move this trained role's optimizer states, fp32 masters, gradients and weights to host memory from "
         "the weight sync until the next generation ends (ZeRO >= 1); CPU: a no-op",
+    )
+    tiled_mlp: bool = opt(
+        False,
+        "long rows: each decoder layer's MLP runs in tiles of `hidden` tokens (DeepSpeed's TiledMLP, ALST), so "
+        "its [tokens, ffn] intermediates live one tile at a time; the backward recomputes each tile",
     )
 
 

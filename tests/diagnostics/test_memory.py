@@ -307,3 +307,19 @@ def test_sequence_parallel_splits_a_rows_activations_and_adds_the_all_to_all_buf
     assert "sp_buffers" not in one and 0 < two["sp_buffers"] < two["activations"]
     short = pass_memory(shape, "bf16", 1, 65536, 65000, **kw, sp=4)
     assert short["logits_buffer"] == pytest.approx(one["logits_buffer"] * 16384 / 4096)  # at most a shard scored
+
+
+def test_tiled_mlps_hold_one_tile_of_ffn_intermediates():
+    from verl_ds.diagnostics.memory.estimate import pass_memory
+
+    shape = M.load_shape(str(LLAMA_8B))
+    kw = dict(head="lm", grad=True, grad_checkpointing=True)
+    plain = pass_memory(shape, "bf16", 1, 32768, 512, **kw)
+    tiled = pass_memory(shape, "bf16", 1, 32768, 512, **kw, tiled_mlp=True)
+    ffn_saved = 32768 * 11 * shape.ffn * 2 // 2  # a layer's ffn-sized saved tensors, bf16, whole row
+    tile = shape.hidden * 11 * shape.ffn * 2 // 2  # one tile of `hidden` tokens
+    assert plain["other"] - tiled["other"] == pytest.approx(2 * (ffn_saved - tile))  # forward + backward
+    assert tiled["activations"] == plain["activations"]  # checkpointed: layer inputs only either way
+    assert pass_memory(shape, "bf16", 1, 512, 512, **kw, tiled_mlp=True) == pass_memory(
+        shape, "bf16", 1, 512, 512, **kw
+    )

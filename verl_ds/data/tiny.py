@@ -128,6 +128,7 @@ def prepare_model(model_cfg, run_dir: str | Path) -> str:
     t = model_cfg.tiny
     asked = {k: getattr(t, k) for k in TINY_KEYS}
     built = _built_with(out)
+    built = built and {"max_positions": 256, **built}  # built before that setting: with its default
     rebuild = built is not None and any(built.get(k, asked[k]) != v for k, v in asked.items())
     if rebuild:
         diff = ", ".join(f"{k} {built[k]} -> {v}" for k, v in asked.items() if k in built and built[k] != v)
@@ -142,13 +143,14 @@ def prepare_model(model_cfg, run_dir: str | Path) -> str:
     if rank() == 0 and (rebuild or built is None):
         shutil.rmtree(out, ignore_errors=True)
         tokenizer = build_chat_tokenizer() if t.tokenizer == "chat" else build_char_tokenizer()
-        build_tiny_llama(out, tokenizer, hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn, seed=t.seed)
+        shape = dict(hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn)
+        build_tiny_llama(out, tokenizer, **shape, seed=t.seed, max_len=t.max_positions)
         (out / TINY_FILE).write_text(json.dumps(asked))
     barrier()
     return str(out)
 
 
-TINY_KEYS = ("tokenizer", "hidden", "layers", "heads", "ffn", "seed")
+TINY_KEYS = ("tokenizer", "hidden", "layers", "heads", "ffn", "seed", "max_positions")
 TINY_FILE = "verl_ds_tiny.json"  # the `model.tiny` settings an init_model was built with
 
 

@@ -5,6 +5,7 @@ on the rollout engine besides the loop's own episodes (`build_agents`, `build_pa
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -30,12 +31,15 @@ from verl_ds.roles import (
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.policy import can_share_prompts
 from verl_ds.roles.sequence_parallel import SequenceParallel
+from verl_ds.roles.tiling import tile_mlps
 from verl_ds.rollout.agents import AgentEpisodes
 from verl_ds.rollout.engines.weights import eos_token_ids
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
 from verl_ds.rollout.partial import PartialLimits, PartialRollouts
 from verl_ds.rollout.partial.agents import PartialAgents
 from verl_ds.trainer.setup import RunSetup
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,8 @@ def build_roles(setup: RunSetup) -> dict:
             sp=sp,
         )
     for name, role in roles.items():
+        if isinstance(role, Role) and getattr(cfg.roles, name).tiled_mlp:
+            log.info("roles.%s.tiled_mlp: %d MLPs run in sequence tiles", name, tile_mlps(role.module))
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = setup.token_budgets[name]
         if isinstance(role, PolicyRole):  # packed rows run every prompt in its own row

@@ -121,13 +121,15 @@ def pass_memory(
     grad_checkpointing: bool = False,
     math_attention: str = "",
     sp: int = 1,
+    tiled_mlp: bool = False,
 ) -> dict[str, float]:
     """Transient bytes of one micro-batch's pass over `rows` rows of `t` tokens, `r` of them scored
     (the response: logits only where they predict one, `logits_to_keep`): {activations, logits_buffer}.
     `sp` > 1 (sequence parallelism): the rank runs a `t / sp` shard of each row, scores the response
     tokens that fall in it (all of them on the last shard, at most the shard), and DeepSpeed's all-to-all
     holds one layer's query, keys, values and output in both layouts (`sp_buffers`); the core attention
-    sees every token for `heads / sp` heads.
+    sees every token for `heads / sp` heads. `tiled_mlp` (DeepSpeed's TiledMLP): a layer's `ffn`-sized
+    intermediates exist for one tile of `hidden` tokens at a time, in the forward and in the backward.
     No grad: one layer's intermediates live at a time. Under grad every layer keeps what its backward
     needs (SwiGLU decoder), or with `grad_checkpointing` one input a layer plus one layer recomputed.
     `math_attention`: "backward": the backward recomputes the plain math (`roles/attention.py`: a 16-bit
@@ -148,9 +150,10 @@ def pass_memory(
     out_logits = rows * (r if lm else t) * (shape.vocab if lm else 1) * b
     saved_attn = attn if math_attention == "saved" else 0.0
     attn -= saved_attn
+    ffn_t = min(t, h) if tiled_mlp else t  # the tokens whose MLP intermediates exist at once
     if not grad:
         return {
-            "activations": rows * t * (4 * h + 2 * kvdim + 3 * ffn) * b,
+            "activations": rows * (t * (4 * h + 2 * kvdim) + ffn_t * 3 * ffn) * b,
             "logits_buffer": out_logits + (rows * r * shape.vocab * 4 if lm else 0),  # + fp32 log-softmax
             **split,
         }
@@ -158,7 +161,7 @@ def pass_memory(
     # output and its projection's input...), 5 kv-sized (k, v before and after rope), 5.5 ffn-sized (gate, up,
     # their activation and product): an upper bound of autograd's saved tensors of Llama layers measured
     # in fp32 and bf16, MHA and GQA (tests/roles/test_long_rows.py holds it against the measurement)
-    per_layer = rows * t * (24 * h + 10 * kvdim + 11 * ffn) * b // 2 + saved_attn
+    per_layer = rows * (t * (24 * h + 10 * kvdim) + ffn_t * 11 * ffn) * b // 2 + saved_attn
     saved_logits = rows * r * shape.vocab * 4 * 3 if lm else 0  # fp32 logits, log-softmax, softmax (entropy)
     outside = rows * t * 3 * h * b + saved_logits  # the embedding's output, the final norm's input and output
     # the backward of one layer holds the gradients of its intermediates (about its saved set again), and
@@ -185,6 +188,7 @@ def role_memory(
     weight_dtype: str | None = None,
     adapter_params: int = 0,
     math_attention: str = "",
+    tiled_mlp: bool = False,
 ) -> dict[str, dict[str, float]]:
     """One DeepSpeed role's bytes per stage: {stage: {component: bytes}} (resident in every stage,
     transient parts only in the stages that run this role: `pass_memory` of a micro-batch of
@@ -211,7 +215,8 @@ def role_memory(
     stages = {s: dict(resident) for s in STAGES}
     # every role runs a no-grad forward while scoring
     stages["score"].update(
-        pass_memory(shape, dtype, mb, w.seq_len, w.resp_len, head=head, grad=False, sp=w.sp), other=gathered
+        pass_memory(shape, dtype, mb, w.seq_len, w.resp_len, head=head, grad=False, sp=w.sp, tiled_mlp=tiled_mlp),
+        other=gathered,
     )
     if trainable:
         bucket = min(psi, float(zero.get("reduce_bucket_size", 5e8))) * BYTES[grad_dtype] if stage in (1, 2) else 0.0
@@ -226,6 +231,7 @@ def role_memory(
             grad_checkpointing=grad_checkpointing,
             math_attention=math_attention,
             sp=w.sp,
+            tiled_mlp=tiled_mlp,
         )
         recompute = train.pop("other", 0.0)
         stages["update"].update(
@@ -361,6 +367,7 @@ def run_role_memory(
         w=w,
         grad_checkpointing=cfg.precision.enable_grad_checkpointing,
         math_attention=math_attention(cfg, role, ds_dtype(ds), rows, w.seq_len, on_gpu),
+        tiled_mlp=getattr(cfg.roles, role).tiled_mlp,
     )
     if on_gpu and getattr(cfg.roles, role).sleep and role in TRAINED_ROLES:
         stages["rollout"] = {}
@@ -518,6 +525,7 @@ def fit_passes(
             grad_checkpointing=cfg.precision.enable_grad_checkpointing,
             math_attention=math_attention(cfg, role, ds_dtype(ds), n, w.seq_len, bool(gpu_gib)),
             sp=w.sp,
+            tiled_mlp=getattr(cfg.roles, role).tiled_mlp,
         )
 
     def rows(role: str) -> int:
