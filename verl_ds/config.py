@@ -550,6 +550,11 @@ class RoleConfig:
         "long rows: each decoder layer's MLP runs in tiles of `hidden` tokens (DeepSpeed's TiledMLP, ALST), so "
         "its [tokens, ffn] intermediates live one tile at a time; the backward recomputes each tile",
     )
+    offload_activations: bool = opt(
+        False,
+        "GPU, trained roles, with precision.enable_grad_checkpointing: the input each checkpointed layer keeps "
+        "waits for the backward in host memory (DeepSpeed's activation-checkpoint offload, ALST); CPU: a no-op",
+    )
 
 
 def offload_stages(offload: str, trained: bool, sleep: bool = False) -> tuple[int, ...]:
@@ -933,6 +938,16 @@ def _between_sections(cfg: RunConfig) -> list[ConfigError]:
             "a teacher is used by distillation only: set algorithm.distill.coef > 0 (or drop the teacher)",
         ),
         *_sequence_parallel_rules(cfg),
+        *(
+            (
+                getattr(cfg.roles, role).offload_activations
+                and (role not in TRAINED_ROLES or not cfg.precision.enable_grad_checkpointing),
+                f"roles.{role}.offload_activations",
+                "offloads the inputs gradient checkpointing keeps: a trained role, with "
+                "precision.enable_grad_checkpointing: true",
+            )
+            for role in active_roles(cfg)
+        ),
     )
 
 

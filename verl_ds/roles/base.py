@@ -9,6 +9,7 @@ on CPU the switch that leaves the gradient all-reduce to `dist.BucketAllReduce`)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from verl_ds.ds_config import ds_dtype
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles import ds_internals as dsi
 from verl_ds.roles.batch import TrainBatch
+from verl_ds.roles.long_rows import activation_offload
 from verl_ds.roles.quant import quantize_int8
 
 
@@ -402,8 +404,9 @@ class Role:
         rows, kept = [], []
         for i, mb in enumerate(mbs):
             self._count_tokens("update", mb)
-            loss, metrics, out = self.micro_loss(mb, counts)
-            self.backward(loss * scale, boundary=i == len(mbs) - 1)
+            with self._offloading():
+                loss, metrics, out = self.micro_loss(mb, counts)
+                self.backward(loss * scale, boundary=i == len(mbs) - 1)
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
             if keep and out is not None and not mb.pad_row:
@@ -411,6 +414,22 @@ class Role:
                 kept.append(out)
         metrics = summarize(sums, len(mbs), self.dp_size, self.global_metric_keys)
         return Accumulated(metrics, in_row_order(rows, kept) if kept else None)  # packed: out of order
+
+    offload_activations = False  # trained roles: `roles.<role>.offload_activations` (the builder's, GPU)
+    _offload = None  # the last micro-batch's offload (DeepSpeed's counts: `activation_offload_stats`)
+
+    @property
+    def activation_offload_stats(self):
+        """DeepSpeed's counts of the last micro-batch's offloaded checkpoint inputs (None: none offloaded)."""
+        return self._offload and self._offload.stats
+
+    def _offloading(self):
+        """Over one micro-batch's forward and backward: the checkpointed layers' inputs on the host
+        (`long_rows.activation_offload`), or nothing."""
+        if not self.offload_activations:
+            return contextlib.nullcontext()
+        self._offload = activation_offload(self.device.type == "cuda")
+        return self._offload
 
     @property
     def dp_size(self) -> int:

@@ -28,10 +28,10 @@ from verl_ds.roles import (
     load_reward_model,
     load_value_model,
 )
+from verl_ds.roles.long_rows import tile_mlps
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.policy import can_share_prompts
 from verl_ds.roles.sequence_parallel import SequenceParallel
-from verl_ds.roles.tiling import tile_mlps
 from verl_ds.rollout.agents import AgentEpisodes
 from verl_ds.rollout.engines.weights import eos_token_ids
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
@@ -177,6 +177,8 @@ def build_roles(setup: RunSetup) -> dict:
             sp=sp,
         )
     for name, role in roles.items():
+        if isinstance(role, Role):  # the GPU's memory only (setup.py logs the CPU's no-op)
+            role.offload_activations = getattr(cfg.roles, name).offload_activations and setup.gpu
         if isinstance(role, Role) and getattr(cfg.roles, name).tiled_mlp:
             log.info("roles.%s.tiled_mlp: %d MLPs run in sequence tiles", name, tile_mlps(role.module))
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget

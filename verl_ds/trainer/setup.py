@@ -105,6 +105,11 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     sleepers = [r for r in trained if getattr(cfg.roles, r).sleep]
     if sleepers and not gpu:
         log.info("roles.{%s}.sleep: a no-op on CPU (no device memory to hand to the rollout)", ",".join(sleepers))
+    offloaders = ",".join(r for r in trained if getattr(cfg.roles, r).offload_activations)
+    if offloaders and not gpu:
+        log.info(
+            "roles.{%s}.offload_activations: a no-op on CPU (activations are in host memory)", ",".join(offloaders)
+        )
     budget, shape = rank_budget(cfg, world, gpu), load_shape(model_path)
     check_context(cfg, model_path)
     check_sequence_parallel(cfg, shape)

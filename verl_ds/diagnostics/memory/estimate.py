@@ -109,6 +109,11 @@ def workload(cfg, world: int) -> Workload:
     return Workload(gen, per_rank * sp, t, max(1, t - cfg.data.max_prompt_length), world, sp)
 
 
+# DeepSpeed's activation-checkpoint offload keeps the last layer's input and has two more in flight
+# (`keep_last_count=1`, `max_fwd_stash_count=2`)
+OFFLOAD_KEPT_LAYERS = 3
+
+
 def pass_memory(
     shape: ModelShape,
     dtype: str,
@@ -122,6 +127,7 @@ def pass_memory(
     math_attention: str = "",
     sp: int = 1,
     tiled_mlp: bool = False,
+    offload_activations: bool = False,
 ) -> dict[str, float]:
     """Transient bytes of one micro-batch's pass over `rows` rows of `t` tokens, `r` of them scored
     (the response: logits only where they predict one, `logits_to_keep`): {activations, logits_buffer}.
@@ -130,6 +136,8 @@ def pass_memory(
     holds one layer's query, keys, values and output in both layouts (`sp_buffers`); the core attention
     sees every token for `heads / sp` heads. `tiled_mlp` (DeepSpeed's TiledMLP): a layer's `ffn`-sized
     intermediates exist for one tile of `hidden` tokens at a time, in the forward and in the backward.
+    `offload_activations` (with checkpointing, GPU): the layers' kept inputs wait on the host but for the
+    few DeepSpeed's offload keeps or has in flight (`OFFLOAD_KEPT_LAYERS`).
     No grad: one layer's intermediates live at a time. Under grad every layer keeps what its backward
     needs (SwiGLU decoder), or with `grad_checkpointing` one input a layer plus one layer recomputed.
     `math_attention`: "backward": the backward recomputes the plain math (`roles/attention.py`: a 16-bit
@@ -167,7 +175,8 @@ def pass_memory(
     # the backward of one layer holds the gradients of its intermediates (about its saved set again), and
     # with checkpointing that set itself, recomputed: transients under `other`
     if grad_checkpointing:  # one input a layer kept
-        acts = shape.layers * rows * t * h * b
+        kept = min(shape.layers, OFFLOAD_KEPT_LAYERS) if offload_activations else shape.layers
+        acts = kept * rows * t * h * b
         return {"activations": acts + outside, "logits_buffer": out_logits, "other": 2 * per_layer + attn, **split}
     return {
         "activations": shape.layers * per_layer + outside,
@@ -189,6 +198,7 @@ def role_memory(
     adapter_params: int = 0,
     math_attention: str = "",
     tiled_mlp: bool = False,
+    offload_activations: bool = False,
 ) -> dict[str, dict[str, float]]:
     """One DeepSpeed role's bytes per stage: {stage: {component: bytes}} (resident in every stage,
     transient parts only in the stages that run this role: `pass_memory` of a micro-batch of
@@ -232,6 +242,7 @@ def role_memory(
             math_attention=math_attention,
             sp=w.sp,
             tiled_mlp=tiled_mlp,
+            offload_activations=offload_activations,
         )
         recompute = train.pop("other", 0.0)
         stages["update"].update(
@@ -368,6 +379,7 @@ def run_role_memory(
         grad_checkpointing=cfg.precision.enable_grad_checkpointing,
         math_attention=math_attention(cfg, role, ds_dtype(ds), rows, w.seq_len, on_gpu),
         tiled_mlp=getattr(cfg.roles, role).tiled_mlp,
+        offload_activations=on_gpu and getattr(cfg.roles, role).offload_activations,
     )
     if on_gpu and getattr(cfg.roles, role).sleep and role in TRAINED_ROLES:
         stages["rollout"] = {}
@@ -526,6 +538,7 @@ def fit_passes(
             math_attention=math_attention(cfg, role, ds_dtype(ds), n, w.seq_len, bool(gpu_gib)),
             sp=w.sp,
             tiled_mlp=getattr(cfg.roles, role).tiled_mlp,
+            offload_activations=bool(gpu_gib) and getattr(cfg.roles, role).offload_activations,
         )
 
     def rows(role: str) -> int:

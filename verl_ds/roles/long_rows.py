@@ -1,4 +1,5 @@
-"""Long-row memory from DeepSpeed's ALST: `TiledMLP` on a model's decoder MLPs (`roles.<role>.tiled_mlp`).
+"""Long-row memory from DeepSpeed's ALST: `TiledMLP` on a model's decoder MLPs (`roles.<role>.tiled_mlp`),
+and the checkpointed layers' inputs offloaded to host memory (`roles.<role>.offload_activations`).
 
 A SwiGLU MLP holds `[tokens, ffn]` intermediates (gate, up, their activation and product), ~2.7x a layer's
 hidden-sized ones at Llama's widths; DeepSpeed's `TiledMLP` runs it in tiles along the sequence without
@@ -47,3 +48,15 @@ def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
     if shards <= 1:
         return _mlp(self, x)
     return TiledMLP.apply(_mlp, self, x, shards, weights)
+
+
+def activation_offload(on_gpu: bool):
+    """DeepSpeed's offload of the inputs gradient checkpointing keeps (one per decoder layer) to host memory
+    from the forward until the backward needs them (`CheckpointHiddenStatesOffload`, pinned buffers on a
+    side stream on a GPU), as a context to hold over one micro-batch's forward and backward. On a CPU
+    DeepSpeed marks the inputs and keeps them where they are (the host already holds them)."""
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        get_checkpoint_hidden_states_offloading_ctx_manager,
+    )
+
+    return get_checkpoint_hidden_states_offloading_ctx_manager(use_pin_memory=on_gpu, use_streams=on_gpu)
