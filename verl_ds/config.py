@@ -818,7 +818,7 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, world_size: int | None = None
 ) -> RunConfig:
     """The YAML file + dotted overrides, built and validated once (for `world_size` ranks; default
-    $WORLD_SIZE, which the launcher sets)."""
+    `default_world`: $WORLD_SIZE, which the launcher sets)."""
     data = read_yaml(path) if path else {}
     data = apply_overrides(data, overrides or [])
     errors: list[ConfigError] = []  # the structure's mistakes, reported with the values' (one pass)
@@ -854,12 +854,12 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
     Field types were checked when the config was built; here: each field's choices and bounds (its
     `opt` metadata), each section's own rules (its `check`, next to its fields), the rules between
     sections (`_between_sections`), the names a run resolves (reward function, environment, tools),
-    the batch geometry against `world_size` ranks (default: $WORLD_SIZE) and the facts of each role's
+    the batch geometry against `world_size` ranks (default: `default_world`) and the facts of each role's
     DeepSpeed JSON file. The model and data paths: `validate_paths`.
     """
     errors = [*(errors or []), *field_errors(cfg)]  # `errors`: what building the config found
     raise_all(errors)  # the rules below assume each field is in range
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size or default_world(cfg)
     for part in (cfg.model, cfg.data, cfg.algorithm, cfg.rollout, cfg.roles, cfg.precision):
         errors += part.check()
     errors += _between_sections(cfg)
@@ -1025,6 +1025,12 @@ def _batch_geometry(cfg: RunConfig, world: int) -> list[ConfigError]:
             f"{t.sequence_parallel_size} does not divide the world size {world}",
         ),
     )
+
+
+def default_world(cfg: RunConfig) -> int:
+    """The ranks a config is checked and rendered for when none are given: $WORLD_SIZE (the launcher
+    sets it), else the fewest the run takes (its sequence-parallel group; 1)."""
+    return int(os.environ.get("WORLD_SIZE", 0)) or cfg.trainer.sequence_parallel_size
 
 
 def dp_world(cfg: RunConfig, world: int) -> int:

@@ -10,9 +10,8 @@ one left here needs the merged precision (bf16 with fp32 gradient accumulation a
 from __future__ import annotations
 
 import copy
-import os
 
-from verl_ds.config import active_roles, dp_world, mini_batch, read_ds_json
+from verl_ds.config import active_roles, default_world, dp_world, mini_batch, read_ds_json
 from verl_ds.errors import ConfigError
 from verl_ds.precision import (
     TRAINED_ROLES,
@@ -187,7 +186,7 @@ def render_ds_configs(
     (`files`: as `read_ds_files` read them; left as they are). A role's ZeRO stage is
     `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
     see trainer/setup.py), else its JSON file's."""
-    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))  # `cfg` was validated at load (config.validate)
+    world = world_size or default_world(cfg)  # `cfg` was validated at load (config.validate)
     world = dp_world(cfg, world)  # DeepSpeed's batch arithmetic counts data-parallel ranks
     files = files or read_ds_files(cfg)
     precision = precision or run_precision(cfg, files=files)

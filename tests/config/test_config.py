@@ -868,3 +868,16 @@ def test_sequence_parallel_refuses_what_it_cannot_split_in_one_line(override, ke
     out = cli("config", "render", "--config", str(CPU_PPO), "--world-size", "2", *SP, override)
     assert out.returncode == 2 and key in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["roles.actor.offload_activations=true"],  # nothing checkpointed to offload
+        ["roles.reference.offload_activations=true", "precision.enable_grad_checkpointing=true"],  # frozen
+    ],
+)
+def test_offloading_activations_needs_a_trained_role_that_checkpoints(overrides):
+    out = cli("config", "render", "--config", str(CPU_PPO), *overrides)
+    key = overrides[0].split("=")[0]
+    assert out.returncode == 2 and key in out.stderr and "Traceback" not in out.stderr, out.stderr
