@@ -3,7 +3,8 @@
 Searched per role: ZeRO stage (trained roles 0-3, frozen 0 or 3), offload (optimizer; optimizer +
 parameters at ZeRO-3; a frozen role's parameters at ZeRO-3), `sleep` (trained roles at ZeRO >= 1 whose
 parameters stay on the device), int8 weights for a reward model or teacher; for the run, activation
-checkpointing, vLLM's share of the GPU (`rollout.gpu_memory_utilization`) and the sequence-parallel size
+checkpointing (and its inputs offloaded to the host), DeepSpeed's TiledMLP for the trained roles, vLLM's
+share of the GPU (`rollout.gpu_memory_utilization`) and the sequence-parallel size
 (`trainer.sequence_parallel_size`: the sizes that divide a node's GPUs and the model's heads as DeepSpeed's
 all-to-all needs; one row a micro-batch; not with a reward model, which is not split). Compute dtypes stay
 bf16 (the GPU rule); LoRA is not searched (it changes what is trained).
@@ -24,7 +25,9 @@ The cost model (seconds per step, from bytes moved and work added; constants bel
 - Sequence parallelism: every attention layer all-to-alls its query, keys, values and output, forward and
   backward (and again in a checkpointed layer's recomputation), (SP - 1) / SP of them leaving the rank,
   within a node at the intra-node rate.
-- Activation checkpointing recomputes each training forward (2 FLOPs/param/token).
+- Activation checkpointing recomputes each training forward (2 FLOPs/param/token); TiledMLP its MLPs'
+  forward (6 hidden x ffn FLOPs/layer/token); the activation offload sends each checkpointed layer's input
+  over PCIe and back.
 Ties go to the larger vLLM share (a larger KV pool batches more sequences), then to the simpler
 placement (lower ZeRO stages, fewer offloads and sleeps), then the lower peak.
 """
@@ -72,6 +75,8 @@ class Plan:
     grad_checkpointing: bool
     vllm_share: float
     sp: int = 1  # trainer.sequence_parallel_size
+    tiled_mlp: bool = False  # the trained roles' roles.<role>.tiled_mlp
+    offload_activations: bool = False  # the trained roles' roles.<role>.offload_activations
     peak: float = 0.0  # device bytes at the peak stage
     peak_stage: str = ""
     dominant: str = ""  # the role and component that dominate the peak
@@ -86,6 +91,8 @@ class Plan:
             keys = [f"zero_stage: {p.stage}"]
             if self.sp > 1:  # a split row runs alone
                 keys += ["micro_batch_size: 1", "max_tokens_per_micro_batch: auto"]
+            if role in TRAINED_ROLES:
+                keys += ["tiled_mlp: true"] * self.tiled_mlp + ["offload_activations: true"] * self.offload_activations
             if p.offload != "none":
                 keys.append(f"offload: {p.offload}")
             if p.sleep:
@@ -157,9 +164,14 @@ def plan_cost(
                 out["host_adam"] += 16 * psi / world / HOST_ADAM_BYTES_S
             if p.sleep:
                 out["pcie"] += 2 * _resident(states[role]["device"]) / PCIE_BYTES_S
+            tokens = w.local_batch * w.seq_len * cfg.algorithm.ppo_epochs / plan.sp  # this rank's shards
             if plan.grad_checkpointing:
-                tokens = w.local_batch * w.seq_len * cfg.algorithm.ppo_epochs / plan.sp  # this rank's shards
                 out["recompute"] += 2 * psi * tokens / GPU_FLOPS
+            s = shapes[role]
+            if plan.tiled_mlp:  # the MLPs' forward again in the backward
+                out["recompute"] += 6 * s.hidden * s.ffn * s.layers * tokens / GPU_FLOPS
+            if plan.offload_activations:  # each checkpointed layer's input down and back up
+                out["pcie"] += 2 * s.layers * tokens * s.hidden * b / PCIE_BYTES_S
         if "params" in p.offload:
             out["pcie"] += fwd_bwd * psi * b / world / PCIE_BYTES_S
     return out
@@ -223,12 +235,22 @@ def search(
         )
         if host_gib is not None and host > host_gib * GIB:
             continue
-        for gc, share, sp in itertools.product((False, True), VLLM_SHARES, sp_sizes(cfg, shapes, world, per_node)):
+        sps = sp_sizes(cfg, shapes, world, per_node)
+        for gc, share, sp, tiled, off in itertools.product(
+            (False, True), VLLM_SHARES, sps, (False, True), (False, True)
+        ):
+            if off and not gc:
+                continue  # the offload moves what checkpointing keeps
+            long_rows = {"tiled_mlp": tiled, "offload_activations": off}
             c = replace(
                 placed,
                 precision=replace(placed.precision, enable_grad_checkpointing=gc),
                 rollout=replace(cfg.rollout, engine="vllm", sleep=True, gpu_memory_utilization=share),
                 trainer=replace(cfg.trainer, sequence_parallel_size=sp),
+                roles=replace(
+                    placed.roles,
+                    **{r: replace(getattr(placed.roles, r), **long_rows) for r in roles if r in TRAINED_ROLES},
+                ),
             )
             # one row a micro-batch under SP
             split = {r: {**d, "train_micro_batch_size_per_gpu": 1} for r, d in ds.items()} if sp > 1 else ds
@@ -237,7 +259,10 @@ def search(
             peak_stage = max(totals, key=totals.get)
             if totals[peak_stage] > gpu_gib * GIB:
                 continue
-            plan = Plan(placement, gc, share, sp, totals[peak_stage], peak_stage, _dominant(est[peak_stage]), host)
+            plan = Plan(
+                placement, gc, share, sp, tiled, off, totals[peak_stage], peak_stage, _dominant(est[peak_stage])
+            )
+            plan.host = host
             plan.costs = plan_cost(c, plan, shapes, states, world, nodes)
             plan.cost_s = sum(plan.costs.values())
             plans.append(plan)
@@ -248,7 +273,7 @@ def search(
 
 def _complexity(p: Plan) -> int:
     roles = sum(r.stage + 4 * (r.offload != "none") + 2 * r.sleep for r in p.roles.values())
-    return roles + 2 * p.grad_checkpointing + 2 * (p.sp > 1)
+    return roles + 2 * p.grad_checkpointing + 2 * (p.sp > 1) + p.tiled_mlp + p.offload_activations
 
 
 def _dominant(stage: dict[str, dict[str, float]]) -> str:
@@ -263,15 +288,17 @@ def render_plans(plans: list[Plan], top: int, world: int, gpu_gib: float, host_g
     if not plans:
         return head + "No placement fits: more GPUs, a smaller model, shorter sequences or smaller micro-batches."
     rows = [
-        "| # | " + " | ".join(plans[0].roles) + " | ckpt | SP | vLLM | peak GiB (stage: dominant) | host GiB/node | "
+        "| # | " + " | ".join(plans[0].roles) + " | ckpt | SP | long rows | vLLM | peak GiB (stage: dominant) "
+        "| host GiB/node | "
         "s/step (PCIe, host Adam, collectives, all-to-all, recompute) |",
-        "|---|" + "---|" * len(plans[0].roles) + "---|---|---|---|---|---|",
+        "|---|" + "---|" * len(plans[0].roles) + "---|---|---|---|---|---|---|",
     ]
     for i, p in enumerate(plans[:top], 1):
         cells = [_short(r) for r in p.roles.values()]
         c = p.costs
         rows.append(
             f"| {i} | " + " | ".join(cells) + f" | {'on' if p.grad_checkpointing else 'off'} | {p.sp} | "
+            f"{_long_rows(p)} | "
             f"{p.vllm_share:g} | {p.peak / GIB:.1f} ({p.peak_stage}: {p.dominant}) | {p.host / GIB:.0f} | "
             f"{p.cost_s:.2f} ({c['pcie']:.2f}, {c['host_adam']:.2f}, {c['collectives']:.2f}, "
             f"{c['all_to_all']:.2f}, {c['recompute']:.2f}) |"
@@ -281,6 +308,10 @@ def render_plans(plans: list[Plan], top: int, world: int, gpu_gib: float, host_g
         + "\n".join(rows)
         + f"\n\n{len(plans)} plans fit. The best as a run-config block:\n\n```yaml\n{plans[0].yaml()}\n```"
     )
+
+
+def _long_rows(p: Plan) -> str:
+    return " + ".join(["tiled MLP"] * p.tiled_mlp + ["act. offload"] * p.offload_activations) or "-"
 
 
 def _short(p: RolePlacement) -> str:
