@@ -15,6 +15,8 @@ import types
 
 import torch
 
+from verl_ds.roles.ds_internals import is_zero3
+
 
 def tile_mlps(model: torch.nn.Module) -> int:
     """Every gated MLP of `model` (`gate_proj`, `up_proj`, `down_proj`, `act_fn`: Llama, Qwen, Mistral, ...)
@@ -38,7 +40,7 @@ def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
 
     weights = [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight]
     shards = math.ceil(x.shape[-2] / x.shape[-1])
-    if any(hasattr(w, "ds_id") for w in weights) and torch.distributed.is_initialized():
+    if is_zero3(self) and torch.distributed.is_initialized():
         n = torch.tensor(shards, device=x.device)
         torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
         shards = int(n)
