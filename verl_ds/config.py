@@ -960,11 +960,6 @@ def _sequence_parallel_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
     why = f"trainer.sequence_parallel_size {sp}"
     rules = [
         (
-            "reward" in roles,
-            "model.reward_path",
-            f"{why}: a reward model is not split along the sequence here; score with data.reward_fn",
-        ),
-        (
             cfg.rollout.engine == "hf",
             "rollout.engine",
             f"{why}: the HF engine generates with the actor's model, whose attention SP replaces; use vllm",

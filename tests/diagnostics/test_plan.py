@@ -69,6 +69,8 @@ def test_an_8b_ppo_flow_with_a_reward_model_gets_a_plan_that_renders(tmp_path, c
         print(f"\n{out}")
     assert set(block["roles"]) == {"actor", "critic", "reference", "reward"}
     assert "plans fit" in out
+    # 1k-token rows: a whole row a micro-batch (no all-to-all) is weighed against a split one, and wins
+    assert "trainer" not in block, block
     cfg = _renders(tmp_path, "examples/ppo_cpu_tiny.yaml", overrides, block, world)
     assert cfg.rollout.sleep and cfg.roles.actor.offload == block["roles"]["actor"].get("offload", "none")
 
@@ -112,7 +114,7 @@ def test_a_64k_row_on_8_gpus_gets_a_sequence_parallel_plan_that_renders(tmp_path
     assert cfg.trainer.sequence_parallel_size == block["trainer"]["sequence_parallel_size"]
 
 
-def test_sequence_parallel_sizes_follow_deepspeeds_head_rule_and_leave_out_a_reward_model():
+def test_sequence_parallel_sizes_follow_deepspeeds_head_rule_in_every_model():
     cfg = load_config("examples/grpo_gpu_qwen05b.yaml", ["data.train_files=[]", "data.task=arithmetic"])
     from verl_ds.diagnostics.memory import load_shape
 
@@ -122,4 +124,5 @@ def test_sequence_parallel_sizes_follow_deepspeeds_head_rule_and_leave_out_a_rew
     smol = dataclasses.replace(llama, heads=9, kv_heads=3)  # SmolLM2-135M's heads
     assert P.sp_sizes(cfg, {"actor": smol}, world=8, per_node=8) == [1]
     with_rm = load_config("examples/ppo_cpu_tiny.yaml", [*PPO_8B, "model.reward_path=x"])
-    assert P.sp_sizes(with_rm, {"actor": llama}, world=8, per_node=8) == [1]
+    assert P.sp_sizes(with_rm, {"actor": llama}, world=8, per_node=8) == [1, 2, 4, 8]  # a reward model splits too
+    assert P.sp_sizes(with_rm, {"actor": llama, "reward": smol}, world=8, per_node=8) == [1]  # its heads count

@@ -1,6 +1,7 @@
 """Run by test_sequence_parallel.py under `deepspeed --num_gpus 2` (CPU, gloo): each row split over 2 ranks
 by DeepSpeed's Ulysses SP gives what the unsplit pass gives on the same rows: a frozen policy's logprobs
-and entropy, the actor's gradients at ZeRO 0-3 (and with LoRA), the critic's values and gradients.
+and entropy, the actor's gradients at ZeRO 0-3 (and with LoRA), the critic's values and gradients, a reward
+model's scores (at ZeRO-3: its backbone and head called apart).
 
 The unsplit passes run first: registering SP replaces the process's sdpa attention for every model.
 `SP_PLANT` plants a bug the checks must catch: `divisor` (the loss scaled by the world, as without SP),
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from tests.roles.helpers import Cfg, assert_same_gradients, ds_config, make_group_batch
 from verl_ds.dist import init_distributed, world_size
-from verl_ds.roles import Actor, Critic, Reference, load_causal_lm, load_value_model
+from verl_ds.roles import Actor, Critic, Reference, RewardModel, load_causal_lm, load_reward_model, load_value_model
 from verl_ds.roles import ds_internals as dsi
 from verl_ds.roles.sequence_parallel import SequenceParallel
 
@@ -73,6 +74,12 @@ def value_model(model_dir: str):
     return model
 
 
+def reward_model(model_dir: str, dp: int, n: int, sp=None) -> RewardModel:
+    """The tiny model as a scorer, its head seeded alike in both runs."""
+    torch.manual_seed(0)
+    return RewardModel(load_reward_model(model_dir, attn_implementation="sdpa"), config("reward", 3, dp, n), sp=sp)
+
+
 def main(model_dir: str) -> None:
     init_distributed()
     plant = os.environ.get("SP_PLANT", "")
@@ -91,6 +98,7 @@ def main(model_dir: str) -> None:
     critic = Critic(value_model(model_dir), config("critic", 2, world, n), Cfg())
     want_values = critic.values(batch)
     want_critic = grads(critic, batch, world)
+    want_scores = reward_model(model_dir, world, n).score(batch)
 
     # ---- split: SP 2, one data-parallel group
     sp = SequenceParallel.register(model_dir, 2)
@@ -121,6 +129,11 @@ def main(model_dir: str) -> None:
     diff = float((got_values - want_values)[mask].abs().max())
     assert diff <= 1e-5, f"SP 2 critic values differ from SP 1 by {diff:.3g}"
     assert_same_gradients(grads(critic, batch, dp), want_critic)
+    # each rank scores its own rows, before a group joins them: unequal counts, some rows on both
+    own = torch.arange(0, 3) if sp.rank == 0 else torch.arange(2, n)
+    got_scores = reward_model(model_dir, dp, n, sp=sp).score(batch.select(own))
+    diff = float((got_scores - want_scores[own]).abs().max())
+    assert diff <= 1e-5, f"SP 2 reward scores differ from SP 1 by {diff:.3g}"
     print(f"SP_OK rows={n} tokens={int(mask.sum())} stages={STAGES}", flush=True)
 
 

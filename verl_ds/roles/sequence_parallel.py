@@ -1,4 +1,4 @@
-"""Sequence parallelism for the policy models' passes, through DeepSpeed's own ALST code (Ulysses SP for
+"""Sequence parallelism for every model role's passes, through DeepSpeed's own ALST code (Ulysses SP for
 Hugging Face models, `deepspeed.runtime.sequence_parallel.ulysses_sp`): each row's tokens are split along
 the sequence over the ranks of a sequence-parallel group, and every attention layer all-to-alls its
 sequence shards into head shards and back (`UlyssesSPAttentionHF`, registered in place of the model's
@@ -156,6 +156,35 @@ class SequenceParallel:
             return (model(input_ids=ids, attention_mask=None, position_ids=pos)[0].float(),)
 
         return self.per_token(batch, shard_fn)[0]
+
+    @torch.no_grad()
+    def scores(self, model, batch: TrainBatch, pad: int) -> torch.Tensor:
+        """A reward model's `[B]` fp32 scores of this rank's own rows. Rewards are scored where the rows were
+        generated, before a group joins them, so each rank of the group passes its own rows (their counts
+        may differ): the group scores every rank's rows in turn, each row split over all of it, and each
+        rank keeps its own. A row's score is its head's at the position where HF's sequence classifier
+        pools (the row's last token that is not the model's `pad` id), read from the gathered per-position
+        head outputs. Collective over the group."""
+        backbone = getattr(model, model.base_model_prefix)
+        dev = batch.input_ids.device
+        mine = [batch.input_ids[i][batch.attention_mask[i].bool()] for i in range(len(batch))]
+        mine = [ids if len(ids) else batch.input_ids[i][:1] for i, ids in enumerate(mine)]
+        counts = [torch.zeros(1, dtype=torch.long, device=dev) for _ in range(self.size)]
+        dist.all_gather(counts, torch.tensor([len(mine)], device=dev), group=self.group)
+        out = []
+        for src, count in enumerate(counts):
+            root = dist.get_global_rank(self.group, src)
+            for j in range(int(count)):
+                n = torch.tensor([len(mine[j]) if src == self.rank else 0], device=dev)
+                dist.broadcast(n, src=root, group=self.group)
+                ids = mine[j] if src == self.rank else torch.empty(int(n), dtype=torch.long, device=dev)
+                dist.broadcast(ids, src=root, group=self.group)
+                local_ids, pos, _ = self.shard(ids)
+                hidden = backbone(input_ids=local_ids, position_ids=pos, use_cache=False).last_hidden_state
+                score = self.gather(model.score(hidden)[0, :, 0].float())
+                if src == self.rank:
+                    out.append(score[int((torch.arange(len(ids), device=dev) * (ids != pad)).argmax())])
+        return torch.stack(out) if out else torch.zeros(0, device=dev)
 
     @torch.no_grad()
     def logprobs(self, model, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:

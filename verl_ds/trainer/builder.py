@@ -165,9 +165,10 @@ def build_roles(setup: RunSetup) -> dict:
         )
     if "reward" in setup.roles:
         roles["reward"] = RewardModel(
-            load_reward_model(m.reward_path, m.trust_remote_code),
+            load_reward_model(m.reward_path, m.trust_remote_code, attn if sp else None),
             ds["reward"],
             int8_activation=precision.reward_activation if precision.reward == "int8" else None,
+            sp=sp,
         )
     if "teacher" in setup.roles:
         roles["teacher"] = Teacher(

@@ -151,19 +151,20 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
 def check_sequence_parallel(cfg: RunConfig, shape) -> None:
     """What `trainer.sequence_parallel_size` needs of the resolved engine and the model (the config's own
     rules: `config._sequence_parallel_rules`): vLLM generating (the HF engine runs the actor's model,
-    whose attention SP replaces), and attention heads the group splits evenly (DeepSpeed's all-to-all
-    hands each rank whole heads)."""
+    whose attention SP replaces), and every model's attention heads (the policy's, a reward model's or
+    teacher's) the group splits evenly (DeepSpeed's all-to-all hands each rank whole heads)."""
     sp = cfg.trainer.sequence_parallel_size
     if sp == 1:
         return
     if cfg.rollout.engine == "hf":
         raise ConfigError("rollout.engine", f"trainer.sequence_parallel_size {sp} needs vllm (auto resolved to hf)")
-    if shape.heads % sp or (shape.kv_heads % sp and sp % shape.kv_heads):
-        raise ConfigError(
-            "trainer.sequence_parallel_size",
-            f"{sp} must divide the model's {shape.heads} attention heads and divide or be a multiple of its "
-            f"{shape.kv_heads} key/value heads (DeepSpeed's all-to-all hands each rank whole heads)",
-        )
+    for name, s in {"model": shape, **{f"{r} model": rs for r, rs in role_shapes(cfg).items()}}.items():
+        if s.heads % sp or (s.kv_heads % sp and sp % s.kv_heads):
+            raise ConfigError(
+                "trainer.sequence_parallel_size",
+                f"{sp} must divide the {name}'s {s.heads} attention heads and divide or be a multiple of its "
+                f"{s.kv_heads} key/value heads (DeepSpeed's all-to-all hands each rank whole heads)",
+            )
 
 
 def resolve_attention(attn: str, packing, gpu: bool) -> tuple[str, bool]:

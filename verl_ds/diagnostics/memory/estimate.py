@@ -399,6 +399,23 @@ def math_attention(cfg, role: str, dtype: str, rows: int, t: int, on_gpu: bool) 
     return "backward" if cpu16 and attention.math_runs(TORCH_DTYPES[dtype], "cpu", rows, t, t) else ""
 
 
+def roles_memory(
+    cfg,
+    shape: ModelShape,
+    ds_configs: dict[str, dict],
+    world: int,
+    gpu_gib: float | None = None,
+    role_shapes: dict[str, ModelShape] | None = None,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """{role: {stage: {component: bytes}}} per GPU: the DeepSpeed roles alone (`estimate_memory`'s
+    arguments; the rollout engine's settings do not enter)."""
+    w = workload(cfg, world)
+    return {
+        role: run_role_memory(cfg, (role_shapes or {}).get(role, shape), role, ds, w, on_gpu=bool(gpu_gib))
+        for role, ds in ds_configs.items()
+    }
+
+
 def estimate_memory(
     cfg,
     shape: ModelShape,
@@ -407,18 +424,17 @@ def estimate_memory(
     rollout_dtype: str,
     gpu_gib: float | None = None,
     role_shapes: dict[str, ModelShape] | None = None,
+    roles_part: dict | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{stage: {role: {component: bytes}}} per GPU: one rank's roles and its colocated rollout engine
     (every rank owns one; a tensor-parallel group shares one, split over its ranks). `role_shapes`:
-    the roles whose model is not the policy's (a reward model, a larger teacher)."""
+    the roles whose model is not the policy's (a reward model, a larger teacher). `roles_part`: the
+    roles' `roles_memory` for these arguments, where a caller varies only the engine's settings."""
     if cfg.rollout.engine == "auto":  # the engine the trainer would pick for this model and device
         engine = choose_engine("auto", shape.params("lm"), bool(gpu_gib))[0]
         cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine))
     w = workload(cfg, world)
-    per_role = {
-        role: run_role_memory(cfg, (role_shapes or {}).get(role, shape), role, ds, w, on_gpu=bool(gpu_gib))
-        for role, ds in ds_configs.items()
-    }
+    per_role = dict(roles_part or roles_memory(cfg, shape, ds_configs, world, gpu_gib, role_shapes))
     rdt = rollout_dtype
     per_role["rollout"] = rollout_memory(
         shape, cfg.rollout, rdt, w, shape.largest_module() * 4, gpu_gib, shape.params("lm") * BYTES[rdt]

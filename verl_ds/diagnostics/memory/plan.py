@@ -6,8 +6,8 @@ parameters stay on the device), int8 weights for a reward model or teacher; for 
 checkpointing (and its inputs offloaded to the host), DeepSpeed's TiledMLP for the trained roles, vLLM's
 share of the GPU (`rollout.gpu_memory_utilization`) and the sequence-parallel size
 (`trainer.sequence_parallel_size`: the sizes that divide a node's GPUs and the model's heads as DeepSpeed's
-all-to-all needs; one row a micro-batch; not with a reward model, which is not split). Compute dtypes stay
-bf16 (the GPU rule); LoRA is not searched (it changes what is trained).
+all-to-all needs; one row a micro-batch). Compute dtypes stay bf16 (the GPU rule); LoRA is not searched
+(it changes what is trained).
 
 A plan fits when the analytic estimate (`estimate_memory`: every stage's device bytes, vLLM asleep
 while the roles train) is within the GPU at every stage, and the host holds each node's offloaded
@@ -47,6 +47,7 @@ from verl_ds.diagnostics.memory.estimate import (
     estimate_memory,
     model_states,
     role_kwargs,
+    roles_memory,
     stage_totals,
     workload,
 )
@@ -77,6 +78,9 @@ class Plan:
     sp: int = 1  # trainer.sequence_parallel_size
     tiled_mlp: bool = False  # the trained roles' roles.<role>.tiled_mlp
     offload_activations: bool = False  # the trained roles' roles.<role>.offload_activations
+    # one row a micro-batch: SP's rule, and searched without SP too, so a split row is weighed against a
+    # whole row alone rather than against the user's larger micro-batches
+    one_row: bool = False
     peak: float = 0.0  # device bytes at the peak stage
     peak_stage: str = ""
     dominant: str = ""  # the role and component that dominate the peak
@@ -89,7 +93,7 @@ class Plan:
         lines = ["roles:"]
         for role, p in self.roles.items():
             keys = [f"zero_stage: {p.stage}"]
-            if self.sp > 1:  # a split row runs alone
+            if self.one_row:
                 keys += ["micro_batch_size: 1", "max_tokens_per_micro_batch: auto"]
             if role in TRAINED_ROLES:
                 keys += ["tiled_mlp: true"] * self.tiled_mlp + ["offload_activations: true"] * self.offload_activations
@@ -150,7 +154,7 @@ def plan_cost(
         out["all_to_all"] += sp_all_to_all_s(cfg, shapes[role], role, plan.sp, plan.grad_checkpointing, world)
         psi = shapes[role].params(HEADS[role])
         b = BYTES[p.dtype]
-        mb = 1 if plan.sp > 1 else getattr(cfg.roles, role).micro_batch_size  # a split row runs alone
+        mb = 1 if plan.one_row else getattr(cfg.roles, role).micro_batch_size
         passes = max(1, -(-w.local_batch // mb))  # micro-batches per pass over this rank's rows
         trained = role in TRAINED_ROLES
         fwd_bwd = passes * cfg.algorithm.ppo_epochs * (2 if trained else 0) + passes  # + the scoring pass
@@ -191,10 +195,8 @@ def sp_all_to_all_s(cfg, shape: ModelShape, role: str, sp: int, grad_checkpointi
 
 
 def sp_sizes(cfg, shapes: dict[str, ModelShape], world: int, per_node: int) -> list[int]:
-    """The sequence-parallel sizes a run may take: 1, and where no reward model runs (it is not split),
-    the sizes that divide the world, fit in a node and split every model's heads as DeepSpeed does."""
-    if "reward" in active_roles(cfg):
-        return [1]
+    """The sequence-parallel sizes a run may take: those that divide the world, fit in a node and split
+    every model's heads as DeepSpeed does (1 always)."""
 
     def splits(s: ModelShape, n: int) -> bool:
         return s.heads % n == 0 and (s.kv_heads % n == 0 or n % s.kv_heads == 0)
@@ -213,8 +215,10 @@ def search(
 ) -> list[Plan]:
     """Every placement of the run's roles that fits, cheapest first."""
     roles = active_roles(cfg)
+    larger_micro = any(getattr(cfg.roles, r).micro_batch_size > 1 for r in roles)
     per_node = min(world, gpus_per_node)
     nodes = -(-world // per_node)
+    sps = sp_sizes(cfg, shapes, world, per_node)
     plans = []
     for combo in itertools.product(*(role_options(r) for r in roles)):
         placement = dict(zip(roles, combo))
@@ -235,37 +239,53 @@ def search(
         )
         if host_gib is not None and host > host_gib * GIB:
             continue
-        sps = sp_sizes(cfg, shapes, world, per_node)
-        for gc, share, sp, tiled, off in itertools.product(
-            (False, True), VLLM_SHARES, sps, (False, True), (False, True)
+        # each run-wide setting's section built once per placement (the search's cost is mostly these)
+        precisions = {gc: replace(placed.precision, enable_grad_checkpointing=gc) for gc in (False, True)}
+        rollouts = {s: replace(cfg.rollout, engine="vllm", sleep=True, gpu_memory_utilization=s) for s in VLLM_SHARES}
+        trainers = {sp: replace(cfg.trainer, sequence_parallel_size=sp) for sp in sps}
+        long_rows = {
+            (tiled, off): replace(
+                placed.roles,
+                **{
+                    r: replace(getattr(placed.roles, r), tiled_mlp=tiled, offload_activations=off)
+                    for r in roles
+                    if r in TRAINED_ROLES
+                },
+            )
+            for tiled, off in itertools.product((False, True), repeat=2)
+        }
+        one_row_ds = {r: {**d, "train_micro_batch_size_per_gpu": 1} for r, d in ds.items()}
+        for gc, sp, tiled, off, one in itertools.product(
+            (False, True), sps, (False, True), (False, True), (False, True)
         ):
             if off and not gc:
                 continue  # the offload moves what checkpointing keeps
-            long_rows = {"tiled_mlp": tiled, "offload_activations": off}
+            if (sp > 1 and not one) or (sp == 1 and one and not larger_micro):
+                continue  # a split row runs alone; a whole one alone where the user's micro-batches are larger
             c = replace(
                 placed,
-                precision=replace(placed.precision, enable_grad_checkpointing=gc),
-                rollout=replace(cfg.rollout, engine="vllm", sleep=True, gpu_memory_utilization=share),
-                trainer=replace(cfg.trainer, sequence_parallel_size=sp),
-                roles=replace(
-                    placed.roles,
-                    **{r: replace(getattr(placed.roles, r), **long_rows) for r in roles if r in TRAINED_ROLES},
-                ),
+                precision=precisions[gc],
+                rollout=rollouts[VLLM_SHARES[0]],
+                trainer=trainers[sp],
+                roles=long_rows[(tiled, off)],
             )
-            # one row a micro-batch under SP
-            split = {r: {**d, "train_micro_batch_size_per_gpu": 1} for r, d in ds.items()} if sp > 1 else ds
-            est = estimate_memory(c, shapes["actor"], split, world, "bf16", gpu_gib, role_shapes=shapes)
-            totals = stage_totals(est)
-            peak_stage = max(totals, key=totals.get)
-            if totals[peak_stage] > gpu_gib * GIB:
-                continue
-            plan = Plan(
-                placement, gc, share, sp, tiled, off, totals[peak_stage], peak_stage, _dominant(est[peak_stage])
-            )
-            plan.host = host
-            plan.costs = plan_cost(c, plan, shapes, states, world, nodes)
-            plan.cost_s = sum(plan.costs.values())
-            plans.append(plan)
+            split = one_row_ds if one else ds
+            # the roles' bytes and the step's cost do not depend on vLLM's share: once for every share
+            roles_part = roles_memory(c, shapes["actor"], split, world, gpu_gib, role_shapes=shapes)
+            costs = plan_cost(c, Plan(placement, gc, 0.0, sp, tiled, off, one), shapes, states, world, nodes)
+            for share in VLLM_SHARES:
+                c = replace(c, rollout=rollouts[share])
+                est = estimate_memory(
+                    c, shapes["actor"], split, world, "bf16", gpu_gib, role_shapes=shapes, roles_part=roles_part
+                )
+                totals = stage_totals(est)
+                peak_stage = max(totals, key=totals.get)
+                if totals[peak_stage] > gpu_gib * GIB:
+                    continue
+                plan = Plan(placement, gc, share, sp, tiled, off, one, totals[peak_stage], peak_stage)
+                plan.dominant, plan.host, plan.costs = _dominant(est[peak_stage]), host, costs
+                plan.cost_s = sum(costs.values())
+                plans.append(plan)
     # ties: the larger vLLM share, then the simpler placement (lower stages, fewer offloads), the lower peak
     plans.sort(key=lambda p: (round(p.cost_s, 4), -p.vllm_share, _complexity(p), p.peak))
     return plans
@@ -273,7 +293,7 @@ def search(
 
 def _complexity(p: Plan) -> int:
     roles = sum(r.stage + 4 * (r.offload != "none") + 2 * r.sleep for r in p.roles.values())
-    return roles + 2 * p.grad_checkpointing + 2 * (p.sp > 1) + p.tiled_mlp + p.offload_activations
+    return roles + 2 * p.grad_checkpointing + 2 * (p.sp > 1) + p.tiled_mlp + p.offload_activations + p.one_row
 
 
 def _dominant(stage: dict[str, dict[str, float]]) -> str:
@@ -311,7 +331,8 @@ def render_plans(plans: list[Plan], top: int, world: int, gpu_gib: float, host_g
 
 
 def _long_rows(p: Plan) -> str:
-    return " + ".join(["tiled MLP"] * p.tiled_mlp + ["act. offload"] * p.offload_activations) or "-"
+    alone = ["1 row/micro"] * (p.one_row and p.sp == 1)  # a split row always runs alone
+    return " + ".join(alone + ["tiled MLP"] * p.tiled_mlp + ["act. offload"] * p.offload_activations) or "-"
 
 
 def _short(p: RolePlacement) -> str:
