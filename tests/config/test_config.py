@@ -25,7 +25,9 @@ def cli(*args, cwd=ROOT):
     return run_cli(*args, cwd=cwd)
 
 
-def test_examples_load_and_render_with_every_role():
+def test_examples_load_and_render_with_every_role(monkeypatch):
+    # as a user's shell holds it: an in-process run earlier in the session set it to 1 (dist.init_distributed)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = load_config(CPU_PPO)
     assert cfg.algorithm.estimator == "gae"
     rendered = render_ds_configs(cfg, world_size=2)

@@ -264,7 +264,12 @@ class Accumulated:
 
 class Role:
     """A model role backed by a DeepSpeed engine. `trainable` roles get the config's optimizer
-    (or the torch `optimizer` given)."""
+    (or the torch `optimizer` given).
+
+    Past ~300 lines because every role shares one engine life: build, score, accumulate and step,
+    sleep/wake (offload), and the gradient scaling ZeRO and sequence parallelism ask for. The
+    per-token math lives in algos/, the SP plumbing in sequence_parallel.py, DeepSpeed's private
+    corners in ds_internals.py."""
 
     def __init__(
         self,

@@ -44,7 +44,11 @@ log = logging.getLogger(__name__)
 
 
 class RLTrainer:
-    """`with RLTrainer(cfg) as t: t.fit()` — or call `close()` (logger, vLLM) yourself."""
+    """`with RLTrainer(cfg) as t: t.fit()` — or call `close()` (logger, vLLM) yourself.
+
+    Past ~300 lines because it is the run's one timeline: start-up, the step read top to bottom,
+    resume, validation and close. Each phase's work lives with its owner under trainer/ (rewards,
+    the probe, metrics, samples, the update, checkpoints); what stays here is the order they run in."""
 
     track_activations = False  # `debug memory` sets it: also measure saved-for-backward bytes
 
