@@ -14,6 +14,11 @@ an Actor (`verl_ds.roles`, ZeRO-3, gradient checkpointing as long-row runs use i
 update (the optimizer states appear), then a measured one on the long rows: its peak resident memory
 (sampled every 2 ms) above the resident memory just before it, free heap pages returned (the floor: weights, optimizer
 states, buffers), and its seconds.
+`--allocator`: what the resident memory counts. `live` (default): glibc with a fixed mmap threshold, so every
+large tensor is its own mapping and goes back to the kernel when freed: the peak follows the live tensors.
+`glibc`: glibc's defaults (its threshold grows as large blocks are freed, and freed ones then stay in the
+heap: the peak counts what the heap keeps). `tcmalloc`: the allocator `launch/train.sh` runs the ranks with
+(its page cache counts). The same update measured three ways on one host differs by several fold (docs/BENCHMARKS.md).
 `--limit-gib`: each rank's data segment capped (RLIMIT_DATA, which counts the anonymous memory the
 tensors live in), so a row that does not fit one rank fails at SP 1 and runs at SP 2.
 """
@@ -159,16 +164,30 @@ def worker(sp_size: int, length: int, dtype: str, limit_gib: float) -> None:
     os._exit(0)
 
 
-def launch(sp: int, length: int, dtype: str, limit_gib: float, port: int) -> list[dict]:
+def allocator_env(allocator: str) -> dict:
+    if allocator == "live":
+        return {"MALLOC_MMAP_THRESHOLD_": "65536"}  # a fixed threshold: glibc stops raising it
+    if allocator == "tcmalloc":
+        found = subprocess.run(
+            ["bash", "-c", f"source {ROOT / 'launch/tcmalloc.sh'} && tcmalloc_path"], capture_output=True, text=True
+        ).stdout.strip()
+        if not found:
+            sys.exit("--allocator tcmalloc: libtcmalloc_minimal.so.4 not found (launch/install.sh installs it)")
+        return {"LD_PRELOAD": found}
+    return {}
+
+
+def launch(sp: int, length: int, dtype: str, limit_gib: float, port: int, allocator: str) -> list[dict]:
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), __file__, "--worker"]
     cmd += ["--sp", str(sp), "--lengths", str(length), "--dtype", dtype, "--limit-gib", str(limit_gib)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **allocator_env(allocator)}
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     # the ranks' lines may interleave: each record read from its marker on
     got = [json.JSONDecoder().raw_decode(part)[0] for part in done.stdout.split("SP_MEMORY ")[1:]]
     if len(got) < 2:
-        tail = [x for x in (done.stdout + done.stderr).splitlines() if "Error" in x or "error" in x][-2:]
+        lines = (done.stdout + done.stderr).splitlines()
+        tail = [x for x in lines if "Error:" in x or "out of memory" in x or "Cannot allocate" in x][-2:]
         return [{"sp": sp, "length": length, "failed": f"exit {done.returncode}: {' / '.join(tail)[:200]}"}]
     return got
 
@@ -203,6 +222,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
     ap.add_argument("--limit-gib", type=float, default=0.0, help="each rank's data segment cap (0: none)")
+    ap.add_argument("--allocator", default="live", choices=("live", "glibc", "tcmalloc"), help="see above")
     ap.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -213,7 +233,7 @@ def main() -> None:
     results = {}
     for n in a.lengths:
         for sp in (1, 2):
-            results[(sp, n)] = launch(sp, n, a.dtype, a.limit_gib, 29700 + sp)
+            results[(sp, n)] = launch(sp, n, a.dtype, a.limit_gib, 29700 + sp, a.allocator)
             print(f"SP {sp}, {n} tokens: {json.dumps(results[(sp, n)])}", flush=True)
     print(table(results, a.lengths))
 
