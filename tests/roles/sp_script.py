@@ -4,12 +4,13 @@ and entropy, the actor's gradients at ZeRO 0-3 (and with LoRA), the critic's val
 model's scores (at ZeRO-3: its backbone and head called apart).
 
 The unsplit passes run first: registering SP replaces the process's sdpa attention for every model.
-`SP_PLANT` plants a bug the checks must catch: `divisor` (the loss scaled by the world, as without SP),
-`boundary` (each shard's last label dropped)."""
+`SP_PLANTS=1` plants each bug the checks must catch in turn (`PLANTS`: the loss scaled by the world, as
+without SP; each shard's last label dropped) and prints which check caught it."""
 
 import atexit
 import os
 import sys
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -80,49 +81,84 @@ def reward_model(model_dir: str, dp: int, n: int, sp=None) -> RewardModel:
     return RewardModel(load_reward_model(model_dir, attn_implementation="sdpa"), config("reward", 3, dp, n), sp=sp)
 
 
-def main(model_dir: str) -> None:
+@contextmanager
+def planted_divisor():
+    """The loss scaled by the world, as without SP: gradients SP times too large at ZeRO-1/2."""
+    real = dsi.gradient_divisor
+    dsi.gradient_divisor = lambda engine: float(engine.world_size)
+    try:
+        yield
+    finally:
+        dsi.gradient_divisor = real
+
+
+@contextmanager
+def planted_boundary():
+    """Each shard's last label dropped (a shard-local `logits[:, :-1]`)."""
+    shard = SequenceParallel.shard
+    SequenceParallel.shard = lambda self, ids: (lambda a, p, y: (a, p, torch.cat([y[:-1], y[-1:] * 0])))(
+        *shard(self, ids)
+    )
+    try:
+        yield
+    finally:
+        SequenceParallel.shard = shard
+
+
+PLANTS = {"divisor": planted_divisor, "boundary": planted_boundary}
+
+
+def main(model_dir: str, plants: bool) -> None:
     init_distributed()
-    plant = os.environ.get("SP_PLANT", "")
     world = world_size()
     batch = rows()
     n = len(batch)
     zeros = torch.zeros(batch.loss_mask.shape)
     batch = batch.replace(old_logprobs=zeros, old_values=zeros)
     mask = batch.loss_mask.bool()
+    stages = (1,) if plants else STAGES  # a planted bug need only fail the check that should catch it
 
     # ---- unsplit: every rank runs every row (the world's data-parallel ranks hold the same rows)
     ref = Reference(load_causal_lm(model_dir, attn_implementation="sdpa"), config("reference", 3, world, n))
     want_lp, want_ent = ref.logprobs(batch, with_entropy=True)
-    want_grads = {s: grads(actor(model_dir, s, world, n), batch, world) for s in STAGES}
-    want_lora = grads(actor(model_dir, 2, world, n, lora=True), batch, world)
-    critic = Critic(value_model(model_dir), config("critic", 2, world, n), Cfg())
-    want_values = critic.values(batch)
-    want_critic = grads(critic, batch, world)
-    want_scores = reward_model(model_dir, world, n).score(batch)
+    want_grads = {s: grads(actor(model_dir, s, world, n), batch, world) for s in stages}
+    if not plants:
+        want_lora = grads(actor(model_dir, 2, world, n, lora=True), batch, world)
+        critic = Critic(value_model(model_dir), config("critic", 2, world, n), Cfg())
+        want_values = critic.values(batch)
+        want_critic = grads(critic, batch, world)
+        want_scores = reward_model(model_dir, world, n).score(batch)
 
     # ---- split: SP 2, one data-parallel group
     sp = SequenceParallel.register(model_dir, 2)
     assert (sp.size, world) == (2, 2)
-    if plant == "divisor":
-        dsi.gradient_divisor = lambda engine: float(engine.world_size)
-    if plant == "boundary":
-        shard = SequenceParallel.shard
-        SequenceParallel.shard = lambda self, ids: (lambda a, p, y: (a, p, torch.cat([y[:-1], y[-1:] * 0])))(
-            *shard(self, ids)
-        )
     dp = world // sp.size
-    ref = Reference(load_causal_lm(model_dir, attn_implementation="sdpa"), config("reference", 3, dp, n), sp=sp)
-    got_lp, got_ent = ref.logprobs(batch, with_entropy=True)
-    for what, got, want in (("logprobs", got_lp, want_lp), ("entropy", got_ent, want_ent)):
-        diff = float((got - want)[mask].abs().max())
-        assert diff <= 1e-5, f"SP 2 {what} differ from SP 1 by {diff:.3g}"
-        assert torch.all(got[~mask] == 0), what
-    for s in STAGES:
-        got = grads(actor(model_dir, s, dp, n, sp=sp), batch, dp)
-        try:
-            assert_same_gradients(got, want_grads[s])
-        except AssertionError as e:
-            raise AssertionError(f"ZeRO-{s} actor gradients: {e}") from None
+
+    def check_policy() -> None:
+        ref = Reference(load_causal_lm(model_dir, attn_implementation="sdpa"), config("reference", 3, dp, n), sp=sp)
+        got_lp, got_ent = ref.logprobs(batch, with_entropy=True)
+        for what, got, want in (("logprobs", got_lp, want_lp), ("entropy", got_ent, want_ent)):
+            diff = float((got - want)[mask].abs().max())
+            assert diff <= 1e-5, f"SP 2 {what} differ from SP 1 by {diff:.3g}"
+            assert torch.all(got[~mask] == 0), what
+        for s in stages:
+            got = grads(actor(model_dir, s, dp, n, sp=sp), batch, dp)
+            try:
+                assert_same_gradients(got, want_grads[s])
+            except AssertionError as e:
+                raise AssertionError(f"ZeRO-{s} actor gradients: {e}") from None
+
+    if plants:  # each planted bug alone, against the same checks: the first it fails is named
+        for name, plant in PLANTS.items():
+            with plant():
+                try:
+                    check_policy()
+                except AssertionError as e:
+                    print(f"CAUGHT {name}: {str(e).splitlines()[0]}", flush=True)
+                else:
+                    print(f"MISSED {name}", flush=True)
+        return
+    check_policy()
     assert_same_gradients(grads(actor(model_dir, 2, dp, n, sp=sp, lora=True), batch, dp), want_lora)
     critic = Critic(value_model(model_dir), config("critic", 2, dp, n), Cfg(), sp=sp)
     got_values = critic.values(batch)
@@ -138,7 +174,7 @@ def main(model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[-1])
+    main(sys.argv[-1], plants=os.environ.get("SP_PLANTS") == "1")
     # as the CLI ends a rank (two_rank_script.py): exit handlers, then no interpreter teardown, where a
     # rank aborted in CI ("terminate called without an active exception", exit -6) after both had passed
     dist.barrier()
