@@ -158,15 +158,24 @@ class ModelConfig:
     lora: LoraConfig = section(LoraConfig)
     share_prompt: bool = opt(
         True,
-        "actor/reference passes run each distinct prompt once and share its keys/values with its n responses "
-        "(exact; off by itself under gradient checkpointing, which drops caches, and under packing)",
+        "shared prefixes: in every role's passes (actor update and old logprobs, reference, teacher, critic, "
+        "reward model) the rows of a micro-batch that share a prefix (a prompt's n samples, multi-turn episodes "
+        "forked after their first turns) run it once, each row its own tokens against it, under one mask "
+        "(exact; with gradient checkpointing, token budgets, LoRA and ZeRO 0-3). Off under sequence "
+        "parallelism and with flash_attention_2 (varlen kernels cannot take the mask: sdpa or flex_attention)",
+    )
+    share_prefix_min_tokens: int = opt(
+        64,
+        "a micro-batch shares its prefixes only where that saves at least this many tokens (and a FLOP count "
+        "of its projections and attention says the shared pass is cheaper): below, the plain pass",
+        ge=0,
     )
     attn_implementation: str = opt(
         "auto",
         "the policy models' attention in training (actor, reference, teacher): auto: flash_attention_2 on a GPU "
         "with the flash-attn package installed, sdpa on other GPUs, sdpa_cpu16 on CPU (SDPA, except 16-bit passes "
         "under grad, which run the plain attention math: CPU's fused 16-bit SDPA backward is slower)",
-        choices=("auto", "sdpa", "sdpa_cpu16", "eager", "flash_attention_2"),
+        choices=("auto", "sdpa", "sdpa_cpu16", "eager", "flash_attention_2", "flex_attention"),
     )
     packing: Any = opt(
         "auto",

@@ -28,7 +28,6 @@ from verl_ds.roles import (
 )
 from verl_ds.roles.base import pack_by_tokens, trim_padding
 from verl_ds.roles.batch import TrainBatch
-from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -322,11 +321,11 @@ def test_a_token_budget_runs_a_long_tail_without_padding_and_counts_what_ran(tin
     widths = []
     ref.module.register_forward_pre_hook(lambda _m, a, kw: widths.append(kw["input_ids"].shape), with_kwargs=True)
     rows_lp = ref.logprobs(batch)
-    assert ref.take_token_counts() == {"score": (68.0, 128.0), "update": (0.0, 0.0)}
-    assert ref.take_token_counts() == {"score": (0.0, 0.0), "update": (0.0, 0.0)}  # taken: zeroed
+    assert ref.take_token_counts() == {"score": (68.0, 68.0, 128.0), "update": (0.0, 0.0, 0.0)}
+    assert ref.take_token_counts() == {"score": (0.0, 0.0, 0.0), "update": (0.0, 0.0, 0.0)}  # taken: zeroed
     ref.max_tokens = 4 * 16
     packed_lp = ref.logprobs(batch)
-    assert ref.take_token_counts()["score"] == (68.0, 68.0)
+    assert ref.take_token_counts()["score"] == (68.0, 68.0, 68.0)
     assert [tuple(w) for w in widths] == [(4, 16), (4, 16), (6, 6), (2, 16)]
     mask = batch.loss_mask.bool()  # past a row's end both paths run padding: not compared
     torch.testing.assert_close(packed_lp[mask], rows_lp[mask], rtol=0, atol=1e-5)
@@ -350,59 +349,6 @@ def test_the_reward_model_runs_only_the_columns_its_rows_use(reward_dir):
             seq = batch.input_ids[i, P - p : P + r][None]
             alone = rm.module(input_ids=seq, attention_mask=torch.ones_like(seq)).logits[0, 0].float()
             torch.testing.assert_close(scores[i], alone, rtol=0, atol=1e-5)
-
-
-@pytest.mark.numerics
-def test_shared_prompt_logits_and_gradients_equal_the_full_sequences(tiny_model_dir):
-    """Each distinct prompt runs once and its keys/values serve its responses: the response logits
-    and the weights' gradients (which reach the prompt pass through the shared keys/values) equal
-    those of the full padded sequences."""
-    torch.manual_seed(0)
-    model = load_causal_lm(tiny_model_dir)
-    batch = make_group_batch(model.config.vocab_size)
-    inputs, r = trim_padding(batch)
-    real = batch.loss_mask.bool()
-    grads = []
-    for run in (
-        lambda: model(**inputs, use_cache=False).logits[:, -r - 1 : -1],
-        lambda: shared_prompt_logits(model, inputs, r),
-    ):
-        model.zero_grad()
-        logits = run()
-        torch.log_softmax(logits, -1)[real].square().sum().backward()
-        grads.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
-    (full, g_full), (shared, g_shared) = grads
-    torch.testing.assert_close(shared[real], full[real], rtol=0, atol=1e-5)
-    assert_same_gradients(dict(enumerate(g_shared)), dict(enumerate(g_full)))
-
-
-def test_gradient_checkpointing_turns_prompt_sharing_off(tiny_model_dir):
-    """HF drops the KV cache in checkpointed layers: a checkpointed model must not share prompts."""
-    assert can_share_prompts(load_causal_lm(tiny_model_dir))
-    assert not can_share_prompts(load_causal_lm(tiny_model_dir, grad_checkpointing=True))
-
-
-@pytest.mark.numerics
-@pytest.mark.parametrize("stage", [0, 3])
-def test_shared_prompt_pass_runs_each_prompt_once_with_the_same_gradient(tiny_model_dir, stage):
-    """An actor with share_prompts, on 3 prompts x 4 responses: one forward over the 3 distinct
-    prompts, one over the 12 responses; the logprobs and the accumulated gradient equal the
-    full-sequence path's (gradients, not Adam-updated weights: see the token-budget test)."""
-    torch.manual_seed(0)
-    cfg = ds_config("actor", stage, "fp32", micro=12, total=12)
-    actors = [Actor(load_causal_lm(tiny_model_dir), cfg, Cfg()) for _ in range(2)]
-    actors[1].share_prompts = True
-    batch = ppo_batch(actors[0], make_group_batch(actors[0].module.config.vocab_size))
-    shapes = []
-    actors[1].module.register_forward_pre_hook(
-        lambda _m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
-    )
-    real = batch.loss_mask.bool()
-    torch.testing.assert_close(actors[1].logprobs(batch)[real], batch.old_logprobs[real], rtol=0, atol=1e-5)
-    assert shapes == [(3, 5), (12, 3)]
-    grads = [accumulated_grads(a, batch) for a in actors]
-    assert actors[1].engine.global_steps == actors[0].engine.global_steps == 1
-    assert_same_gradients(grads[1], grads[0])
 
 
 def _packed_batch(vocab: int) -> TrainBatch:
@@ -438,8 +384,8 @@ def test_packed_rows_score_and_train_as_padded_rows(tiny_model_dir, stage):
     tokens = batch.attention_mask.sum() + 1  # the empty response runs one (masked) token
     assert all(s[0] == 1 and s[1] <= 20 for s in shapes) and sum(s[1] for s in shapes) == tokens
     assert tokens == 69 and len(shapes) == 4  # rows in order, each micro-batch filled up to the budget
-    real_tokens, processed = actors[1].take_token_counts()["score"]
-    assert real_tokens == processed == tokens
+    held, distinct, processed = actors[1].take_token_counts()["score"]
+    assert held == distinct == processed == tokens
     grads = [accumulated_grads(a, batch) for a in actors]
     assert_same_gradients(grads[1], grads[0])
 
@@ -493,8 +439,9 @@ def test_pack_by_tokens_keeps_the_row_order_when_that_runs_less():
     """Two candidates, the one with less work wins. Two prompts of 20 tokens, 4 answers each (1/3/5/7
     and 2/4/6/8): in row order (micro-batches of 4) each prompt runs once, sorted by length each
     micro-batch holds both prompts; with shared prompts the row order wins, without it the length
-    order. A long tail (one 30-token answer per prompt): the length order puts the two long rows
-    together, whether prompts are shared or not."""
+    order. Shared, a budget counts each prompt once: at 112 tokens all 8 rows fit one micro-batch
+    (2 x 20 + 8 x 8 = 104). A long tail (one 30-token answer per prompt): the length order puts the
+    two long rows together, whether prompts are shared or not."""
 
     def batch(plen: list[int], rlen: list[int], prompt: list[int]) -> dict:
         n, P, R = len(plen), max(plen), max(rlen)
@@ -509,11 +456,12 @@ def test_pack_by_tokens_keeps_the_row_order_when_that_runs_less():
 
     two = [0] * 4 + [1] * 4
     even = batch([20] * 8, [1, 3, 5, 7, 2, 4, 6, 8], two)
-    assert cut(even, 112, shared=True) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cut(even, 56, shared=True) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 20 + 4 x 7 = 48 and 52 tokens
+    assert cut(even, 112, shared=True) == [[0, 4, 1, 5, 2, 6, 3, 7]]
     assert cut(even, 112) == [[0, 4, 1, 5], [2, 6, 3, 7]]
     tail = batch([5] * 8, [1, 1, 1, 30] * 2, two)
     assert cut(tail, 140, shared=True) == cut(tail, 140) == [[0, 1, 2, 4, 5, 6], [3, 7]]
-    assert cut(even, 100, shared=True)[0] == [0, 4, 1, 5]  # the row order over the budget: not a candidate
+    assert cut(even, 50, shared=True)[0] == [0, 4, 1]  # the row order over the budget (52): not a candidate
 
 
 def test_pack_by_tokens_cuts_where_the_padding_saved_outweighs_a_micro_batchs_cost():

@@ -89,14 +89,14 @@ def scoring_passes_match_across_ranks(actor, rank: int) -> None:
 
 
 def shared_prompts_step_in_sync(actor, rank: int, world: int) -> None:
-    """Shared prompt passes where the ranks' prompts differ in number and length: the logprobs equal
-    the full-sequence path's, and a step keeps the ranks' weights identical (under ZeRO-3 both
-    passes gather the weights with the other rank, forward and backward)."""
+    """Shared-prefix passes where the ranks' prompts differ in number and length: the logprobs equal
+    the full-sequence path's, and a step keeps the ranks' weights identical (under ZeRO-3 one rank's
+    shared pass gathers the weights with the other's, forward and backward)."""
     shapes = [((2, 5), (1, 3, 2)), ((6, 3, 4), (2, 2))][rank]
     batch = make_group_batch(actor.module.config.vocab_size, *shapes, seed=30 + rank)
     real = batch.loss_mask > 0
     want = actor.logprobs(batch)
-    actor.share_prompts = True
+    actor.share_prefixes, actor.share_min_tokens = True, 0
     got = actor.logprobs(batch)
     torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
     batch = batch.replace(old_logprobs=got, advantages=torch.randn_like(got))
@@ -104,7 +104,7 @@ def shared_prompts_step_in_sync(actor, rank: int, world: int) -> None:
     dist.all_reduce(tokens)
     before = digest(actor.engine)
     update(actor, batch, global_tokens=tokens[0].item(), global_seqs=tokens[1].item())
-    actor.share_prompts = False
+    actor.share_prefixes = False
     everyone = [None] * world
     dist.all_gather_object(everyone, digest(actor.engine))
     assert len(set(everyone)) == 1 and everyone[0] != before, "shared prompt passes: ranks diverged"

@@ -24,9 +24,9 @@ import torch
 from verl_ds import algos
 from verl_ds.dist import on_gpu
 from verl_ds.precision import TORCH_DTYPES
+from verl_ds.roles import prefix
 from verl_ds.roles.base import model_inputs
 from verl_ds.roles.ds_internals import full_numel
-from verl_ds.roles.policy import can_share_prompts, shared_prompt_logits
 from verl_ds.trainer.rl_trainer import RLTrainer
 
 _DEV = "cuda" if on_gpu() else "cpu"
@@ -60,6 +60,7 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
 
     a, r = cfg.algorithm, cfg.rollout
     dt = TORCH_DTYPES[dtype]
+    share = cfg.model.share_prompt  # the shared prompt as one sequence under a mask (`roles/prefix.py`)
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dt).to(_DEV)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if a.kl_coef > 0 else None
     if cfg.precision.enable_grad_checkpointing:  # part of the job (memory), so the floor pays it too
@@ -95,9 +96,12 @@ def floor_steps(model_path: str, prompts: list[list[int]], cfg, dtype: str, pad_
 
         inputs = model_inputs(out, full_attn)
 
-        def logprobs(model, inputs=inputs, seq=seq):  # prompts shared where verl-ds shares them
-            if cfg.model.share_prompt and can_share_prompts(model):
-                logits = shared_prompt_logits(model, inputs, seq.shape[1])
+        def logprobs(model, inputs=inputs, seq=seq, out=out, full_attn=full_attn):  # prompts shared as verl-ds does
+            if share:  # every response column is held (mask of ones): K = B x R logits, in row order
+                pack = prefix.pack(out, prefix.held_columns(full_attn, seq.shape[1]))
+                keep, _ = pack.response(seq.shape[1])
+                mask = prefix.attention_mask(pack, "sdpa", dt)
+                logits = model(**pack.inputs(mask), use_cache=False, logits_to_keep=keep).logits.view(*seq.shape, -1)
             else:
                 logits = model(**inputs).logits[:, width - 1 : -1]
             logits = logits.float() / r.temperature
@@ -154,7 +158,7 @@ def bench_step(cfg, steps: int = 5) -> dict[str, float]:
     step_s = med["timing_s/step"]
     tokens = statistics.median(r["perf/throughput"] for r in rows) * step_s / trainer.world  # this rank's
     run = tokens  # the tokens the actor's forwards run (FLOPs): a shared prompt once, not n times
-    if trainer.actor.share_prompts:
+    if trainer.actor.share_prefixes:
         run -= (cfg.rollout.n - 1) * sum(len(p) for p in prompts)
     rate = matmul_rate(dtype)
     passes = (

@@ -20,6 +20,7 @@ from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_sum, init_d
 from verl_ds.ds_config import ds_dtype
 from verl_ds.precision import TORCH_DTYPES
 from verl_ds.roles import ds_internals as dsi
+from verl_ds.roles import prefix
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.long_rows import activation_offload
 from verl_ds.roles.quant import quantize_int8
@@ -90,8 +91,8 @@ def pad_response(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
 
 def _row_lengths(batch: TrainBatch, shared: bool) -> tuple[list[int], list[int], list[int]]:
     """Each row's real prompt and response tokens (a response counts 1 at least: the pass never runs
-    empty) and the id of the prompt pass it runs in: with `shared` prompts, rows of one prompt share
-    one (`shared_prompt_logits`), else each row has its own."""
+    empty) and the id of its prompt: with `shared` prefixes (`prefix.py`), rows of one prompt run it
+    once (the packer's unit; deeper shared prefixes only save more), else each row has its own."""
     mask = batch.attention_mask
     p = mask.shape[1] - batch.response_width
     plen = mask[:, :p].sum(1).tolist()
@@ -102,34 +103,34 @@ def _row_lengths(batch: TrainBatch, shared: bool) -> tuple[list[int], list[int],
     return plen, rlen, pid.tolist()
 
 
-def _run_tokens(
-    rows: list[int], plen: list[int], rlen: list[int], pid: list[int], packed: bool = False
-) -> tuple[int, int]:
-    """(real, run) tokens of a micro-batch of `rows` after `trim_padding`: each prompt pass runs the
-    micro-batch's longest prompt, each row its longest response; `packed` (`pack_rows`): each row
-    its own tokens."""
-    prompts = {pid[i]: plen[i] for i in rows}
-    real = sum(prompts.values()) + sum(rlen[i] for i in rows)
+def _run_tokens(rows: list[int], plen: list[int], rlen: list[int], packed: bool = False) -> tuple[int, int]:
+    """(real, run) tokens of a micro-batch of `rows` after `trim_padding`: each row runs the
+    micro-batch's longest prompt and longest response; `packed` (`pack_rows`): each row its own tokens."""
+    real = sum(plen[i] + rlen[i] for i in rows)
     if packed:
         return real, real
-    wp, wr = max(plen[i] for i in rows), max(rlen[i] for i in rows)
-    return real, len(prompts) * wp + len(rows) * wr
+    return real, len(rows) * (max(plen[i] for i in rows) + max(rlen[i] for i in rows))
 
 
-def token_counts(batch: TrainBatch, shared: bool = False, packed: bool = False) -> tuple[float, float]:
-    """(real tokens, tokens its forward runs) of one micro-batch (`_run_tokens`); their ratio is
-    `perf/padding_efficiency`. A `pad_row` entry is all waste."""
-    plen, rlen, pid = _row_lengths(batch, shared)
-    real, run = _run_tokens(list(range(len(plen))), plen, rlen, pid, packed)
+def token_counts(batch: TrainBatch, packed: bool = False) -> tuple[float, float]:
+    """(real tokens, tokens its forward runs) of one unshared micro-batch (`_run_tokens`); their ratio
+    is `perf/padding_efficiency`. A `pad_row` entry is all waste."""
+    plen, rlen, _ = _row_lengths(batch, False)
+    real, run = _run_tokens(list(range(len(plen))), plen, rlen, packed)
     return (0.0 if batch.pad_row else float(real)), float(run)
 
 
-def _work(rows: list[int], plen: list[int], rlen: list[int], pid: list[int]) -> float:
-    """What a micro-batch of `rows` costs, in tokens, for choosing between packings: a shared prompt
-    pass saves about half of a prompt's work per extra row (its projections and MLP run once; every
-    row still attends to it, expands its cached keys/values and sends their gradient back)."""
+def _size(rows: list[int], plen: list[int], rlen: list[int], pid: list[int]) -> int:
+    """Tokens a micro-batch of `rows` holds against a token budget, padded to its longest prompt and
+    response; each distinct prompt once where rows share prompts (`_row_lengths`)."""
     wp, wr = max(plen[i] for i in rows), max(rlen[i] for i in rows)
-    return len(rows) * wr + wp * (len(rows) + len({pid[i] for i in rows})) / 2
+    return len({pid[i] for i in rows}) * wp + len(rows) * wr
+
+
+def _work(rows: list[int], plen: list[int], rlen: list[int], pid: list[int]) -> float:
+    """What a micro-batch of `rows` costs, in tokens, for choosing between packings: its `_size` (a
+    shared prompt runs once, `prefix.py`)."""
+    return float(_size(rows, plen, rlen, pid))
 
 
 # One micro-batch's fixed cost in tokens (the forward/backward call, ZeRO-3's weight gathers, GEMMs on
@@ -168,7 +169,7 @@ def pack_by_tokens(
     candidates = [by_length]
     if rows_per_micro:
         in_order = [list(range(s, min(s + rows_per_micro, n))) for s in range(0, n, rows_per_micro)]
-        if all((max(plen[i] for i in g) + max(rlen[i] for i in g)) * len(g) <= budget for g in in_order):
+        if all(_size(g, plen, rlen, pid) <= budget for g in in_order):
             candidates.insert(0, in_order)  # the first on a tie
     best = min(candidates, key=lambda groups: sum(_work(g, plen, rlen, pid) + cost for g in groups))
     return [torch.tensor(g, dtype=torch.long) for g in best]
@@ -184,11 +185,12 @@ def _cut(order: list[int], plen: list[int], rlen: list[int], pid: list[int], bud
         prompts: set[int] = set()
         for i in range(j - 1, -1, -1):  # the last micro-batch is order[i:j]
             k = order[i]
-            wp, wr = max(wp, plen[k]), max(wr, rlen[k])
-            if j - i > 1 and (wp + wr) * (j - i) > budget:
-                break  # a longer one only grows
+            wp, wr = max(wp, plen[k]), max(rlen[k], wr)
             prompts.add(pid[k])
-            total = best[i] + (j - i) * wr + wp * (j - i + len(prompts)) / 2 + cost
+            size = len(prompts) * wp + (j - i) * wr  # `_size`
+            if j - i > 1 and size > budget:
+                break  # a longer one only grows
+            total = best[i] + size + cost
             if best[j] is None or total < best[j]:
                 best[j], prev[j] = total, i
     groups, j = [], n
@@ -312,7 +314,7 @@ class Role:
         self.aligned_skips = 0  # steps skipped because the partner role overflowed
         self.observers: list[RoleObserver] = []
         self._last_underflow = float("nan")
-        self._tokens: dict[str, tuple[float, float]] = {}  # per pass: (real, processed) tokens
+        self._tokens: dict[str, tuple[float, float, float]] = {}  # per pass: `take_token_counts`
         # fp32 ZeRO-0 runs a plain torch optimizer: DeepSpeed keeps no gradient norm for it (`step`
         # measures one), and on CPU its gradients are averaged over the ranks by a reusable-buffer
         # all-reduce at the accumulation boundary instead of DeepSpeed's (BucketAllReduce)
@@ -332,19 +334,61 @@ class Role:
         return self.engine.device
 
     max_tokens = 0  # roles.<role>.max_tokens_per_micro_batch resolved; 0: micro_batch_size rows each
-    share_prompts = False  # policy roles: the builder's choice (model.share_prompt and can_share_prompts)
+    # rows that share a prefix run it once (`prefix.py`): the builder's choice (model.share_prompt, an
+    # attention that takes the prefix mask); a micro-batch shares when it saves `share_min_tokens` and pays
+    share_prefixes = False
+    share_min_tokens = 0
     packing = False  # policy roles: padding-free rows (`pack_rows`), `RunSetup.packing`
     PASSES = ("score", "update")
+    _FIRST_RESPONSE = True  # per-token roles score a row's first response column even when it is empty
 
-    def take_token_counts(self) -> dict[str, tuple[float, float]]:
-        """(real, processed) tokens of each pass since the last call (`token_counts`), then zero."""
+    def take_token_counts(self) -> dict[str, tuple[float, float, float]]:
+        """(held, distinct, run) tokens of each pass since the last call, then zero: the tokens the rows
+        hold (a shared prefix once per row), those counted once per shared prefix, those the forwards
+        ran (padding included). distinct / run is `perf/padding_efficiency`, distinct / held
+        `perf/shared_tokens`."""
         counts, self._tokens = self._tokens, {}
-        return {k: counts.get(k, (0.0, 0.0)) for k in self.PASSES}
+        return {k: counts.get(k, (0.0, 0.0, 0.0)) for k in self.PASSES}
 
     def _count_tokens(self, kind: str, mb: TrainBatch) -> None:
-        real, processed = token_counts(mb, self.share_prompts, self.packing)
-        r, p = self._tokens.get(kind, (0.0, 0.0))
-        self._tokens[kind] = (r + real, p + processed)
+        pack = self.prefix_pack(mb)
+        if pack is not None:
+            held, distinct, run = float(pack.held), float(len(pack)), float(len(pack))
+        else:
+            held, run = token_counts(mb, self.packing)
+            distinct = held
+        if mb.pad_row:
+            held = distinct = 0.0
+        old = self._tokens.get(kind, (0.0, 0.0, 0.0))
+        self._tokens[kind] = (old[0] + held, old[1] + distinct, old[2] + run)
+
+    _last_pack: tuple = (None, None)
+
+    def prefix_pack(self, mb: TrainBatch) -> prefix.PrefixPack | None:
+        """`mb`'s rows as one shared-prefix sequence where sharing is on and pays for it (`prefix.pays`),
+        else None (the plain pass). Asked by the token count and by the forward of the same micro-batch:
+        the last answer is kept."""
+        if self._last_pack[0] is mb:
+            return self._last_pack[1]
+        pack = None
+        if self.share_prefixes and not self.sp and not mb.pad_row and len(mb) > 1:
+            take = prefix.held_columns(mb.attention_mask, mb.response_width, self._FIRST_RESPONSE)
+            candidate = prefix.pack(mb.input_ids, take)
+            if prefix.pays(candidate, take, self._hidden_size, self.share_min_tokens):
+                pack = candidate
+        self._last_pack = (mb, pack)
+        return pack
+
+    @property
+    def _hidden_size(self) -> int:
+        config = getattr(self.module, "config", None) or self.module.backbone.config
+        return int(config.hidden_size)
+
+    def prefix_mask(self, pack: prefix.PrefixPack):
+        """The 4D attention mask of `pack` as this role's attention implementation takes it."""
+        config = getattr(self.module, "config", None) or self.module.backbone.config
+        dtype = next(p for p in self.module.parameters() if p.is_floating_point()).dtype
+        return prefix.attention_mask(pack, config._attn_implementation, dtype)
 
     def packed(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Under a token budget: `pack_by_tokens`, as many micro-batches on every rank (ZeRO-3 gathers
@@ -352,7 +396,7 @@ class Role:
         fewer gets empty entries, run as one masked-out row."""
         cost = MICRO_BATCH_COST.get(self.device.type, MICRO_BATCH_COST["cuda"])
         groups = pack_by_tokens(
-            batch, self.max_tokens, self.share_prompts, cost, self.micro_batch_size, packed=self.packing
+            batch, self.max_tokens, self.share_prefixes, cost, self.micro_batch_size, packed=self.packing
         )
         k = int(all_reduce_max(float(len(groups))))
         return groups + [torch.zeros(0, dtype=torch.long)] * (k - len(groups))

@@ -56,6 +56,11 @@ class Critic(Role):
     def forward(self, batch: TrainBatch) -> torch.Tensor:
         if self.sp:  # each row split along the sequence (`roles/sequence_parallel.py`)
             return self.sp.values(self.engine, batch)
+        pack = self.prefix_pack(batch)
+        if pack is not None:  # each shared prefix once (`prefix.py`)
+            keep, where = pack.response(batch.response_width)
+            values = self.engine(**pack.inputs(self.prefix_mask(pack)))[0, keep].float()
+            return values.new_zeros(where.shape).masked_scatter(where, values)
         inputs, resp_len = trim_padding(batch)  # only the columns some row uses
         values = self.engine(**inputs)
         # V(state before each response token)

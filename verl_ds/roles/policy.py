@@ -6,7 +6,7 @@ import torch
 
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
-from verl_ds.roles import attention
+from verl_ds.roles import attention, prefix
 from verl_ds.roles.base import Role, enable_grad_checkpointing, pad_response, trim_padding
 from verl_ds.roles.batch import TrainBatch
 
@@ -43,41 +43,6 @@ def _contiguous_head_input(model) -> None:
         head.register_forward_pre_hook(lambda _m, args: (args[0].contiguous(), *args[1:]))
 
 
-def can_share_prompts(model) -> bool:
-    """Shared prompt passes need the prompt's KV cache, which HF drops in gradient-checkpointed layers
-    (the response pass would then silently run without its prompt)."""
-    return not model.is_gradient_checkpointing
-
-
-def shared_prompt_logits(model, inputs: dict, resp_len: int) -> torch.Tensor:
-    """`[B, R, V]` logits predicting the R response tokens, with each distinct prompt run once.
-
-    GRPO/RLOO rows come n to a prompt: the prompt pass computes every distinct prompt's keys and
-    values once, each row then runs only its response against its prompt's (gradients flow back
-    through the sharing into the prompt pass). Exact up to summation order, since under causal
-    attention no prompt token sees its response. Always two forwards, whatever the prompts, so
-    ZeRO-3's per-forward weight gathers stay matched across ranks."""
-    ids, mask, pos = inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"]
-    p = ids.shape[1] - resp_len
-    distinct, inv = torch.unique(torch.cat([ids[:, :p], mask[:, :p]], 1), dim=0, return_inverse=True)
-    rows = torch.arange(len(ids), device=ids.device)
-    first = torch.empty(len(distinct), dtype=torch.long, device=ids.device).scatter_(0, inv, rows)  # a row each
-    pre = model(
-        input_ids=ids[first, :p],
-        attention_mask=mask[first, :p],
-        position_ids=pos[first, :p],
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache = pre.past_key_values
-    cache.reorder_cache(inv)  # row i reads its prompt's keys/values
-    # the response pass's last position predicts nothing; it runs so the pass is never empty
-    out = model(
-        input_ids=ids[:, p:], attention_mask=mask, position_ids=pos[:, p:], past_key_values=cache, use_cache=False
-    )
-    return torch.cat([pre.logits[inv], out.logits[:, :-1]], 1)
-
-
 def pack_rows(batch: TrainBatch) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Padding-free inputs for one micro-batch: every row's real tokens in one `[1, N]` sequence, the
     rows in order, positions restarting at 0 in each (transformers reads a restart as a new sequence:
@@ -104,7 +69,13 @@ class PolicyRole(Role):
     def forward(self, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False):
         if self.sp:  # each row split along the sequence (`roles/sequence_parallel.py`)
             return self.sp.policy_forward(self.engine, batch, temperature, with_entropy, self._entropy_needs_grad)
-        logits, labels, to_rows = self._packed_logits(batch) if self.packing else self._padded_logits(batch)
+        pack = self.prefix_pack(batch)
+        if pack is not None:
+            logits, labels, to_rows = self._shared_logits(batch, pack)
+        elif self.packing:
+            logits, labels, to_rows = self._packed_logits(batch)
+        else:
+            logits, labels, to_rows = self._padded_logits(batch)
         if temperature != 1.0:
             logits = logits / temperature  # match the rollout's processed logprobs
         entropy = None
@@ -121,13 +92,11 @@ class PolicyRole(Role):
         columns some row uses (`trim_padding`)."""
         width = batch.response_width
         inputs, resp_len = trim_padding(batch)
-        if self.share_prompts and inputs["input_ids"].shape[1] > resp_len:
-            logits = shared_prompt_logits(self.engine, inputs, resp_len)
-        else:  # only the R positions that predict response tokens: no [B, P, V] logits for the prompt,
-            # and contiguous ones (a [:, :-1] slice would be copied by every pass over the logits)
-            width_in = inputs["input_ids"].shape[1]
-            keep = torch.arange(width_in - resp_len - 1, width_in - 1, device=inputs["input_ids"].device)
-            logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
+        # only the R positions that predict response tokens: no [B, P, V] logits for the prompt,
+        # and contiguous ones (a [:, :-1] slice would be copied by every pass over the logits)
+        width_in = inputs["input_ids"].shape[1]
+        keep = torch.arange(width_in - resp_len - 1, width_in - 1, device=inputs["input_ids"].device)
+        logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
         return logits, inputs["input_ids"][:, -resp_len:], lambda x: pad_response(x, width)
 
     def _packed_logits(self, batch: TrainBatch):
@@ -135,6 +104,14 @@ class PolicyRole(Role):
         sequence, logits only where they predict a response token."""
         inputs, keep, where = pack_rows(batch)
         logits = self.engine(**inputs, use_cache=False, logits_to_keep=keep).logits
+        labels = batch.input_ids[:, -batch.response_width :][where][None]
+        return logits, labels, lambda x: x.new_zeros(where.shape).masked_scatter(where, x[0])
+
+    def _shared_logits(self, batch: TrainBatch, pack: prefix.PrefixPack):
+        """(logits `[1, K, V]`, the response tokens `[1, K]`, back to `[B, R]`) over a shared-prefix pack
+        (`prefix.py`): each shared prefix once, logits only where they predict a response token."""
+        keep, where = pack.response(batch.response_width)
+        logits = self.engine(**pack.inputs(self.prefix_mask(pack)), use_cache=False, logits_to_keep=keep).logits
         labels = batch.input_ids[:, -batch.response_width :][where][None]
         return logits, labels, lambda x: x.new_zeros(where.shape).masked_scatter(where, x[0])
 

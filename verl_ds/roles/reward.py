@@ -36,12 +36,30 @@ class RewardModel(Role):
         stats["weight_bytes"] = float(tensor_bytes(self.module))
         return stats
 
+    _FIRST_RESPONSE = False  # a row's real tokens only: HF pools at its last one
+
+    def _shared_scores(self, mb: TrainBatch, pack, pad: int) -> torch.Tensor:
+        """`[b]` scores of a shared-prefix pack: the backbone once, the score head at each row's last
+        token that is not the reward model's `pad` id (where HF's sequence classifier pools)."""
+        model = self.module
+        backbone = getattr(model, model.base_model_prefix)
+        hidden = backbone(**pack.inputs(self.prefix_mask(pack)), use_cache=False).last_hidden_state[0]
+        held = pack.index >= 0
+        real = held & (mb.input_ids != pad)
+        cols = torch.arange(held.shape[1], device=held.device).expand_as(held)
+        last = torch.where(real, cols, -1).amax(1)  # HF: the last non-pad token, else the first column held
+        last = torch.where(last >= 0, last, torch.where(held, cols, held.shape[1]).amin(1))
+        return model.score(hidden[pack.index.gather(1, last[:, None])[:, 0]])[:, 0].float()
+
     @torch.no_grad()
     def score(self, batch: TrainBatch) -> torch.Tensor:
         """One fp32 score per sequence `[B]`, read at the last non-pad token (HF's pooling)."""
         pad = self.module.config.pad_token_id
 
         def scores(mb: TrainBatch) -> torch.Tensor:
+            pack = self.prefix_pack(mb)
+            if pack is not None:  # each shared prefix once (`prefix.py`), the head where HF pools
+                return self._shared_scores(mb, pack, pad)
             # HF pools at the last non-pad token: mark padding with the reward model's own pad id
             # (the policy's may differ), so the score is read at the last real token.
             inputs, _ = trim_padding(mb)  # only the columns some row uses (a token budget counts those)

@@ -30,7 +30,6 @@ from verl_ds.roles import (
 )
 from verl_ds.roles.long_rows import tile_mlps
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
-from verl_ds.roles.policy import can_share_prompts
 from verl_ds.roles.sequence_parallel import SequenceParallel
 from verl_ds.rollout.agents import AgentEpisodes
 from verl_ds.rollout.engines.weights import eos_token_ids
@@ -184,8 +183,8 @@ def build_roles(setup: RunSetup) -> dict:
             log.info("roles.%s.tiled_mlp: %d MLPs run in sequence tiles", name, tile_mlps(role.module))
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = setup.token_budgets[name]
-        if isinstance(role, PolicyRole):  # packed rows run every prompt in its own row
+        if isinstance(role, Role):  # rows that share a prefix run it once (`roles/prefix.py`)
+            role.share_prefixes, role.share_min_tokens = setup.share_prefixes, m.share_prefix_min_tokens
+        if isinstance(role, PolicyRole):  # padding-free rows where a micro-batch shares no prefix
             role.packing = setup.packing
-            share = m.share_prompt and can_share_prompts(role.module) and not setup.packing
-            role.share_prompts = share and sp is None  # a split row runs alone
     return roles

@@ -93,12 +93,21 @@ class StepMetrics:
         return out
 
     def padding(self) -> dict[str, float]:
-        """perf/padding_efficiency/<role>/<pass>: real tokens / tokens its forwards ran (every
-        rank's), for each role's scoring and update passes of this step. 1.0: no padding ran."""
+        """For each role's scoring and update passes of this step (every rank's tokens):
+        perf/padding_efficiency/<role>/<pass>: the distinct real tokens / the tokens its forwards ran
+        (1.0: no padding ran); perf/shared_tokens/<role>/<pass>: the distinct tokens / the tokens the
+        rows hold (1.0: nothing shared; 1/n: n rows ran one prefix once, `roles/prefix.py`)."""
         keys, sums = [], []
         for name, role in self.roles.items():
-            for kind, (real, processed) in role.take_token_counts().items():
-                keys.append(f"perf/padding_efficiency/{name}/{kind}")
-                sums += [real, processed]
+            for kind, counts in role.take_token_counts().items():
+                keys.append(f"{name}/{kind}")
+                sums += list(counts)
         sums = all_reduce_sum(sums)  # the same roles on every rank: the same list
-        return {k: sums[2 * i] / sums[2 * i + 1] for i, k in enumerate(keys) if sums[2 * i + 1]}
+        out = {}
+        for i, k in enumerate(keys):
+            held, distinct, run = sums[3 * i : 3 * i + 3]
+            if run:
+                out[f"perf/padding_efficiency/{k}"] = distinct / run
+            if held:
+                out[f"perf/shared_tokens/{k}"] = distinct / held
+        return out

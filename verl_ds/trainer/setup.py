@@ -33,7 +33,7 @@ from verl_ds.ds_config import read_ds_files, render_ds_configs, run_precision
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
 from verl_ds.process import allocator
-from verl_ds.roles import attention
+from verl_ds.roles import attention, prefix
 from verl_ds.rollout import resolve_eager, resolve_engine
 from verl_ds.trainer.checkpoint import pick_resume, probe_writable
 
@@ -56,6 +56,7 @@ class RunSetup:
     token_budgets: Mapping[str, int]  # each active role's tokens per micro-batch (`config.token_budget`)
     attention: str  # the policy models' attention implementation (`resolve_attention`)
     packing: bool  # the policy models' passes run padding-free rows (`resolve_attention`)
+    share_prefixes: bool  # every role's passes run a prefix its rows share once (`resolve_sharing`)
     tools: tuple[Callable, ...]  # `data.tools`
     env_factory: Callable | None  # `rollout.multi_turn.env`; None: no environment
     agent: Callable | None  # `rollout.multi_turn.agent`; None: not an agent job
@@ -93,6 +94,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         log.info("memory allocator: %s%s", malloc, hint if malloc == "glibc" else "")
     precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
     attention, packing = resolve_attention(cfg.model.attn_implementation, cfg.model.packing, gpu)
+    share_prefixes = resolve_sharing(cfg, attention)
     model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
     m = cfg.model
     if m.teacher_path:  # distillation compares the two models' logprobs of the same ids
@@ -137,6 +139,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         token_budgets=MappingProxyType(token_budgets),
         attention=attention,
         packing=packing,
+        share_prefixes=share_prefixes,
         tools=names.tools,
         env_factory=names.env_factory,
         agent=names.agent,
@@ -183,6 +186,31 @@ def resolve_attention(attn: str, packing, gpu: bool) -> tuple[str, bool]:
             "auto or sdpa run without it",
         )
     return attn, attn == "flash_attention_2" if packing == "auto" else bool(packing)
+
+
+def resolve_sharing(cfg: RunConfig, attention_: str) -> bool:
+    """Whether the roles' passes share prefixes (`roles/prefix.py`), said in one line: `model.share_prompt`,
+    where the policy models' attention takes the prefix mask (varlen flash-attention cannot) and rows run
+    whole (under sequence parallelism a row is split over its group and runs alone)."""
+    m, sp = cfg.model, cfg.trainer.sequence_parallel_size
+    why = (
+        "model.share_prompt is false"
+        if not m.share_prompt
+        else f"{attention_} cannot take a prefix mask (use sdpa or flex_attention)"
+        if attention_ not in prefix.SUPPORTED
+        else f"trainer.sequence_parallel_size {sp}: each row runs alone, split over its group"
+        if sp > 1
+        else ""
+    )
+    if why:
+        log.info("shared prefixes: off (%s)", why)
+        return False
+    log.info(
+        "shared prefixes: on (a micro-batch's rows run each prefix they share once, in every role's passes, "
+        "where that saves at least %d tokens and its cost model says it pays)",
+        m.share_prefix_min_tokens,
+    )
+    return True
 
 
 def rank_budget(cfg: RunConfig, world: int, gpu: bool) -> float:
