@@ -26,7 +26,7 @@ from verl_ds.roles import (
     load_value_model,
     policy,
 )
-from verl_ds.roles.base import pack_by_tokens, trim_padding
+from verl_ds.roles.base import pack_by_tokens
 from verl_ds.roles.batch import TrainBatch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,0 +1,261 @@
+"""Shared prefixes (`roles/prefix.py`): a micro-batch's rows as a trie in one sequence, in every role's pass.
+Exact against the unshared pass (summation order: `assert_same_gradients`, 1e-5 on fp32 outputs) at ZeRO 0
+and 3, with gradient checkpointing on and off, with LoRA, for rows of unequal length, rows that share
+nothing, an empty response and a multi-turn fork; each planted bug fails the same check."""
+
+import pytest
+import torch
+from deepspeed.utils import safe_get_full_grad
+
+from tests.roles.helpers import Cfg, accumulated_grads, assert_same_gradients, ds_config
+from verl_ds.roles import Actor, Critic, RewardModel, load_causal_lm, load_reward_model, load_value_model, prefix
+from verl_ds.roles.batch import TrainBatch
+from verl_ds.roles.lora import apply_lora
+
+
+def test_the_trie_lays_each_shared_token_once_and_each_row_sees_its_own_path():
+    """Rows 1 2 3 4 | 1 2 3 5 6 | 1 2 7 | 8 9, by hand: nodes [1 2] [3] [4] [5 6] [7] [8 9] in depth-first
+    order, positions their depth, `end` where each node's subtree ends; each row reads its own tokens'
+    places and attends to exactly its path."""
+    rows = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7], [8, 9]]
+    ids = torch.zeros(4, 5, dtype=torch.long)
+    take = torch.zeros(4, 5, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], take[i, : len(r)] = torch.tensor(r), True
+    pack = prefix.pack(ids, take)
+    assert pack.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert pack.position_ids.tolist() == [0, 1, 2, 3, 3, 4, 2, 0, 1]
+    assert pack.end.tolist() == [7, 7, 6, 4, 6, 6, 7, 9, 9]
+    assert (len(pack), pack.held) == (9, 14)
+    assert pack.index[1].tolist() == [0, 1, 2, 4, 5] and pack.index[3].tolist() == [7, 8, -1, -1, -1]
+    assert pack.pred[1].tolist() == [-1, 0, 1, 2, 4]
+    sees = prefix.allowed(pack.end)
+    for i, r in enumerate(rows):  # each row's last token sees exactly its row's places
+        places = pack.index[i, : len(r)]
+        assert set(sees[places[-1]].nonzero()[:, 0].tolist()) == set(places.tolist()), r
+
+
+def tree_batch(vocab: int, seed: int = 0) -> TrainBatch:
+    """GRPO rows and more: 4 answers (1-4 tokens) to one 7-token prompt, one of them empty; 2 answers to a
+    4-token prompt that share their first 3 tokens (a multi-turn fork); a row that shares nothing."""
+    g = torch.Generator().manual_seed(seed)
+
+    def tok(n: int, first: int | None = None) -> torch.Tensor:  # `first`: where rows must part
+        t = torch.randint(3, vocab, (n,), generator=g)
+        if first is not None and n:
+            t[0] = first
+        return t
+
+    p1, p2, fork = tok(7, 3), tok(4, 4), tok(3)
+    rows = [(p1, tok(r, 3 + i)) for i, r in enumerate((1, 4, 2))] + [(p1, tok(0))]
+    rows += [(p2, torch.cat([fork, tok(2, 3)])), (p2, torch.cat([fork, tok(3, 4)])), (tok(3, 5), tok(4))]
+    P, R = 7, 6
+    ids, attn = torch.zeros(len(rows), P + R, dtype=torch.long), torch.zeros(len(rows), P + R, dtype=torch.long)
+    for i, (p, r) in enumerate(rows):
+        ids[i, P - len(p) : P], ids[i, P : P + len(r)] = p, r
+        attn[i, P - len(p) : P + len(r)] = 1
+    return TrainBatch(ids, attn, attn[:, P:].float())
+
+
+def _shared(role):
+    role.share_prefixes, role.share_min_tokens = True, 0
+    shapes = []
+    role.module.register_forward_pre_hook(
+        lambda _m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    return shapes
+
+
+def _ppo(batch: TrainBatch, lp: torch.Tensor) -> TrainBatch:
+    g = torch.Generator().manual_seed(1)
+    adv = torch.randn(lp.shape, generator=g)
+    return batch.replace(old_logprobs=lp, advantages=adv, returns=adv, old_values=torch.zeros_like(lp))
+
+
+def distinct(batch: TrainBatch, first_response: bool = True) -> int:
+    """The tree batch's tokens, each shared prefix once: its rows' distinct prefixes, counted as sets."""
+    take = prefix.held_columns(batch.attention_mask, batch.response_width, first_response)
+    rows = [batch.input_ids[i][take[i]].tolist() for i in range(len(batch))]
+    return len({tuple(r[: k + 1]) for r in rows for k in range(len(r))})
+
+
+DISTINCT = 7 + 1 + 4 + 2 + 1 + 4 + 3 + 2 + 3 + 7  # by hand, unless two random tokens happen to agree
+
+
+def _actors(model_dir: str, stage: int, gc: bool, lora: bool = False, micro: int = 7):
+    cfg = ds_config("actor", stage, "fp32", micro=micro, total=micro)
+    out = []
+    for _ in range(2):
+        model = load_causal_lm(model_dir, grad_checkpointing=gc)
+        if lora:
+            torch.manual_seed(0)
+            model = apply_lora(model, 4, 8.0, 0.0, ["q_proj", "v_proj"], [])
+            for name, p in model.named_parameters():  # B starts at 0, which leaves A no gradient
+                if "lora_B" in name:
+                    torch.nn.init.normal_(p, std=0.1)
+        out.append(Actor(model, cfg, Cfg(entropy_coef=0.01)))
+    return out
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(("stage", "gc"), [(0, False), (0, True), (3, True)])
+def test_shared_actor_scores_and_trains_as_the_plain_actor(tiny_model_dir, stage, gc):
+    """One micro-batch of the tree batch: the shared pass runs its 34 distinct tokens in one `[1, 34]`
+    sequence against 62 the rows hold; logprobs and entropies of every response token, and the accumulated
+    gradient (with an entropy bonus), equal the plain pass's; the token counts say what ran."""
+    plain, shared = _actors(tiny_model_dir, stage, gc)
+    shapes = _shared(shared)
+    batch = tree_batch(plain.module.config.vocab_size)
+    real = batch.loss_mask.bool()
+    lp, ent = plain.logprobs(batch, with_entropy=True)
+    lp_s, ent_s = shared.logprobs(batch, with_entropy=True)
+    assert distinct(batch) == DISTINCT and shapes == [(1, DISTINCT)]
+    torch.testing.assert_close(lp_s[real], lp[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent_s[real], ent[real], rtol=0, atol=1e-5)
+    held = float(batch.attention_mask.sum() + 1)  # the empty response scores one (masked) column
+    assert shared.take_token_counts()["score"] == (held, DISTINCT, DISTINCT)
+    batch = _ppo(batch, lp)
+    assert_same_gradients(accumulated_grads(shared, batch), accumulated_grads(plain, batch))
+
+
+@pytest.mark.numerics
+def test_shared_lora_actor_trains_as_the_plain_one(tiny_model_dir):
+    """LoRA adapters on q/v (ZeRO-0, checkpointing on): the adapters' gradients equal the plain pass's."""
+    plain, shared = _actors(tiny_model_dir, 0, True, lora=True)
+    _shared(shared)
+    batch = tree_batch(plain.module.config.vocab_size, seed=2)
+    batch = _ppo(batch, plain.logprobs(batch))
+    tokens, rows = float(batch.loss_mask.sum()), float(len(batch))
+    grads = []
+    for actor in (shared, plain):
+        actor.accumulate(batch, global_tokens=tokens, global_seqs=rows)
+        trained = [(n, p) for n, p in actor.module.named_parameters() if p.requires_grad]
+        grads.append({n: safe_get_full_grad(p).float().clone() for n, p in trained})
+    assert grads[1] and all("lora_" in n for n in grads[1])
+    assert_same_gradients(*grads)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("gc", [False, True])
+def test_shared_critic_values_and_gradients_equal_the_plain_critic(tiny_model_dir, gc):
+    """The critic's values V(state before each response token) and its gradient, shared against plain
+    (the value head set non-zero so the values say something)."""
+    cfg = ds_config("critic", 0, "fp32", micro=7, total=7)
+    critics = []
+    for _ in range(2):
+        model = load_value_model(tiny_model_dir, grad_checkpointing=gc)
+        torch.manual_seed(0)
+        torch.nn.init.normal_(model.v_head.weight, std=0.5)
+        critics.append(Critic(model, cfg, Cfg()))
+    plain, shared = critics
+    shapes = _shared(shared)
+    batch = tree_batch(plain.module.backbone.config.vocab_size, seed=3)
+    real = batch.loss_mask.bool()
+    v, v_s = plain.values(batch), shared.values(batch)
+    assert shapes == [(1, distinct(batch))] and float(v[real].abs().max()) > 1e-3
+    torch.testing.assert_close(v_s[real], v[real], rtol=0, atol=1e-5)
+    batch = _ppo(batch, torch.zeros_like(v)).replace(old_values=v, returns=v + 1)
+    assert_same_gradients(accumulated_grads(shared, batch), accumulated_grads(plain, batch))
+
+
+@pytest.mark.numerics
+def test_shared_reward_scores_equal_the_plain_scores(tiny_model_dir, tmp_path):
+    """A reward model's scores, read where HF pools (the last token that is not its pad id), shared
+    against plain, at ZeRO-0 and ZeRO-3 (its pass runs the backbone and the head apart)."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    torch.nn.init.normal_(rm.score.weight, std=0.5)
+    rm.save_pretrained(tmp_path)
+    for stage in (0, 3):
+        cfg = ds_config("reward", stage, "fp32", micro=7, total=7)
+        plain, shared = (RewardModel(load_reward_model(str(tmp_path)), cfg) for _ in range(2))
+        _shared(shared)
+        batch = tree_batch(rm.config.vocab_size, seed=4)
+        s, s_shared = plain.score(batch), shared.score(batch)
+        assert shared.take_token_counts()["score"][1] == distinct(batch, first_response=False)
+        assert float(s.std()) > 1e-3
+        torch.testing.assert_close(s_shared, s, rtol=0, atol=1e-5)
+
+
+def _restart_own_positions(pack_fn):
+    """Planted: each node's tokens get positions from 0 (a row's own tokens restart)."""
+
+    def planted(input_ids, take):
+        p = pack_fn(input_ids, take)
+        pos = p.position_ids.clone()
+        start = 0
+        for k in range(1, len(pos) + 1):
+            if k == len(pos) or int(p.end[k]) != int(p.end[k - 1]) or int(pos[k]) != int(pos[k - 1]) + 1:
+                pos[start:k] -= int(pos[start])
+                start = k
+        return type(p)(p.input_ids, pos, p.end, p.index, p.pred, p.held)
+
+    return planted
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("bug", ["sibling_attention", "restarted_positions", "prefix_gradient_from_one_row"])
+def test_each_planted_bug_fails_the_check(tiny_model_dir, monkeypatch, bug):
+    """The checks above catch: a row attending to its siblings' tokens (plain causal attention over the
+    pack), positions of a row's own tokens restarting at 0, a shared position's gradient taken from one
+    row only (the others read it detached)."""
+    plain, shared = _actors(tiny_model_dir, 0, False)
+    _shared(shared)
+    batch = tree_batch(plain.module.config.vocab_size)
+    real = batch.loss_mask.bool()
+    lp = plain.logprobs(batch)
+    if bug == "sibling_attention":
+        monkeypatch.setattr(prefix, "allowed", lambda end: torch.ones(len(end), len(end), dtype=torch.bool).tril())
+    elif bug == "restarted_positions":
+        monkeypatch.setattr(prefix, "pack", _restart_own_positions(prefix.pack))
+    else:  # the LM head reads each repeated place detached after its first reader
+        head = shared.module.get_output_embeddings()
+        response = prefix.PrefixPack.response
+        seen = {}
+
+        def remember(self, width):
+            keep, where = response(self, width)
+            seen["keep"] = keep
+            return keep, where
+
+        def detach_repeats(_m, args):
+            keep, h = seen["keep"], args[0]
+            first = torch.zeros(len(keep), dtype=torch.bool)
+            first[[keep.tolist().index(k) for k in keep.unique().tolist()]] = True
+            return (torch.where(first[None, :, None], h, h.detach()),)
+
+        monkeypatch.setattr(prefix.PrefixPack, "response", remember)
+        head.register_forward_pre_hook(detach_repeats)
+    got = shared.logprobs(batch)
+    if bug == "prefix_gradient_from_one_row":  # the values are right; the gradient is not
+        torch.testing.assert_close(got[real], lp[real], rtol=0, atol=1e-5)
+        batch = _ppo(batch, lp)
+        with pytest.raises(AssertionError, match="max \\|diff\\|"):
+            assert_same_gradients(accumulated_grads(shared, batch), accumulated_grads(plain, batch))
+    else:
+        assert float((got[real] - lp[real]).abs().max()) > 1e-3
+
+
+def test_a_micro_batch_that_shares_too_little_runs_the_plain_pass(tiny_model_dir):
+    """Rows that share nothing, or less than `share_min_tokens`: the plain padded pass, and the counts say
+    nothing was shared; the cost rule prefers the plain pass where long rows make the pack's square
+    attention dearer than what it saves."""
+    cfg = ds_config("reference", 0, "fp32", micro=8, total=8)
+    from verl_ds.roles import Reference
+
+    ref = Reference(load_causal_lm(tiny_model_dir), cfg)
+    shapes = _shared(ref)
+    batch = tree_batch(ref.module.config.vocab_size)
+    ref.share_min_tokens = 7 * 13 - DISTINCT + 1  # sharing saves 57 tokens of the plain pass's 7 rows x 13
+    ref.logprobs(batch)
+    assert distinct(batch) == DISTINCT and shapes == [(7, 13)]
+    held, once, run = ref.take_token_counts()["score"]
+    assert held == once == 62 and run == 7 * 13
+    take = torch.ones(2, 4096, dtype=torch.bool)
+    ids = torch.cat([torch.zeros(2, 1000, dtype=torch.long), torch.arange(2 * 3096).view(2, 3096) + 1], 1)
+    long_tails = prefix.pack(ids, take)  # 1,000 shared tokens, 3,096 apart: N = 7,192 against 2 x 4,096
+    assert len(long_tails) == 7192
+    assert not prefix.pays(long_tails, take, hidden_size=64, min_saved=0)
+    assert prefix.pays(long_tails, take, hidden_size=4096, min_saved=0)  # big projections: the tokens win
