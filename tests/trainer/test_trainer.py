@@ -26,6 +26,28 @@ KL_JOB = [
 
 
 @pytest.mark.numerics
+def test_a_shared_prefix_step_trains_as_the_plain_step(tmp_path):
+    """`model.share_prompt` (default on), with gradient checkpointing: every pass runs each prompt once for
+    its 4 samples; the step scores the rollout as the engine did and its losses equal the plain step's on
+    the same rollout; `perf/shared_tokens` says how much was shared (1.0 in the plain step)."""
+    steps = {}
+    for share in ("false", "true"):
+        job = [f"model.share_prompt={share}", "algorithm.kl_coef=0.01", f"trainer.run_dir={tmp_path / share}"]
+        job += ["precision.enable_grad_checkpointing=true", "model.share_prefix_min_tokens=0"]
+        with RLTrainer(load_config(None, [*KL_JOB, *job])) as trainer:
+            assert trainer.actor.share_prefixes == trainer.reference.share_prefixes == (share == "true")
+            steps[share] = trainer.step()
+    plain, shared = steps["false"], steps["true"]
+    assert shared["rollout_corr/logprob_abs_diff_max"] < 1e-4
+    for k in ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/kl_ref", "actor/grad_norm"):
+        assert math.isclose(shared[k], plain[k], rel_tol=1e-4, abs_tol=1e-6), k
+    for p in ("actor/update", "reference/score"):
+        assert plain[f"perf/shared_tokens/{p}"] == 1.0
+        assert shared[f"perf/shared_tokens/{p}"] < 0.8, (p, shared[f"perf/shared_tokens/{p}"])
+        assert shared[f"perf/padding_efficiency/{p}"] == 1.0
+
+
+@pytest.mark.numerics
 def test_lr_zero_on_policy_ratio_is_one(tmp_path):
     cfg = load_config(
         None,
@@ -65,6 +87,7 @@ def test_a_packed_step_trains_as_the_padded_step(tmp_path):
     steps = {}
     for packing in ("false", "true"):
         job = [f"model.packing={packing}", "algorithm.kl_coef=0.01", f"trainer.run_dir={tmp_path / packing}"]
+        job.append("model.share_prompt=false")  # packs of whole rows (shared prefixes: the next test)
         cfg = load_config(None, [*KL_JOB, *job])
         with RLTrainer(cfg) as trainer:
             assert trainer.actor.packing == trainer.reference.packing == (packing == "true")

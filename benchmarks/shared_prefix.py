@@ -1,0 +1,140 @@
+"""Shared prefixes on long prompts: the scoring and update seconds of a step with and without prefix sharing,
+on SmolLM2-135M-Instruct (the demo's model). Prints a Markdown table with ratios against the first cell.
+
+    source launch/env.sh && python benchmarks/shared_prefix.py                  # 1k-token prompts, 3 steps a cell
+    python benchmarks/shared_prefix.py --lengths 1024 4096 --steps 2 --base 0123abc   # + the code at a commit
+
+The job is `examples/grpo_cpu_smollm2.yaml` as it is (fp32, gradient checkpointing on) through `bash
+launch/train.sh`, one rank x every core, `trainer.prompts_per_step=1 rollout.n=8 rollout.max_new_tokens=16`,
+on a data file of few-shot prompts: solved sums up to ~L tokens, then the question. Cells: `plain`
+(`model.share_prompt=false`: every row runs its prompt), `shared` (the default: each micro-batch's shared
+prefix once, `roles/prefix.py`), and with `--base REF` `before`: the code at REF (a git worktree, its own
+defaults) on the same job. Per cell, the median over the steps after the first: the update's, the reference's
+and the step's seconds, the update's peak resident memory (`memory/update/process/rss_peak_mib`), and
+`perf/shared_tokens/actor/update` (tokens run / tokens the rows hold). Writes <out>/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "examples/grpo_cpu_smollm2.yaml"
+MODEL = ROOT / "runs/smollm2-135m-instruct"
+
+
+def write_data(path: Path, rows: int, words: int, seed: int = 0) -> None:
+    """`rows` few-shot prompts: solved sums (`a + b = c`, ~8 tokens each) up to ~`words` tokens, then the
+    question; `data.max_prompt_length` keeps the last L tokens."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(rows):
+            shots = []
+            for _ in range(words // 8 + 8):
+                a, b = rng.randint(0, 99), rng.randint(0, 99)
+                shots.append(f"{a} + {b} = {a + b}")
+            a, b = rng.randint(0, 20), rng.randint(0, 20)
+            f.write(json.dumps({"prompt": "\n".join(shots) + f"\nWhat is {a} + {b}?", "answer": str(a + b)}) + "\n")
+
+
+def run(root: Path, run_dir: Path, length: int, steps: int, sets: list[str]) -> list[dict]:
+    data = run_dir.parent / f"prompts_{length}.jsonl"
+    write_data(data, 8, length)
+    args = [
+        f"model.path={MODEL}",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.steps={steps}",
+        "trainer.val_every=0",
+        "trainer.val_before_train=false",
+        "trainer.prompts_per_step=1",
+        "logging.wandb.mode=disabled",
+        "logging.memory_every=1",
+        "data.task=files",
+        f"data.train_files=[{data}]",
+        f"data.max_prompt_length={length}",
+        "rollout.n=8",
+        "rollout.max_new_tokens=16",
+        f"rollout.max_model_len={length + 32}",
+        *sets,
+    ]
+    env = {**os.environ, "NUM_RANKS": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    done = subprocess.run(["bash", "launch/train.sh", CONFIG, *args], cwd=root, env=env, capture_output=True, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    for kept in ("checkpoints", "final_model"):
+        shutil.rmtree(run_dir / kept, ignore_errors=True)
+    if done.returncode or not rows:
+        print("\n".join((done.stdout + done.stderr).strip().splitlines()[-5:]), file=sys.stderr)
+    return rows
+
+
+def median(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows[1:] or rows if key in r]
+    return statistics.median(vals) if vals else float("nan")
+
+
+COLUMNS = {
+    "update s": "timing_s/update_actor",
+    "reference s": "timing_s/ref",
+    "step s": "timing_s/step",
+    "update peak RSS MiB": "memory/update/process/rss_peak_mib",
+    "tokens run / held (update)": "perf/shared_tokens/actor/update",
+}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| prompt tokens | cell | " + " | ".join(COLUMNS) + " | update + reference vs first |"]
+    lines.append("|---" * (len(COLUMNS) + 3) + "|")
+    first: dict[int, float] = {}
+    for r in results:
+        vals = {c: median(r["rows"], k) for c, k in COLUMNS.items()}
+        work = vals["update s"] + vals["reference s"]
+        base = first.setdefault(r["length"], work)
+        cells = " | ".join(f"{v:.3g}" for v in vals.values())
+        lines.append(f"| {r['length']} | {r['cell']} | {cells} | {work / base:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cells", nargs="+", default=["plain", "shared"], choices=["plain", "shared", "before"])
+    ap.add_argument("--base", help="a git ref: adds the cell `before`, the code at that commit on the same job")
+    ap.add_argument("--set", action="append", default=[], help="an override for every cell (repeatable)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs/bench_shared_prefix")
+    a = ap.parse_args()
+    if not (MODEL / "config.json").exists():
+        sys.exit("the demo's model is missing: run `bash launch/demo.sh` once (it converts SmolLM2-135M-Instruct)")
+    a.out.mkdir(parents=True, exist_ok=True)
+    cells = (["before"] if a.base else []) + [c for c in a.cells if c != "before"]
+    roots = {"plain": ROOT, "shared": ROOT}
+    if a.base:  # the same venv (install.sh's stamp matches), the commit's code first on the path
+        roots["before"] = a.out / "base"
+        shutil.rmtree(roots["before"], ignore_errors=True)
+        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(roots["before"]), a.base], cwd=ROOT, check=True)
+        (roots["before"] / ".venv").symlink_to(ROOT / ".venv")
+    sets = {"plain": ["model.share_prompt=false"], "shared": ["model.share_prompt=true"], "before": []}
+    results = []
+    for length in a.lengths:
+        for cell in cells:
+            rows = run(roots[cell], a.out / f"{cell}{length}", length, a.steps, sets[cell] + a.set)
+            results.append({"length": length, "cell": cell, "rows": rows})
+            print(table(results).splitlines()[-1], flush=True)
+    (a.out / "results.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
