@@ -323,3 +323,29 @@ def test_tiled_mlps_hold_one_tile_of_ffn_intermediates():
     assert pass_memory(shape, "bf16", 1, 512, 512, **kw, tiled_mlp=True) == pass_memory(
         shape, "bf16", 1, 512, 512, **kw
     )
+
+
+def test_a_shared_prompt_counts_once_in_a_micro_batchs_pass():
+    """With shared prefixes (`roles/prefix.py`), a micro-batch of 8 rows of 512 prompt + 512 response tokens
+    (2 groups of 4) runs one sequence of 2 x 512 + 8 x 512 tokens, scoring all 8 x 512 responses, where the
+    FLOP count says the shared pass runs (an 8B model's projections); the actor's update activations that
+    grow with the tokens run fall with it (5,120 / 8,192), and `run_tokens` counts the shared tokens once."""
+    from verl_ds.diagnostics.memory.estimate import roles_memory
+
+    shape = M.load_shape(str(LLAMA_8B))
+    base = ["data.max_prompt_length=512", "rollout.max_new_tokens=512", "rollout.max_model_len=1024"]
+    base += ["rollout.n=4", "trainer.prompts_per_step=4", "roles.actor.micro_batch_size=8"]
+    base += ["precision.enable_grad_checkpointing=true", "precision.actor_dtype=bf16"]
+    shared, plain = (
+        load_config("examples/grpo_cpu_tiny.yaml", [*base, f"model.share_prompt={s}"]) for s in ("true", "false")
+    )
+    w = M.workload(shared, 1)
+    assert (w.shared_prefix, w.n) == (512, 4)
+    assert w.micro_batch(8, shape.hidden) == (1, 2 * 512 + 8 * 512, 8 * 512)
+    assert w.run_tokens(8, shape.hidden) == 2 * (2 * 512 + 8 * 512)  # 16 rows: two micro-batches
+    assert M.workload(plain, 1).micro_batch(8, shape.hidden) == (8, 1024, 512)
+    assert w.micro_batch(8, 64) == (8, 1024, 512)  # a tiny model: the pack's square attention costs more
+    ds = render_ds_configs(shared, 1, run_precision(shared), {"actor": 3, "reference": 3})
+    acts = [roles_memory(c, shape, ds, 1)["actor"]["update"]["activations"] for c in (shared, plain)]
+    logits = 8 * 512 * shape.vocab * 4 * 3  # the responses' saved fp32 logits: every row's, either way
+    assert acts[0] - logits == pytest.approx((acts[1] - logits) * 5120 / 8192)  # the checkpointed layer inputs

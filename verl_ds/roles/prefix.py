@@ -131,16 +131,20 @@ def run_tokens(take: Tensor) -> tuple[int, int]:
 
 
 def pays(pack_: PrefixPack, take: Tensor, hidden_size: int, min_saved: int) -> bool:
-    """Whether the shared pass is cheaper than the plain one, in multiply-adds per layer: a token's
-    projections and MLP ~ 6 x hidden x hidden (counted as 6 x hidden per unit of hidden), an attended
-    pair ~ 2 x hidden (each masked pass's kernel visits every pair of its square: the pack's `N^2`, the
-    padded rows' `B x W^2`); and it saves at least `min_saved` tokens (below that, a fixed cost of its
-    own: the mask's construction, the gathers)."""
+    """Whether `pack_` is cheaper to run than the plain pass over `take`'s rows (`cheaper`)."""
     tokens, pairs = run_tokens(take)
-    n = len(pack_)
-    if tokens - n < min_saved:
+    return cheaper(len(pack_), tokens, pairs, hidden_size, min_saved)
+
+
+def cheaper(shared: int, tokens: int, pairs: int, hidden_size: int, min_saved: int) -> bool:
+    """Whether a shared pass of `shared` tokens is cheaper than a plain one of `tokens` tokens and `pairs`
+    attended pairs, in multiply-adds per layer: a token's projections and MLP ~ 6 x hidden x hidden (so
+    counted as 6 x hidden per unit of hidden), an attended pair ~ 1 x hidden (each masked pass's kernel
+    visits every pair of its square: the pack's `N^2`, the padded rows' `B x W^2`); and it saves at least
+    `min_saved` tokens (below that, a fixed cost of its own: the trie, the mask, the gathers)."""
+    if tokens - shared < min_saved:
         return False
-    return n * 6 * hidden_size + n * n < tokens * 6 * hidden_size + pairs
+    return shared * 6 * hidden_size + shared * shared < tokens * 6 * hidden_size + pairs
 
 
 # ---------------------------------------------------------------- masks

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from verl_ds.config import longest_row, offload_stages
 from verl_ds.ds_config import ds_dtype
 from verl_ds.precision import INT8_ROLES, TORCH_DTYPES, TRAINED_ROLES
-from verl_ds.roles import attention
+from verl_ds.roles import attention, prefix
 from verl_ds.rollout.engines.distributed import choose_engine
 
 MIB = 2**20
@@ -97,6 +97,36 @@ class Workload:
     resp_len: int
     world: int = 1
     sp: int = 1  # `trainer.sequence_parallel_size`: each pass runs a 1/sp shard of every row
+    shared_prefix: int = 0  # tokens the n rows of a group share (its prompt) and a pass runs once (`roles/prefix.py`)
+    n: int = 1  # rows a group (`rollout.n`)
+    min_saved: int = 0  # `model.share_prefix_min_tokens`
+
+    def micro_batch(self, rows: int, hidden: int) -> tuple[int, int, int]:
+        """(rows, tokens a row, scored tokens a row) one micro-batch of `rows` full-length rows runs: with
+        shared prefixes, where `prefix.cheaper` says the shared pass runs, one sequence of each group's
+        prompt once and every row's response, scoring every row's; else the rows as they are."""
+        t, r = self.seq_len, self.resp_len
+        if self.shared_prefix and rows > 1:
+            shared = -(-rows // self.n) * self.shared_prefix + rows * (t - self.shared_prefix)
+            if prefix.cheaper(shared, rows * t, rows * t * t, hidden, self.min_saved):
+                return 1, shared, rows * r
+        return rows, t, r
+
+    def run_tokens(self, rows: int, hidden: int) -> int:
+        """Tokens one pass over this rank's rows runs, in micro-batches of `rows` (`micro_batch`)."""
+        full, left = divmod(self.local_batch, rows)
+        total = 0
+        for k, times in ((rows, full), (left, int(left > 0))):
+            b, t, _ = self.micro_batch(max(k, 1), hidden)
+            total += times * b * t
+        return total
+
+
+def shares_prefixes(cfg) -> bool:
+    """Whether the run's passes share prefixes (`trainer.setup.resolve_sharing`, before the attention is
+    resolved: flash_attention_2 named, or sequence parallelism, turn it off)."""
+    m = cfg.model
+    return m.share_prompt and m.attn_implementation != "flash_attention_2" and cfg.trainer.sequence_parallel_size == 1
 
 
 def workload(cfg, world: int) -> Workload:
@@ -106,7 +136,11 @@ def workload(cfg, world: int) -> Workload:
     gen = per_rank * (cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1)
     t = longest_row(cfg)  # a multi-turn episode's row holds every turn
     sp = cfg.trainer.sequence_parallel_size  # a group's ranks hold its rows together, each split
-    return Workload(gen, per_rank * sp, t, max(1, t - cfg.data.max_prompt_length), world, sp)
+    resp = max(1, t - cfg.data.max_prompt_length)
+    share = shares_prefixes(cfg) and cfg.rollout.n > 1
+    return Workload(
+        gen, per_rank * sp, t, resp, world, sp, (t - resp) * share, cfg.rollout.n, cfg.model.share_prefix_min_tokens
+    )
 
 
 # DeepSpeed's activation-checkpoint offload keeps the last layer's input and has two more in flight
@@ -223,9 +257,10 @@ def role_memory(
         else 0.0
     )
     stages = {s: dict(resident) for s in STAGES}
+    rows, t, r = w.micro_batch(mb, shape.hidden)  # a shared prefix once
     # every role runs a no-grad forward while scoring
     stages["score"].update(
-        pass_memory(shape, dtype, mb, w.seq_len, w.resp_len, head=head, grad=False, sp=w.sp, tiled_mlp=tiled_mlp),
+        pass_memory(shape, dtype, rows, t, r, head=head, grad=False, sp=w.sp, tiled_mlp=tiled_mlp),
         other=gathered,
     )
     if trainable:
@@ -233,9 +268,9 @@ def role_memory(
         train = pass_memory(
             shape,
             dtype,
-            mb,
-            w.seq_len,
-            w.resp_len,
+            rows,
+            t,
+            r,
             head=head,
             grad=True,
             grad_checkpointing=grad_checkpointing,
@@ -370,14 +405,14 @@ def run_role_memory(
 ) -> dict[str, dict[str, float]]:
     """`role_memory` with what the run config says about this role (`role_kwargs`, activation
     checkpointing; on a GPU, `roles.<role>.sleep`: nothing of it on the device while generating)."""
-    rows = int(ds.get("train_micro_batch_size_per_gpu", 1))
+    rows, t, _ = w.micro_batch(int(ds.get("train_micro_batch_size_per_gpu", 1)), shape.hidden)
     stages = role_memory(
         shape,
         ds,
         **role_kwargs(cfg, shape, role),
         w=w,
         grad_checkpointing=cfg.precision.enable_grad_checkpointing,
-        math_attention=math_attention(cfg, role, ds_dtype(ds), rows, w.seq_len, on_gpu),
+        math_attention=math_attention(cfg, role, ds_dtype(ds), rows, t, on_gpu),
         tiled_mlp=getattr(cfg.roles, role).tiled_mlp,
         offload_activations=on_gpu and getattr(cfg.roles, role).offload_activations,
     )

@@ -168,7 +168,8 @@ def plan_cost(
                 out["host_adam"] += 16 * psi / world / HOST_ADAM_BYTES_S
             if p.sleep:
                 out["pcie"] += 2 * _resident(states[role]["device"]) / PCIE_BYTES_S
-            tokens = w.local_batch * w.seq_len * cfg.algorithm.ppo_epochs / plan.sp  # this rank's shards
+            # this rank's shards; a shared prefix once (`Workload.run_tokens`)
+            tokens = w.run_tokens(mb, shapes[role].hidden) * cfg.algorithm.ppo_epochs / plan.sp
             if plan.grad_checkpointing:
                 out["recompute"] += 2 * psi * tokens / GPU_FLOPS
             s = shapes[role]
