@@ -116,6 +116,7 @@ def main() -> None:
     a = ap.parse_args()
     if not (MODEL / "config.json").exists():
         sys.exit("the demo's model is missing: run `bash launch/demo.sh` once (it converts SmolLM2-135M-Instruct)")
+    a.out = a.out.resolve()  # the `before` cell runs from its worktree
     a.out.mkdir(parents=True, exist_ok=True)
     cells = (["before"] if a.base else []) + [c for c in a.cells if c != "before"]
     roots = {"plain": ROOT, "shared": ROOT}

@@ -127,12 +127,6 @@ def _size(rows: list[int], plen: list[int], rlen: list[int], pid: list[int]) -> 
     return len({pid[i] for i in rows}) * wp + len(rows) * wr
 
 
-def _work(rows: list[int], plen: list[int], rlen: list[int], pid: list[int]) -> float:
-    """What a micro-batch of `rows` costs, in tokens, for choosing between packings: its `_size` (a
-    shared prompt runs once, `prefix.py`)."""
-    return float(_size(rows, plen, rlen, pid))
-
-
 # One micro-batch's fixed cost in tokens (the forward/backward call, ZeRO-3's weight gathers, GEMMs on
 # fewer rows): the packer cuts another micro-batch where that saves more padding than this.
 MICRO_BATCH_COST = {"cpu": 128, "cuda": 2048}  # CPU measured (docs/BENCHMARKS.md); GPU not yet
@@ -147,10 +141,10 @@ def pack_by_tokens(
     packed: bool = False,
 ) -> list[torch.Tensor]:
     """Row indices of micro-batches under a token budget, counted after padding removal ((longest
-    prompt + longest response) x rows fits `budget`, or one row). Two candidates, the one with less
-    `_work` + `cost` per micro-batch wins: rows sorted by length, cut where that runs the least
-    (`_cut`: similar lengths share a micro-batch, a long tail gets its own); and, given
-    `rows_per_micro` when each fits the budget, the rows in order in micro-batches of that many (a
+    prompt + longest response) x rows fits `budget`, or one row; with `shared` prompts each once,
+    `_size`). Two candidates, the one with less `_size` + `cost` per micro-batch wins: rows sorted by
+    length, cut where that runs the least (`_cut`: similar lengths share a micro-batch, a long tail gets
+    its own); and, given `rows_per_micro` when each fits the budget, the rows in order in micro-batches of that many (a
     GRPO batch's groups stay whole, so each prompt runs once: better when answers are short).
     `packed` rows (`pack_rows`) run their own tokens only, in any order: the rows in order, each
     micro-batch filled up to the budget."""
@@ -171,12 +165,12 @@ def pack_by_tokens(
         in_order = [list(range(s, min(s + rows_per_micro, n))) for s in range(0, n, rows_per_micro)]
         if all(_size(g, plen, rlen, pid) <= budget for g in in_order):
             candidates.insert(0, in_order)  # the first on a tie
-    best = min(candidates, key=lambda groups: sum(_work(g, plen, rlen, pid) + cost for g in groups))
+    best = min(candidates, key=lambda groups: sum(_size(g, plen, rlen, pid) + cost for g in groups))
     return [torch.tensor(g, dtype=torch.long) for g in best]
 
 
 def _cut(order: list[int], plen: list[int], rlen: list[int], pid: list[int], budget: int, cost: float):
-    """`order` cut into consecutive micro-batches that fit `budget`, at the cuts minimising `_work` +
+    """`order` cut into consecutive micro-batches that fit `budget`, at the cuts minimising `_size` +
     `cost` each (dynamic programming over the cut points: O(rows x rows per micro-batch))."""
     n = len(order)
     best, prev = [0.0] + [None] * n, [0] * (n + 1)
@@ -374,7 +368,9 @@ class Role:
         if self.share_prefixes and not self.sp and not mb.pad_row and len(mb) > 1:
             take = prefix.held_columns(mb.attention_mask, mb.response_width, self._FIRST_RESPONSE)
             candidate = prefix.pack(mb.input_ids, take)
-            if prefix.pays(candidate, take, self._hidden_size, self.share_min_tokens):
+            # the packer counted each prompt once against the token budget: past it, share whatever it costs
+            over = self.max_tokens and prefix.run_tokens(take)[0] > self.max_tokens
+            if over or prefix.pays(candidate, take, self._hidden_size, self.share_min_tokens):
                 pack = candidate
         self._last_pack = (mb, pack)
         return pack

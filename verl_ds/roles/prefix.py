@@ -12,8 +12,8 @@ and an agent's calls that continue one row, are deeper ones.
 Why this route and not the prompt's KV cache: HF drops caches in gradient-checkpointed layers, while one
 sequence under a mask is a plain forward (checkpointing, LoRA, ZeRO-3's per-forward gathers unchanged),
 and the rule `k <= q < end[k]` is one array every attention kernel can take: a dense mask (SDPA, eager),
-FlexAttention's `mask_mod` (a block mask: GPUs), and the core attention past DeepSpeed's Ulysses all-to-all,
-which drops masks (`active`: the array, read by `roles/attention.py`).
+FlexAttention's `mask_mod` (a block mask: GPUs), and, not yet written, the core attention past DeepSpeed's
+Ulysses all-to-all, which drops masks (under sequence parallelism a row runs alone, unshared).
 
 Exact up to summation order: every token sees exactly the tokens it sees in its own row, at the same
 positions. Whether a micro-batch shares is a cost question (`pays`), decided per micro-batch.
@@ -21,7 +21,6 @@ positions. Whether a micro-batch shares is a cost question (`pays`), decided per
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -176,21 +175,3 @@ def attention_mask(pack_: PrefixPack, implementation: str, dtype: torch.dtype):
 
 
 SUPPORTED = ("sdpa", "sdpa_cpu16", "eager", "flex_attention")  # varlen flash-attention cannot express a prefix
-
-
-# ---------------------------------------------------------------- the sharing under sequence parallelism
-
-_ACTIVE: list[Tensor | None] = [None]
-
-
-@contextlib.contextmanager
-def active(end: Tensor | None):
-    """Within: the core attention of a pass whose mask was dropped (DeepSpeed's Ulysses wrapper) applies
-    `end`'s rule (`current_end`). Left set until the next pass sets its own, since a checkpointed layer
-    recomputes its attention in the backward, after the forward's `with` has closed."""
-    _ACTIVE[0] = end
-    yield
-
-
-def current_end() -> Tensor | None:
-    return _ACTIVE[0]
