@@ -3,6 +3,7 @@ on SmolLM2-135M-Instruct (the demo's model). Prints a Markdown table with ratios
 
     source launch/env.sh && python benchmarks/shared_prefix.py                  # 1k-token prompts, 3 steps a cell
     python benchmarks/shared_prefix.py --lengths 1024 4096 --steps 2 --base 0123abc   # + the code at a commit
+    python benchmarks/shared_prefix.py --config examples/grpo_cpu_smollm2_tools.yaml --steps 3   # a job as it is
 
 The job is `examples/grpo_cpu_smollm2.yaml` as it is (fp32, gradient checkpointing on) through `bash
 launch/train.sh`, one rank x every core, `trainer.prompts_per_step=1 rollout.n=8 rollout.max_new_tokens=16`,
@@ -11,7 +12,9 @@ on a data file of few-shot prompts: solved sums up to ~L tokens, then the questi
 prefix once, `roles/prefix.py`), and with `--base REF` `before`: the code at REF (a git worktree, its own
 defaults) on the same job. Per cell, the median over the steps after the first: the update's, the reference's
 and the step's seconds, the update's peak resident memory (`memory/update/process/rss_peak_mib`), and
-`perf/shared_tokens/actor/update` (tokens run / tokens the rows hold). Writes <out>/results.json.
+`perf/shared_tokens/actor/update` (tokens run / tokens the rows hold). `--config X`: that job on its own
+data instead (the length column then reads 0), e.g. the tool job, whose episodes share their prompt and
+what they share after it. Writes <out>/results.json.
 """
 
 from __future__ import annotations
@@ -45,30 +48,27 @@ def write_data(path: Path, rows: int, words: int, seed: int = 0) -> None:
             f.write(json.dumps({"prompt": "\n".join(shots) + f"\nWhat is {a} + {b}?", "answer": str(a + b)}) + "\n")
 
 
-def run(root: Path, run_dir: Path, length: int, steps: int, sets: list[str]) -> list[dict]:
-    data = run_dir.parent / f"prompts_{length}.jsonl"
-    write_data(data, 8, length)
+def run(root: Path, config: str, run_dir: Path, length: int, steps: int, sets: list[str]) -> list[dict]:
     args = [
         f"model.path={MODEL}",
         f"trainer.run_dir={run_dir}",
         f"trainer.steps={steps}",
         "trainer.val_every=0",
         "trainer.val_before_train=false",
-        "trainer.prompts_per_step=1",
         "logging.wandb.mode=disabled",
         "logging.memory_every=1",
-        "data.task=files",
-        f"data.train_files=[{data}]",
-        f"data.max_prompt_length={length}",
-        "rollout.n=8",
-        "rollout.max_new_tokens=16",
-        f"rollout.max_model_len={length + 32}",
-        *sets,
     ]
+    if length:  # the few-shot job
+        data = run_dir.parent / f"prompts_{length}.jsonl"
+        write_data(data, 8, length)
+        args += ["trainer.prompts_per_step=1", "data.task=files", f"data.train_files=[{data}]"]
+        args += [f"data.max_prompt_length={length}", "rollout.n=8", "rollout.max_new_tokens=16"]
+        args += [f"rollout.max_model_len={length + 32}"]
+    args += sets
     env = {**os.environ, "NUM_RANKS": "1"}
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
     shutil.rmtree(run_dir, ignore_errors=True)
-    done = subprocess.run(["bash", "launch/train.sh", CONFIG, *args], cwd=root, env=env, capture_output=True, text=True)
+    done = subprocess.run(["bash", "launch/train.sh", config, *args], cwd=root, env=env, capture_output=True, text=True)
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     for kept in ("checkpoints", "final_model"):
@@ -108,6 +108,7 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
+    ap.add_argument("--config", help="a job as it is, on its own data (instead of the few-shot prompts)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cells", nargs="+", default=["plain", "shared"], choices=["plain", "shared", "before"])
     ap.add_argument("--base", help="a git ref: adds the cell `before`, the code at that commit on the same job")
@@ -128,9 +129,9 @@ def main() -> None:
         (roots["before"] / ".venv").symlink_to(ROOT / ".venv")
     sets = {"plain": ["model.share_prompt=false"], "shared": ["model.share_prompt=true"], "before": []}
     results = []
-    for length in a.lengths:
+    for length in [0] if a.config else a.lengths:
         for cell in cells:
-            rows = run(roots[cell], a.out / f"{cell}{length}", length, a.steps, sets[cell] + a.set)
+            rows = run(roots[cell], a.config or CONFIG, a.out / f"{cell}{length}", length, a.steps, sets[cell] + a.set)
             results.append({"length": length, "cell": cell, "rows": rows})
             print(table(results).splitlines()[-1], flush=True)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-GPU check (< 8 min), for a GPU machine without registry access: a few GRPO steps with a bf16
-# actor, an fp16 actor (dynamic loss scaling), a ZeRO-3 actor asleep while vLLM generates and an int8
-# reward model, each weight sync read back (one `CHECK PASS|FAIL` line each), world size 1, NCCL, under DeepSpeed's per-node
+# actor, an fp16 actor (dynamic loss scaling), a ZeRO-3 actor asleep while vLLM generates, an int8
+# reward model and long rows (4k-token prompts, gradient checkpointing, shared prefixes under FlexAttention,
+# TiledMLP), each weight sync read back and probed (one `CHECK PASS|FAIL` line each), world size 1, NCCL, under DeepSpeed's per-node
 # launcher (verl_ds.launcher --gpus: the first GPU CUDA_VISIBLE_DEVICES names, else GPU 0); prints loss scale / overflow / skipped steps, per-stage CUDA memory and the actor
 # update's MFU (against the bf16 matmul rate measured here), then `verl-ds bench step` (per-phase
 # time against a plain-PyTorch floor on the same GPU). DeepSpeed (pure Python) and its missing
@@ -64,6 +65,22 @@ timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RAN
   precision.reward_dtype=int8 roles.reward.ds_config=reward_zero0.json precision.actor_dtype=bf16 model.packing=true \
   precision.reference_dtype=bf16 trainer.run_dir=$out/int8_reward > "$out/int8_reward.log" 2>&1
 echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/int8_reward.log" | tail -n 6
+# long rows: 4k-token few-shot prompts x 4 samples (examples/prepare_long_rows.py), gradient checkpointing on,
+# the 4 rows of a prompt sharing it (roles/prefix.py: FlexAttention's block mask on a GPU, SDPA's dense mask on
+# a CPU), the actor's MLPs tiled (TiledMLP); memory/update/* against the start-up log's memory estimate
+long=4096 attn=flex_attention
+[[ -n "${GPU_CHECK_SMALL:-}" ]] && { long=512; attn=sdpa; }
+"$PY" examples/prepare_long_rows.py "$out/long_rows.jsonl" --rows 8 --tokens $long > /dev/null
+echo "== long rows ($long-token prompts), gradient checkpointing, shared prefixes ($attn), TiledMLP, rollout $engine"
+timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RANDOM % 1000)) -- \
+  --module verl_ds.cli train --config examples/grpo_cpu_tiny.yaml "${common[@]}" "${eager[@]}" \
+  data.task=files data.train_files=[$out/long_rows.jsonl] data.max_prompt_length=$long rollout.max_model_len=$((long + 16)) \
+  model.tiny.max_positions=$((long + 16)) trainer.prompts_per_step=2 rollout.n=4 roles.actor.micro_batch_size=4 \
+  roles.reference.micro_batch_size=4 precision.enable_grad_checkpointing=true model.attn_implementation=$attn \
+  roles.actor.tiled_mlp=true precision.actor_dtype=bf16 precision.reference_dtype=bf16 trainer.run_dir=$out/long_rows \
+  > "$out/long_rows.log" 2>&1
+echo "exit $? after ${SECONDS}s"; grep -E "shared prefixes|memory estimate|token budget" "$out/long_rows.log" | head -n 4
+grep -vE "it/s|^\s*$" "$out/long_rows.log" | tail -n 4
 echo "== bench step (bf16 actor, rollout $engine)"
 timeout 110 "$PY" -m verl_ds.cli bench step --config examples/grpo_cpu_tiny.yaml --steps 3 "${common[@]}" "${eager[@]}" \
   precision.actor_dtype=bf16 precision.reference_dtype=bf16 trainer.run_dir=$out/bench > "$out/bench.log" 2>&1
@@ -122,6 +139,18 @@ for run, what in (("bf16", "bf16 actor"), ("fp16", "fp16 actor, dynamic loss sca
         ok = ok and packed == 1.0
         extra = f", reward weight bytes {last.get('precision/reward/weight_bytes')}, actor update padding eff. {packed}"
     verdict(what, ok, f"{len(rows)} steps, all metrics finite: {finite}, sync read back {checked:.0f} params{extra}")
+rows = rows_of("long_rows")  # long rows: shared prefixes under checkpointing, TiledMLP
+last = rows[-1] if rows else {}
+shared = last.get("perf/shared_tokens/actor/update", float("nan"))
+finite = all(v == v for k, v in last.items() if isinstance(v, float) and not k.startswith("val/"))
+verdict("long rows, checkpointing, shared prefixes, TiledMLP", len(rows) > 0 and finite and shared < 0.5,
+        f"{len(rows)} steps, all metrics finite: {finite}, tokens run / held (update) {shared:.3f}, "
+        f"update s {last.get('timing_s/update_actor', float('nan')):.2f}, actor MiB update "
+        f"{last.get('memory/update/actor/total_mib', float('nan')):.0f}, process peak MiB update "
+        f"{last.get('memory/update/process/rss_peak_mib', float('nan')):.0f}")
+for run in ("bf16", "fp16", "sleep", "int8_reward", "long_rows"):  # the sync probe: every sync's logprob gap
+    probe = [r["rollout/sync_probe_gap"] for r in rows_of(run) if "rollout/sync_probe_gap" in r]
+    verdict(f"sync probe ({run})", len(probe) > 0, f"gaps {[f'{g:.2e}' for g in probe]} (past algos.probe_bound the run stops)")
 for run in ("bf16", "sleep"):  # the actor's device memory per stage, awake vs asleep during generation
     try:
         last = [r for r in map(json.loads, open(f"{out}/{run}/metrics.jsonl")) if "reward/mean" in r][-1]

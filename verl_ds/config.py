@@ -165,9 +165,11 @@ class ModelConfig:
         "parallelism and with flash_attention_2 (varlen kernels cannot take the mask: sdpa or flex_attention)",
     )
     share_prefix_min_tokens: int = opt(
-        64,
-        "a micro-batch shares its prefixes only where that saves at least this many tokens (and a FLOP count "
-        "of its projections and attention says the shared pass is cheaper): below, the plain pass",
+        16,
+        "a micro-batch shares its prefixes only where that saves at least this many tokens a row (and a FLOP "
+        "count of its projections and attention says the shared pass is cheaper): below, the plain pass. 16: "
+        "where a 2-layer 128-wide model's update pass breaks even (benchmarks/shared_prefix_threshold.py; larger "
+        "models gain from fewer)",
         ge=0,
     )
     attn_implementation: str = opt(

@@ -8,7 +8,16 @@ import torch
 from deepspeed.utils import safe_get_full_grad
 
 from tests.roles.helpers import Cfg, accumulated_grads, assert_same_gradients, ds_config
-from verl_ds.roles import Actor, Critic, RewardModel, load_causal_lm, load_reward_model, load_value_model, prefix
+from verl_ds.roles import (
+    Actor,
+    Critic,
+    Reference,
+    RewardModel,
+    load_causal_lm,
+    load_reward_model,
+    load_value_model,
+    prefix,
+)
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.lora import apply_lora
 
@@ -239,23 +248,25 @@ def test_each_planted_bug_fails_the_check(tiny_model_dir, monkeypatch, bug):
 
 
 def test_a_micro_batch_that_shares_too_little_runs_the_plain_pass(tiny_model_dir):
-    """Rows that share nothing, or less than `share_min_tokens`: the plain padded pass, and the counts say
+    """Rows that share less than `share_min_tokens` a row: the plain padded pass, and the counts say
     nothing was shared; the cost rule prefers the plain pass where long rows make the pack's square
     attention dearer than what it saves."""
     cfg = ds_config("reference", 0, "fp32", micro=8, total=8)
-    from verl_ds.roles import Reference
-
     ref = Reference(load_causal_lm(tiny_model_dir), cfg)
     shapes = _shared(ref)
     batch = tree_batch(ref.module.config.vocab_size)
-    ref.share_min_tokens = 7 * 13 - DISTINCT + 1  # sharing saves 57 tokens of the plain pass's 7 rows x 13
+    ref.share_min_tokens = 9  # sharing saves 57 tokens of the plain pass's 7 rows x 13: 8.1 a row
     ref.logprobs(batch)
     assert distinct(batch) == DISTINCT and shapes == [(7, 13)]
     held, once, run = ref.take_token_counts()["score"]
     assert held == once == 62 and run == 7 * 13
+    ref.share_min_tokens = 8
+    ref.logprobs(batch)
+    assert shapes[-1] == (1, DISTINCT)
     take = torch.ones(2, 4096, dtype=torch.bool)
     ids = torch.cat([torch.zeros(2, 1000, dtype=torch.long), torch.arange(2 * 3096).view(2, 3096) + 1], 1)
     long_tails = prefix.pack(ids, take)  # 1,000 shared tokens, 3,096 apart: N = 7,192 against 2 x 4,096
     assert len(long_tails) == 7192
     assert not prefix.pays(long_tails, take, hidden_size=64, min_saved=0)
     assert prefix.pays(long_tails, take, hidden_size=4096, min_saved=0)  # big projections: the tokens win
+    assert not prefix.pays(long_tails, take, hidden_size=4096, min_saved=501)  # 1,000 saved: 500 a row

@@ -132,16 +132,17 @@ def run_tokens(take: Tensor) -> tuple[int, int]:
 def pays(pack_: PrefixPack, take: Tensor, hidden_size: int, min_saved: int) -> bool:
     """Whether `pack_` is cheaper to run than the plain pass over `take`'s rows (`cheaper`)."""
     tokens, pairs = run_tokens(take)
-    return cheaper(len(pack_), tokens, pairs, hidden_size, min_saved)
+    return cheaper(len(pack_), tokens, pairs, len(take), hidden_size, min_saved)
 
 
-def cheaper(shared: int, tokens: int, pairs: int, hidden_size: int, min_saved: int) -> bool:
-    """Whether a shared pass of `shared` tokens is cheaper than a plain one of `tokens` tokens and `pairs`
-    attended pairs, in multiply-adds per layer: a token's projections and MLP ~ 6 x hidden x hidden (so
-    counted as 6 x hidden per unit of hidden), an attended pair ~ 1 x hidden (each masked pass's kernel
-    visits every pair of its square: the pack's `N^2`, the padded rows' `B x W^2`); and it saves at least
-    `min_saved` tokens (below that, a fixed cost of its own: the trie, the mask, the gathers)."""
-    if tokens - shared < min_saved:
+def cheaper(shared: int, tokens: int, pairs: int, rows: int, hidden_size: int, min_saved: int) -> bool:
+    """Whether a shared pass of `shared` tokens beats a plain one of `rows` rows, `tokens` tokens and `pairs`
+    attended pairs. It must save at least `min_saved` tokens a row: below that the trie, the mask and the
+    gathers cost more than the tokens saved on a small model (`benchmarks/shared_prefix_threshold.py`); and
+    it must cost fewer multiply-adds a layer: a token's projections and MLP ~ 6 x hidden x hidden (counted
+    as 6 x hidden per unit of hidden), an attended pair ~ 1 x hidden (each masked pass's kernel visits
+    every pair of its square: the pack's `N^2`, the padded rows' `B x W^2`)."""
+    if tokens - shared < min_saved * rows:
         return False
     return shared * 6 * hidden_size + shared * shared < tokens * 6 * hidden_size + pairs
 

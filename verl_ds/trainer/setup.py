@@ -207,7 +207,7 @@ def resolve_sharing(cfg: RunConfig, attention_: str) -> bool:
         return False
     log.info(
         "shared prefixes: on (a micro-batch's rows run each prefix they share once, in every role's passes, "
-        "where that saves at least %d tokens and its cost model says it pays)",
+        "where that saves at least %d tokens a row and its cost model says it pays)",
         m.share_prefix_min_tokens,
     )
     return True

@@ -108,7 +108,7 @@ class Workload:
         t, r = self.seq_len, self.resp_len
         if self.shared_prefix and rows > 1:
             shared = -(-rows // self.n) * self.shared_prefix + rows * (t - self.shared_prefix)
-            if prefix.cheaper(shared, rows * t, rows * t * t, hidden, self.min_saved):
+            if prefix.cheaper(shared, rows * t, rows * t * t, rows, hidden, self.min_saved):
                 return 1, shared, rows * r
         return rows, t, r
 
