@@ -44,6 +44,26 @@ def test_the_trie_lays_each_shared_token_once_and_each_row_sees_its_own_path():
         assert set(sees[places[-1]].nonzero()[:, 0].tolist()) == set(places.tolist()), r
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_any_rows_lay_out_as_their_trie(seed):
+    """Random rows over a 3-token alphabet (so they share prefixes of every depth, some rows whole, some
+    twice), right-padded at random: the pack holds each distinct prefix once, and every held token of
+    every row sits at its position and sees exactly the tokens of its row before it."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 3, (12, 9), generator=g)
+    ids[6:9] = ids[0]  # whole rows again
+    take = torch.arange(9)[None] < torch.randint(1, 10, (12, 1), generator=g)
+    pack = prefix.pack(ids, take)
+    rows = [ids[i][take[i]].tolist() for i in range(len(ids))]
+    assert len(pack) == len({tuple(r[: k + 1]) for r in rows for k in range(len(r))})
+    sees = prefix.allowed(pack.end)
+    for i, r in enumerate(rows):
+        places = pack.index[i][take[i]]
+        assert pack.input_ids[places].tolist() == r and pack.position_ids[places].tolist() == list(range(len(r)))
+        for k, q in enumerate(places.tolist()):
+            assert set(sees[q].nonzero()[:, 0].tolist()) == set(places[: k + 1].tolist())
+
+
 def tree_batch(vocab: int, seed: int = 0) -> TrainBatch:
     """GRPO rows and more: 4 answers (1-4 tokens) to one 7-token prompt, one of them empty; 2 answers to a
     4-token prompt that share their first 3 tokens (a multi-turn fork); a row that shares nothing."""
@@ -191,8 +211,8 @@ def test_shared_reward_scores_equal_the_plain_scores(tiny_model_dir, tmp_path):
 def _restart_own_positions(pack_fn):
     """Planted: each node's tokens get positions from 0 (a row's own tokens restart)."""
 
-    def planted(input_ids, take):
-        p = pack_fn(input_ids, take)
+    def planted(*args):
+        p = pack_fn(*args)
         pos = p.position_ids.clone()
         start = 0
         for k in range(1, len(pos) + 1):
@@ -267,6 +287,8 @@ def test_a_micro_batch_that_shares_too_little_runs_the_plain_pass(tiny_model_dir
     ids = torch.cat([torch.zeros(2, 1000, dtype=torch.long), torch.arange(2 * 3096).view(2, 3096) + 1], 1)
     long_tails = prefix.pack(ids, take)  # 1,000 shared tokens, 3,096 apart: N = 7,192 against 2 x 4,096
     assert len(long_tails) == 7192
-    assert not prefix.pays(long_tails, take, hidden_size=64, min_saved=0)
-    assert prefix.pays(long_tails, take, hidden_size=4096, min_saved=0)  # big projections: the tokens win
-    assert not prefix.pays(long_tails, take, hidden_size=4096, min_saved=501)  # 1,000 saved: 500 a row
+    rows = prefix.sort_rows(ids, take)
+    assert rows.distinct == 7192
+    assert not prefix.pays(rows, take, hidden_size=64, min_saved=0)
+    assert prefix.pays(rows, take, hidden_size=4096, min_saved=0)  # big projections: the tokens win
+    assert not prefix.pays(rows, take, hidden_size=4096, min_saved=501)  # 1,000 saved: 500 a row

@@ -367,11 +367,11 @@ class Role:
         pack = None
         if self.share_prefixes and not self.sp and not mb.pad_row and len(mb) > 1:
             take = prefix.held_columns(mb.attention_mask, mb.response_width, self._FIRST_RESPONSE)
-            candidate = prefix.pack(mb.input_ids, take)
+            rows = prefix.sort_rows(mb.input_ids, take)  # prices the shared pass before laying it out
             # the packer counted each prompt once against the token budget: past it, share whatever it costs
             over = self.max_tokens and prefix.run_tokens(take)[0] > self.max_tokens
-            if over or prefix.pays(candidate, take, self._hidden_size, self.share_min_tokens):
-                pack = candidate
+            if over or prefix.pays(rows, take, self._hidden_size, self.share_min_tokens):
+                pack = prefix.pack(mb.input_ids, take, rows)
         self._last_pack = (mb, pack)
         return pack
 

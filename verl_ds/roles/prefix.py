@@ -65,59 +65,75 @@ def held_columns(attention_mask: Tensor, response_width: int, first_response: bo
     return take
 
 
-def pack(input_ids: Tensor, take: Tensor) -> PrefixPack:
-    """The rows' held tokens (`take`, `held_columns`) as a trie in one sequence, in depth-first order,
-    the children of a node in the order their first row comes."""
+@dataclass(frozen=True)
+class SortedRows:
+    """A micro-batch's distinct rows in lexicographic order (`sort_rows`): in that order a trie's
+    depth-first layout is each row's tokens past its longest common prefix with the row before it."""
+
+    tokens: Tensor  # [U, L] long: each distinct row's held tokens from position 0, -1 past its end
+    inverse: Tensor  # [B] long: each row's distinct row
+    lengths: Tensor  # [U] long
+    common: Tensor  # [U] long: the common prefix with the row before (0 for the first)
+
+    @property
+    def distinct(self) -> int:
+        """The trie's tokens: each shared prefix once."""
+        return int((self.lengths - self.common).sum())
+
+
+def sort_rows(input_ids: Tensor, take: Tensor) -> SortedRows:
+    """The rows' held tokens (`take`, `held_columns`), left-aligned, distinct and sorted (a few tensor ops:
+    enough to price the shared pass before laying it out)."""
+    ids, take = input_ids.cpu(), take.cpu()
+    width = int(take.sum(1).max()) if take.numel() else 0
+    left = torch.full((len(ids), max(width, 1)), -1, dtype=torch.long)
+    row, _ = take.nonzero(as_tuple=True)
+    left[row, (take.long().cumsum(1) - 1)[take]] = ids[take]
+    tokens, inverse = torch.unique(left, dim=0, return_inverse=True)  # sorted, -1 (ended) first
+    lengths = (tokens >= 0).sum(1)
+    common = torch.zeros(len(tokens), dtype=torch.long)
+    if len(tokens) > 1:  # distinct rows differ somewhere: the first place they do
+        common[1:] = (tokens[1:] != tokens[:-1]).long().argmax(1)
+    return SortedRows(tokens, inverse, lengths, common)
+
+
+def pack(input_ids: Tensor, take: Tensor, rows: SortedRows | None = None) -> PrefixPack:
+    """The rows' held tokens as a trie in one sequence, in depth-first order, children by token id: the
+    distinct rows in lexicographic order (`sort_rows`), each emitting its tokens past its common prefix
+    with the row before. A token of row u at depth d heads a subtree that runs until the first later row
+    whose common prefix with u (the running minimum of `common`) is d or shorter."""
+    rows = rows or sort_rows(input_ids, take)
+    lengths, common = rows.lengths.tolist(), rows.common.tolist()
+    own = rows.lengths - rows.common
+    starts = (own.cumsum(0) - own).tolist()
+    n = rows.distinct
+    ids, pos, end, places = [], [], [], []
+    for u, (length, c, start) in enumerate(zip(lengths, common, starts)):
+        ids.append(rows.tokens[u, c:length])
+        depth = torch.arange(c, length)
+        pos.append(depth)
+        later = torch.cummin(rows.common[u + 1 :], 0).values if u + 1 < len(lengths) else rows.common[:0]
+        first = torch.searchsorted(-later, -depth)  # the first later row that leaves this token's subtree
+        after = torch.tensor(starts[u + 1 :] + [n], dtype=torch.long)
+        end.append(after[first])
+        mine = torch.arange(start, start + length - c)
+        places.append(torch.cat([places[u - 1][:c], mine]) if c else mine)
     dev = input_ids.device
-    ids_h, take_h = input_ids.cpu(), take.cpu()
-    seqs = [ids_h[i][take_h[i]] for i in range(len(ids_h))]
-    ids: list[Tensor] = []
-    pos: list[Tensor] = []
-    end: list[int] = []  # per node: (start, length) filled once its subtree is laid out
-    places = [torch.empty(len(s), dtype=torch.long) for s in seqs]
-    size = 0
-
-    def lay(rows: list[int], depth: int) -> None:
-        nonlocal size
-        first = seqs[rows[0]]
-        n = min(len(seqs[r]) for r in rows) - depth  # the longest extension every row shares
-        for r in rows[1:]:
-            if n <= 0:
-                break
-            diff = (seqs[r][depth : depth + n] != first[depth : depth + n]).nonzero()
-            n = int(diff[0]) if len(diff) else n
-        n = max(n, 0)
-        start = size
-        if n:
-            ids.append(first[depth : depth + n])
-            pos.append(torch.arange(depth, depth + n))
-            for r in rows:
-                places[r][depth : depth + n] = torch.arange(start, start + n)
-            size += n
-            end.extend([0] * n)
-        children: dict[int, list[int]] = {}
-        for r in rows:
-            if len(seqs[r]) > depth + n:
-                children.setdefault(int(seqs[r][depth + n]), []).append(r)
-        for group in children.values():
-            lay(group, depth + n)
-        end[start : start + n] = [size] * n
-
-    lay(list(range(len(seqs))), 0)
-    index = torch.full(take_h.shape, -1, dtype=torch.long)
-    pred = torch.full(take_h.shape, -1, dtype=torch.long)
-    for i, where in enumerate(places):
+    index = torch.full(take.shape, -1, dtype=torch.long)
+    pred = torch.full(take.shape, -1, dtype=torch.long)
+    take_h = take.cpu()
+    for i, u in enumerate(rows.inverse.tolist()):
         cols = take_h[i].nonzero()[:, 0]
-        index[i, cols] = where
-        pred[i, cols[1:]] = where[:-1]
+        index[i, cols] = places[u]
+        pred[i, cols[1:]] = places[u][:-1]
     cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)  # noqa: E731
     return PrefixPack(
         cat(ids).to(dev),
         cat(pos).to(dev),
-        torch.tensor(end, dtype=torch.long, device=dev),
+        cat(end).to(dev),
         index.to(dev),
         pred.to(dev),
-        sum(len(s) for s in seqs),
+        int(take_h.sum()),
     )
 
 
@@ -129,10 +145,10 @@ def run_tokens(take: Tensor) -> tuple[int, int]:
     return len(take) * width, len(take) * width * width
 
 
-def pays(pack_: PrefixPack, take: Tensor, hidden_size: int, min_saved: int) -> bool:
-    """Whether `pack_` is cheaper to run than the plain pass over `take`'s rows (`cheaper`)."""
+def pays(rows: SortedRows, take: Tensor, hidden_size: int, min_saved: int) -> bool:
+    """Whether the shared pass over `rows` is cheaper than the plain pass over `take`'s rows (`cheaper`)."""
     tokens, pairs = run_tokens(take)
-    return cheaper(len(pack_), tokens, pairs, len(take), hidden_size, min_saved)
+    return cheaper(rows.distinct, tokens, pairs, len(take), hidden_size, min_saved)
 
 
 def cheaper(shared: int, tokens: int, pairs: int, rows: int, hidden_size: int, min_saved: int) -> bool:
