@@ -225,6 +225,11 @@ def main() -> None:
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    if "smollm2_fewshot" in jobs:  # its data file: the few-shot prompts of benchmarks/shared_prefix.py
+        from shared_prefix import write_data
+
+        (ROOT / "runs/bench_trl").mkdir(parents=True, exist_ok=True)
+        write_data(ROOT / "runs/bench_trl/fewshot_1k.jsonl", 8, 1000)
     for job in jobs:
         runs: dict = {"verl-ds": [], **{k: [] for k in threads}}
         for i in range(args.rounds):  # interleaved: a slow spell of a shared host hits both sides

@@ -332,6 +332,7 @@ class Role:
     # attention that takes the prefix mask); a micro-batch shares when it saves `share_min_tokens` and pays
     share_prefixes = False
     share_min_tokens = 0
+    attention = "sdpa"  # the attention implementation the role's model was loaded with (the builder's)
     packing = False  # policy roles: padding-free rows (`pack_rows`), `RunSetup.packing`
     PASSES = ("score", "update")
     _FIRST_RESPONSE = True  # per-token roles score a row's first response column even when it is empty
@@ -381,10 +382,9 @@ class Role:
         return int(config.hidden_size)
 
     def prefix_mask(self, pack: prefix.PrefixPack):
-        """The 4D attention mask of `pack` as this role's attention implementation takes it."""
-        config = getattr(self.module, "config", None) or self.module.backbone.config
+        """The 4D attention mask of `pack` as this role's attention implementation (`attention`) takes it."""
         dtype = next(p for p in self.module.parameters() if p.is_floating_point()).dtype
-        return prefix.attention_mask(pack, config._attn_implementation, dtype)
+        return prefix.attention_mask(pack, self.attention, dtype)
 
     def packed(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Under a token budget: `pack_by_tokens`, as many micro-batches on every rank (ZeRO-3 gathers

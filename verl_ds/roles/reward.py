@@ -13,7 +13,7 @@ from verl_ds.roles.quant import tensor_bytes
 def load_reward_model(path: str, trust_remote_code: bool = False, attn_implementation: str | None = None):
     """The fp32 checkpoint as a scorer; the role casts it (DeepSpeed's dtype, or int8 weights). Under
     sequence parallelism it takes the policy models' attention (the one DeepSpeed's wrapper replaces);
-    else transformers' default."""
+    else the builder's SDPA (a shared prefix's mask is SDPA's), or transformers' default (None)."""
     from transformers import AutoModelForSequenceClassification
 
     if attn_implementation == attention.NAME:

@@ -164,7 +164,7 @@ def build_roles(setup: RunSetup) -> dict:
         )
     if "reward" in setup.roles:
         roles["reward"] = RewardModel(
-            load_reward_model(m.reward_path, m.trust_remote_code, attn if sp else None),
+            load_reward_model(m.reward_path, m.trust_remote_code, attn if sp else "sdpa"),
             ds["reward"],
             int8_activation=precision.reward_activation if precision.reward == "int8" else None,
             sp=sp,
@@ -183,8 +183,9 @@ def build_roles(setup: RunSetup) -> dict:
             log.info("roles.%s.tiled_mlp: %d MLPs run in sequence tiles", name, tile_mlps(role.module))
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = setup.token_budgets[name]
-        if isinstance(role, Role):  # rows that share a prefix run it once (`roles/prefix.py`)
+        if isinstance(role, Role):  # rows that share a prefix run it once (`roles/prefix.py`), under its mask
             role.share_prefixes, role.share_min_tokens = setup.share_prefixes, m.share_prefix_min_tokens
+            role.attention = attn if name != "reward" or sp else "sdpa"  # as each was loaded
         if isinstance(role, PolicyRole):  # padding-free rows where a micro-batch shares no prefix
             role.packing = setup.packing
     return roles

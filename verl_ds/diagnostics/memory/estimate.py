@@ -576,17 +576,18 @@ def fit_passes(
     w = workload(cfg, world)
 
     def pass_of(role: str, stage: str, n: int) -> dict[str, float]:
-        ds = ds_configs[role]
+        ds, s = ds_configs[role], (role_shapes or {}).get(role, shape)
+        rows, t, r = w.micro_batch(n, s.hidden)  # as `role_memory` counts it: a shared prefix once
         return pass_memory(
-            (role_shapes or {}).get(role, shape),
+            s,
             ds_dtype(ds),
-            n,
-            w.seq_len,
-            w.resp_len,
+            rows,
+            t,
+            r,
             head=HEADS[role],
             grad=stage == "update" and role in TRAINED_ROLES,
             grad_checkpointing=cfg.precision.enable_grad_checkpointing,
-            math_attention=math_attention(cfg, role, ds_dtype(ds), n, w.seq_len, bool(gpu_gib)),
+            math_attention=math_attention(cfg, role, ds_dtype(ds), rows, t, bool(gpu_gib)),
             sp=w.sp,
             tiled_mlp=getattr(cfg.roles, role).tiled_mlp,
             offload_activations=bool(gpu_gib) and getattr(cfg.roles, role).offload_activations,
