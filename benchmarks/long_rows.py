@@ -63,16 +63,22 @@ def run(run_dir: Path, length: int, steps: int, sets: list[str]) -> dict:
         "roles.reference.micro_batch_size=4",
         *sets,
     ]
+    rc, rows, tail = train_one_rank(ROOT, CONFIG, run_dir, args)
+    return {"length": length, "rc": rc, "rows": rows, "tail": tail[-3:]}
+
+
+def train_one_rank(root: Path, config: str, run_dir: Path, args: list[str]) -> tuple[int, list[dict], list[str]]:
+    """`bash launch/train.sh config args` from `root` as one rank x every core, into a fresh `run_dir`:
+    (exit code, its metrics.jsonl rows, the output's last lines); the checkpoints and export removed."""
     env = {**os.environ, "NUM_RANKS": "1"}
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
     shutil.rmtree(run_dir, ignore_errors=True)
-    done = subprocess.run(["bash", "launch/train.sh", CONFIG, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(["bash", "launch/train.sh", config, *args], cwd=root, env=env, capture_output=True, text=True)
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     for kept in ("checkpoints", "final_model"):
         shutil.rmtree(run_dir / kept, ignore_errors=True)
-    tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-    return {"length": length, "rc": done.returncode, "rows": rows, "tail": tail}
+    return done.returncode, rows, (done.stdout + done.stderr).strip().splitlines()[-5:]
 
 
 def mib(row: dict, key: str) -> float:

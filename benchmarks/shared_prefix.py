@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from long_rows import train_one_rank  # noqa: E402  (this folder: the script's own)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "examples/grpo_cpu_smollm2.yaml"
@@ -64,17 +65,9 @@ def run(root: Path, config: str, run_dir: Path, length: int, steps: int, sets: l
         args += ["trainer.prompts_per_step=1", "data.task=files", f"data.train_files=[{data}]"]
         args += [f"data.max_prompt_length={length}", "rollout.n=8", "rollout.max_new_tokens=16"]
         args += [f"rollout.max_model_len={length + 32}"]
-    args += sets
-    env = {**os.environ, "NUM_RANKS": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
-    shutil.rmtree(run_dir, ignore_errors=True)
-    done = subprocess.run(["bash", "launch/train.sh", config, *args], cwd=root, env=env, capture_output=True, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-    for kept in ("checkpoints", "final_model"):
-        shutil.rmtree(run_dir / kept, ignore_errors=True)
-    if done.returncode or not rows:
-        print("\n".join((done.stdout + done.stderr).strip().splitlines()[-5:]), file=sys.stderr)
+    rc, rows, tail = train_one_rank(root, config, run_dir, args + sets)
+    if rc or not rows:
+        print("\n".join(tail), file=sys.stderr)
     return rows
 
 
