@@ -168,8 +168,8 @@ class ModelConfig:
         16,
         "a micro-batch shares its prefixes only where that saves at least this many tokens a row (and a FLOP "
         "count of its projections and attention says the shared pass is cheaper): below, the plain pass. 16: "
-        "where a 2-layer 128-wide model's update pass breaks even (benchmarks/shared_prefix_threshold.py; larger "
-        "models gain from fewer)",
+        "between where a 2-layer 128-wide model's update (~7) and scoring (~28) break even "
+        "(benchmarks/shared_prefix_threshold.py); SmolLM2-135M gains from 7",
         ge=0,
     )
     attn_implementation: str = opt(
