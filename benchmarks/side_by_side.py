@@ -229,7 +229,7 @@ def main() -> None:
         from shared_prefix import write_data
 
         (ROOT / "runs/bench_trl").mkdir(parents=True, exist_ok=True)
-        write_data(ROOT / "runs/bench_trl/fewshot_1k.jsonl", 8, 1000)
+        write_data(ROOT / "runs/bench_trl/fewshot.jsonl", 8, 1000)
     for job in jobs:
         runs: dict = {"verl-ds": [], **{k: [] for k in threads}}
         for i in range(args.rounds):  # interleaved: a slow spell of a shared host hits both sides

@@ -130,14 +130,14 @@ JOBS = {
     # agentic: SmolLM2 with the calculator tool (up to 3 turns of 48 tokens), the example's 8 prompts x 8
     # episodes and micro-batches of 8; TRL runs GRPOTrainer(tools=[calculator]) on the same prompts
     "smollm2_tools": ("examples/grpo_cpu_smollm2_tools.yaml", _COMMON, 3, 1),
-    # long shared prompts: ~1.1k-token few-shot prompts (solved sums, then the question; the data file that
+    # long shared prompts: ~1.5k-token few-shot prompts (solved sums, then the question; the data file that
     # benchmarks/shared_prefix.py writes, made by side_by_side.py), 1 prompt x 8 samples of 16 tokens a step,
     # the example's gradient checkpointing: verl-ds runs each prompt once (roles/prefix.py), TRL 8 times
     "smollm2_fewshot": (
         "examples/grpo_cpu_smollm2.yaml",
         _COMMON
-        + ["data.task=files", "data.train_files=[runs/bench_trl/fewshot_1k.jsonl]", "data.max_prompt_length=1536"]
-        + ["rollout.max_model_len=1568", "trainer.prompts_per_step=1", "rollout.n=8", "rollout.max_new_tokens=16"]
+        + ["data.task=files", "data.train_files=[runs/bench_trl/fewshot.jsonl]", "data.max_prompt_length=1664"]
+        + ["rollout.max_model_len=1696", "trainer.prompts_per_step=1", "rollout.n=8", "rollout.max_new_tokens=16"]
         + ["roles.actor.micro_batch_size=8", "roles.reference.micro_batch_size=8"],
         3,
         1,
