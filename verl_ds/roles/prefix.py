@@ -140,8 +140,8 @@ def pack(input_ids: Tensor, take: Tensor, rows: SortedRows | None = None) -> Pre
 def run_tokens(take: Tensor) -> tuple[int, int]:
     """(tokens, attended pairs) of the plain pass over `take`'s rows after padding removal: every row
     padded to the micro-batch's longest prompt and response (`base.trim_padding`)."""
-    used = take.any(0)
-    width = int(used.nonzero().max() - used.nonzero().min() + 1) if bool(used.any()) else 0
+    cols = take.any(0).nonzero()
+    width = int(cols.max() - cols.min() + 1) if len(cols) else 0
     return len(take) * width, len(take) * width * width
 
 

@@ -134,6 +134,8 @@ def build_roles(setup: RunSetup) -> dict:
     gc = p.enable_grad_checkpointing
     fp32_head, lora = precision.lm_head_fp32, m.lora
     attn = setup.attention
+    # the reward model's: under SP the policy's (DeepSpeed wraps it), else SDPA (it takes a shared prefix's mask)
+    reward_attn = attn if cfg.trainer.sequence_parallel_size > 1 else "sdpa"
     policy = load_causal_lm(model_path, m.trust_remote_code, gc, fp32_head, attn)
     # before any engine: DeepSpeed's SP group and attention wrapper are the process's, every role's
     size = cfg.trainer.sequence_parallel_size
@@ -164,7 +166,7 @@ def build_roles(setup: RunSetup) -> dict:
         )
     if "reward" in setup.roles:
         roles["reward"] = RewardModel(
-            load_reward_model(m.reward_path, m.trust_remote_code, attn if sp else "sdpa"),
+            load_reward_model(m.reward_path, m.trust_remote_code, reward_attn),
             ds["reward"],
             int8_activation=precision.reward_activation if precision.reward == "int8" else None,
             sp=sp,
@@ -185,7 +187,7 @@ def build_roles(setup: RunSetup) -> dict:
             role.max_tokens = setup.token_budgets[name]
         if isinstance(role, Role):  # rows that share a prefix run it once (`roles/prefix.py`), under its mask
             role.share_prefixes, role.share_min_tokens = setup.share_prefixes, m.share_prefix_min_tokens
-            role.attention = attn if name != "reward" or sp else "sdpa"  # as each was loaded
+            role.attention = reward_attn if name == "reward" else attn  # as each was loaded
         if isinstance(role, PolicyRole):  # padding-free rows where a micro-batch shares no prefix
             role.packing = setup.packing
     return roles
