@@ -475,7 +475,14 @@ class RolloutConfig:
     )
     n: int = opt(8, "samples per prompt", gt=0)
     temperature: float = opt(1.0, "sampling temperature; the trainer scores with the same", gt=0)
-    top_p: float = opt(1.0, "nucleus sampling; < 1: rollout logprobs are of the truncated distribution", gt=0, le=1)
+    top_p: float = opt(
+        1.0,
+        "nucleus sampling; < 1: every pass (update, old, reference, teacher) scores a token under the "
+        "renormalised set the rollout sampled it from, recomputed from the trainer's logits by the engine's rule",
+        gt=0,
+        le=1,
+    )
+    top_k: int = opt(0, "sample from the k most likely tokens (0: all); scored as top_p is", ge=0)
     max_new_tokens: int = opt(8, "response tokens at most (multi-turn: per model turn)", gt=0)
     tensor_parallel_size: int = opt(1, "ranks that share one vLLM engine; must divide the world size", gt=0)
     enforce_eager: Any = opt(

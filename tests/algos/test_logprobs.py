@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from verl_ds import algos
 from verl_ds.algos import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits, mismatch_metrics, tis_weights
 
 pytestmark = pytest.mark.numerics  # asserts numbers: rerun with AVX2 kernels (launch/numerics_avx2.sh)
@@ -169,3 +170,69 @@ def test_logprobs_and_entropy_in_one_pass_equal_the_separate_ones(chunk_size):
     (ref * upstream).sum().backward()
     torch.testing.assert_close(lp.detach(), ref.detach())
     torch.testing.assert_close(x.grad, y.grad)
+
+
+# ---------------------------------------------------------------- the sampled (truncated) distribution
+def test_top_p_keeps_the_nucleus_and_top_k_the_k_most_likely():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    lp = algos.processed_logprobs(logits, algos.TokenDist(1.0, 0, 0.7))
+    assert torch.isinf(lp[0, 2:]).all() and torch.allclose(lp[0, :2].exp().sum(), torch.tensor(1.0))
+    lp = algos.processed_logprobs(logits, algos.TokenDist(1.0, 3, 1.0))
+    assert torch.isinf(lp[0, 3]) and torch.isfinite(lp[0, :3]).all()
+    # top-p over the top-k's renormalised mass: 0.5 / 0.8 = 0.625 reaches 0.6 alone, not 0.7
+    lp = algos.processed_logprobs(logits, algos.TokenDist(1.0, 2, 0.6))
+    assert torch.isfinite(lp[0, 0]) and torch.isinf(lp[0, 1:]).all()
+    lp = algos.processed_logprobs(logits, algos.TokenDist(1.0, 2, 0.7))
+    assert torch.isfinite(lp[0, :2]).all() and torch.isinf(lp[0, 2:]).all()
+    assert not algos.TokenDist(0.0, 5, 0.5).truncates  # greedy: the raw distribution
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.8), (20, 1.0), (20, 0.9), (3, 0.5)])
+def test_kept_tokens_are_the_set_vllms_sampler_keeps(top_k, top_p):
+    """The engine's own rule, not a lookalike: vLLM's PyTorch top-k/top-p op on the same logits."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    x = torch.randn(64, 500, generator=torch.Generator().manual_seed(top_k)) * 3
+    k = torch.full((64,), top_k) if top_k else None
+    p = torch.full((64,), top_p) if top_p < 1 else None
+    want = torch.isfinite(apply_top_k_top_p_pytorch(x.clone(), k, p))
+    assert torch.equal(algos.kept_tokens(x, top_k, top_p), want)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_truncated_logprobs_values_and_grads_equal_the_masked_softmax(chunk_size):
+    """Under a `TokenDist`, logprob and entropy are the renormalised kept set's (temperature in fp32),
+    a label the set would cut stays kept, and the gradients are the masked softmax's (0 outside it)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(2, 9, 40, generator=g) * 2).requires_grad_()
+    labels = torch.randint(0, 40, (2, 9), generator=g)
+    labels[0, 0] = int(logits[0, 0].argmin())  # the least likely token: outside any nucleus
+    dist = algos.TokenDist(0.7, 12, 0.8)
+    lp = algos.logprobs_from_logits(logits, labels, chunk_size, dist)
+    ent = algos.entropy_from_logits(logits, chunk_size, dist, labels)
+    x = logits.detach().double() / 0.7
+    keep = algos.kept_tokens(x.view(-1, 40), 12, 0.8).view(x.shape)
+    keep.scatter_(-1, labels.unsqueeze(-1), True)
+    ref_logits = logits.double()
+    xr = (ref_logits / 0.7).masked_fill(~keep, float("-inf"))
+    want_lp = torch.log_softmax(xr, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    want_ent = algos.entropy_from_logits(xr)
+    assert torch.isfinite(lp).all() and keep.sum(-1).lt(40).all()  # truncated, never -inf
+    torch.testing.assert_close(lp.double(), want_lp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), want_ent, rtol=0, atol=1e-5)
+    (got,) = torch.autograd.grad((lp * 1.3).sum() + ent.sum(), logits)
+    (want,) = torch.autograd.grad((want_lp * 1.3).sum() + want_ent.sum(), ref_logits)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    assert (got[~keep] == 0).all()
+    lp2, ent2 = algos.logprobs_and_entropy(logits, labels, 5, dist)
+    torch.testing.assert_close(lp2, lp.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent2, ent.detach(), rtol=0, atol=1e-6)
+
+
+def test_the_full_distribution_path_is_unchanged_by_the_token_dist():
+    """T = 1 untruncated is the fused path, bit for bit (the matched pairs' 0.0 gaps rest on it)."""
+    logits = torch.randn(3, 5, 30, generator=torch.Generator().manual_seed(1)).bfloat16()
+    labels = torch.randint(0, 30, (3, 5))
+    a = algos.logprobs_from_logits(logits, labels, 4)
+    b = algos.logprobs_from_logits(logits, labels, 4, algos.TokenDist(1.0, 0, 1.0))
+    assert torch.equal(a, b)

@@ -5,7 +5,8 @@ import torch
 
 from tests.rollout.helpers import PROMPTS, load_hf, max_logprob_diff
 from verl_ds.rollout import HFRollout, prompt_seeds
-from verl_ds.rollout.engines.hf_rollout import inverse_cdf_sample, processed_logprobs
+from verl_ds.algos import TokenDist, processed_logprobs
+from verl_ds.rollout.engines.hf_rollout import inverse_cdf_sample
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_logprobs_equal_the_full_logits_computation_without_keeping_the_logits(
     batch = hf.generate(PROMPTS, n=3, temperature=temperature, top_p=top_p, max_new_tokens=8, seeds=seeds)
     out = seen["out"]
     seq = out.sequences[:, -len(out.logits) :]
-    full = processed_logprobs(torch.stack(out.logits, dim=1), temperature, top_p)  # [B, T, V]
+    full = processed_logprobs(torch.stack(out.logits, dim=1), TokenDist(temperature, 0, top_p))  # [B, T, V]
     want = full.gather(-1, seq.unsqueeze(-1)).squeeze(-1)
     rows = batch.to_lists()
     assert {"stop", "length"} <= set(batch.finish_reasons) or temperature == 0  # early stops are covered
@@ -112,12 +113,6 @@ def test_the_sync_fingerprint_reads_a_bounded_sample_that_covers_every_row():
         moved = small.clone()
         moved[i] += 1e-3
         assert not same_fingerprint(fingerprint(moved), fingerprint(small)), i
-
-
-def test_top_p_keeps_the_nucleus():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    lp = processed_logprobs(logits, 1.0, top_p=0.7)
-    assert torch.isinf(lp[0, 2:]).all() and torch.allclose(lp[0, :2].exp().sum(), torch.tensor(1.0))
 
 
 @pytest.mark.numerics

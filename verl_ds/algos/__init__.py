@@ -18,12 +18,17 @@ from .advantages import (
 )
 from .distill import distill_advantages, reverse_kl
 from .logprobs import (
+    FULL,
     FP32LMHead,
+    TokenDist,
     entropy_from_logits,
     logprobs_and_entropy,
+    kept_tokens,
     logprobs_from_logits,
     mismatch_metrics,
+    processed_logprobs,
     tis_weights,
+    token_logprobs,
     use_fp32_lm_head,
 )
 from .losses import (
@@ -73,12 +78,14 @@ __all__ = [
     "gspo_policy_loss",
     "kl_penalty",
     "logprobs_and_entropy",
+    "kept_tokens",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
     "mismatch_metrics",
+    "processed_logprobs",
     "normalize_rewards",
     "overlong_penalty",
     "pass_at_k",
@@ -89,7 +96,10 @@ __all__ = [
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "tis_weights",
+    "token_logprobs",
     "use_fp32_lm_head",
     "FP32LMHead",
+    "FULL",
+    "TokenDist",
     "value_loss",
 ]

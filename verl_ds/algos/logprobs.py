@@ -13,7 +13,7 @@ in the logits dtype). The chunked path supports first-order gradients only.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
@@ -27,37 +27,139 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
-    """log softmax(logits)[label]: ``logits`` ``[..., V]``, ``labels`` ``[...]`` (long) -> ``[...]`` fp32.
+class TokenDist(NamedTuple):
+    """The distribution a token was sampled from, as the rollout engine processes the logits (vLLM's
+    and HF's order and rule): divided by ``temperature``; then the ``top_k`` most likely tokens kept
+    (0: all); then, of those, the fewest most likely whose renormalised mass reaches ``top_p``; the
+    rest get -inf and the kept ones are renormalised. ``temperature`` 0 is greedy: the raw logits.
+
+    Scoring a sampled token against the whole vocabulary when the engine sampled from a truncated
+    set biases every ratio (a token's mass is shared with tokens that could not be drawn), so the
+    trainer scores with the same ``TokenDist`` the engine sampled from."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def plain(self) -> bool:
+        """The logits as they are: no temperature to divide by and nothing cut."""
+        return not self.truncates and self.temperature in (0.0, 1.0)
+
+
+FULL = TokenDist()
+_TRUNCATE_ROWS = 256  # rows sorted at a time: a sort of [rows, V] holds values and int64 indices
+
+
+def kept_tokens(x: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """``x`` ``[N, V]`` (temperature already applied) -> bool ``[N, V]``: the tokens top-k then top-p
+    keep. Top-k keeps every token at least as likely as the k-th (ties kept); top-p sorts the
+    top-k's renormalised probabilities ascending and drops the tokens whose cumulative mass is at
+    most 1 - top_p, never the most likely one."""
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if 0 < top_k < x.shape[-1]:
+        keep = x >= x.topk(top_k, dim=-1).values[:, -1:]
+    if top_p < 1.0:
+        for s in range(0, x.shape[0], _TRUNCATE_ROWS):
+            xs, idx = x[s : s + _TRUNCATE_ROWS].masked_fill(~keep[s : s + _TRUNCATE_ROWS], float("-inf")).sort(-1)
+            drop = xs.softmax(-1).cumsum_(-1) <= 1.0 - top_p
+            drop[:, -1] = False
+            keep[s : s + _TRUNCATE_ROWS] &= ~drop.scatter(-1, idx, drop)
+    return keep
+
+
+def processed_logits(x: torch.Tensor, dist: TokenDist, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x`` ``[N, V]`` -> ``[N, V]`` fp32 logits of the distribution ``dist`` samples from (see
+    `TokenDist`), -inf outside its kept set. With ``labels`` ``[N]`` each row's label stays kept:
+    the engine drew it from its own kept set, which the trainer's logits recompute exactly only for
+    a matched pair; a label a mismatched pair cuts would score -inf. Differentiable w.r.t. ``x``
+    (the kept set is a constant)."""
+    x = x.to(_compute_dtype(x.dtype))
+    if dist.temperature > 0 and dist.temperature != 1.0:
+        x = x / dist.temperature
+    if dist.truncates:
+        with torch.no_grad():
+            keep = kept_tokens(x, dist.top_k, dist.top_p)
+            if labels is not None:
+                keep.scatter_(-1, labels.reshape(-1, 1), True)
+        x = x.masked_fill(~keep, float("-inf"))
+    return x
+
+
+def processed_logprobs(logits: torch.Tensor, dist: TokenDist) -> torch.Tensor:
+    """log-softmax of the distribution ``dist`` samples from: ``[..., V]`` -> ``[..., V]`` fp32, -inf
+    outside the kept set. The rollout engines' recorded logprobs."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return torch.log_softmax(processed_logits(flat, dist), dim=-1).view(logits.shape)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_size: Optional[int] = None, dist: TokenDist = FULL
+) -> torch.Tensor:
+    """log p(label) under ``dist`` (`TokenDist`; the default: log softmax(logits)[label]): ``logits``
+    ``[..., V]``, ``labels`` ``[...]`` (long) -> ``[...]`` fp32.
 
     Differentiable w.r.t. ``logits``. With ``chunk_size`` the rows are processed in chunks (see the
     module docstring); results agree with the unchunked path.
     """
     if chunk_size is None:
-        x = logits.to(_compute_dtype(logits.dtype))
+        x = _processed(logits.reshape(-1, logits.shape[-1]), dist, labels.reshape(-1)).view(logits.shape)
         picked = x.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         return picked - torch.logsumexp(x, dim=-1)
-    return _ChunkedLogprob.apply(logits, labels, int(chunk_size), False)[0]
+    return _ChunkedLogprob.apply(logits, labels, int(chunk_size), False, dist)[0]
 
 
 def logprobs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, chunk_size: int
+    logits: torch.Tensor, labels: torch.Tensor, chunk_size: int, dist: TokenDist = FULL
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logprobs_from_logits`` and the entropy from one pass over each chunk: the entropy reuses the
-    chunk's log-normalizer instead of a second softmax. The entropy is detached (a metric); an
-    entropy bonus needs ``entropy_from_logits``'s gradient."""
-    return _ChunkedLogprob.apply(logits, labels, int(chunk_size), True)
+    """``logprobs_from_logits`` and the entropy (of ``dist``) from one pass over each chunk: the
+    entropy reuses the chunk's log-normalizer instead of a second softmax. The entropy is detached
+    (a metric); an entropy bonus needs ``entropy_from_logits``'s gradient."""
+    return _ChunkedLogprob.apply(logits, labels, int(chunk_size), True, dist)
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
-    """Entropy of softmax(logits): ``logits`` ``[..., V]`` -> ``[...]`` fp32, H = -sum p log p.
+def entropy_from_logits(
+    logits: torch.Tensor,
+    chunk_size: Optional[int] = None,
+    dist: TokenDist = FULL,
+    labels: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Entropy of ``dist``'s distribution (the default: softmax(logits)): ``logits`` ``[..., V]`` ->
+    ``[...]`` fp32, H = -sum p log p; ``labels`` kept in a truncated set (`processed_logits`).
 
     Differentiable w.r.t. ``logits`` (for an entropy bonus); -inf logits (masked vocabulary) are
     handled (0 * log 0 = 0). With ``chunk_size`` the rows are processed in chunks.
     """
     if chunk_size is None:
-        return _entropy(logits.to(_compute_dtype(logits.dtype)))
-    return _ChunkedEntropy.apply(logits, int(chunk_size))
+        flat = None if labels is None else labels.reshape(-1)
+        return _entropy(_processed(logits.reshape(-1, logits.shape[-1]), dist, flat)).view(logits.shape[:-1])
+    return _ChunkedEntropy.apply(logits, int(chunk_size), dist, labels)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    dist: TokenDist,
+    with_entropy: bool,
+    entropy_grad: bool,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log p(label), the entropy or None) under ``dist``, chunked: one pass for both where the
+    entropy is a metric; a differentiable pass of its own for an entropy bonus (``entropy_grad``
+    while grad is enabled)."""
+    if with_entropy and not (torch.is_grad_enabled() and entropy_grad):
+        return logprobs_and_entropy(logits, labels, chunk_size, dist)
+    logprob = logprobs_from_logits(logits, labels, chunk_size, dist)
+    return logprob, entropy_from_logits(logits, chunk_size, dist, labels) if with_entropy else None
+
+
+def _processed(x: torch.Tensor, dist: TokenDist, labels: Optional[torch.Tensor]) -> torch.Tensor:
+    """`processed_logits`, or ``x`` upcast alone where ``dist`` changes nothing (the fused path)."""
+    return x.to(_compute_dtype(x.dtype)) if dist.plain else processed_logits(x, dist, labels)
 
 
 def _entropy(x: torch.Tensor) -> torch.Tensor:
@@ -105,13 +207,15 @@ def _chunks(x: torch.Tensor, chunk_size: int) -> Iterator[tuple[int, torch.Tenso
 
 class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, chunk_size, with_entropy):
+    def forward(ctx, logits, labels, chunk_size, with_entropy, dist):
         flat_labels = labels.reshape(-1)
         out = torch.empty(flat_labels.shape, dtype=_compute_dtype(logits.dtype), device=logits.device)
         ent = torch.empty(flat_labels.shape if with_entropy else (0,), dtype=out.dtype, device=out.device)
         dtype = out.dtype
         for r, x in _chunks(logits, chunk_size):
             n = x.shape[0]
+            if not dist.plain:
+                x = processed_logits(x, dist, flat_labels[r : r + n])
             # one fused log-softmax per chunk (torch.logsumexp is several passes over [n, V] on CPU)
             logp = torch.log_softmax(x, dim=-1, dtype=dtype)
             out[r : r + n] = logp.gather(-1, flat_labels[r : r + n].unsqueeze(-1)).squeeze(-1)
@@ -119,7 +223,7 @@ class _ChunkedLogprob(torch.autograd.Function):
                 logp.clamp_min_(torch.finfo(dtype).min)
                 ent[r : r + n] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(logits, labels)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.dist = chunk_size, dist
         ent = ent.view(labels.shape) if with_entropy else ent
         ctx.mark_non_differentiable(ent)
         return out.view(labels.shape), ent
@@ -130,44 +234,54 @@ class _ChunkedLogprob(torch.autograd.Function):
         flat_labels, flat_grad = labels.reshape(-1), grad_out.reshape(-1)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_rows = grad.view(-1, logits.shape[-1])
-        dtype = _compute_dtype(logits.dtype)
+        dtype, dist = _compute_dtype(logits.dtype), ctx.dist
         for r, x in _chunks(logits, ctx.chunk_size):
             n = x.shape[0]
             g = flat_grad[r : r + n].to(dtype).unsqueeze(-1)
-            # d logp[label] / d x = onehot(label) - softmax(x)
+            if not dist.plain:  # the same kept set as the forward's; x / T scales the gradient by 1 / T
+                x = processed_logits(x, dist, flat_labels[r : r + n])
+                if dist.temperature > 0:
+                    g = g / dist.temperature
+            # d logp[label] / d x = onehot(label) - softmax(x) (0 outside a kept set)
             gx = torch.softmax(x, dim=-1, dtype=dtype).mul_(-g)
             gx.scatter_add_(-1, flat_labels[r : r + n].unsqueeze(-1), g)
             grad_rows[r : r + n] = gx.to(grad.dtype)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 class _ChunkedEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, chunk_size):
+    def forward(ctx, logits, chunk_size, dist, labels):
         n_rows = logits.numel() // logits.shape[-1]
         out = torch.empty(n_rows, dtype=_compute_dtype(logits.dtype), device=logits.device)
+        flat_labels = None if labels is None else labels.reshape(-1)
         for r, x in _chunks(logits, chunk_size):
-            out[r : r + x.shape[0]] = _entropy(x.to(out.dtype))
-        ctx.save_for_backward(logits)
-        ctx.chunk_size = chunk_size
+            rows = None if flat_labels is None else flat_labels[r : r + x.shape[0]]
+            out[r : r + x.shape[0]] = _entropy(_processed(x, dist, rows))
+        ctx.save_for_backward(logits, flat_labels)
+        ctx.chunk_size, ctx.dist = chunk_size, dist
         return out.view(logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        (logits,) = ctx.saved_tensors
+        logits, flat_labels = ctx.saved_tensors
+        dist = ctx.dist
         flat_grad = grad_out.reshape(-1)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_rows = grad.view(-1, logits.shape[-1])
         for r, x in _chunks(logits, ctx.chunk_size):
             n = x.shape[0]
+            x = _processed(x, dist, None if flat_labels is None else flat_labels[r : r + n])
             logp = torch.log_softmax(x, dim=-1, dtype=_compute_dtype(x.dtype))
             logp = logp.clamp_min(torch.finfo(logp.dtype).min)
             p = logp.exp()
             ent = -(p * logp).sum(-1, keepdim=True)
             # dH/dx_j = -p_j * (log p_j + H)
             gx = -flat_grad[r : r + n].to(logp.dtype).unsqueeze(-1) * p * (logp + ent)
+            if not dist.plain and dist.temperature > 0:
+                gx = gx / dist.temperature
             grad_rows[r : r + n] = gx.to(grad.dtype)
-        return grad, None
+        return grad, None, None, None
 
 
 def tis_weights(

@@ -210,7 +210,7 @@ def vanish_fraction(scores: torch.Tensor, groups: torch.Tensor, dtype: str) -> t
     return (float(lost.float().mean()) if n else 0.0), n
 
 
-def scoring_call(probe: RoleProbe, probes: dict, temperature: float) -> tuple:
+def scoring_call(probe: RoleProbe, probes: dict, dist) -> tuple:
     """The role's last scoring call; a role that scored nothing this run (an on-policy actor) gets
     the batch another role scored, or the last mini-batch it trained on."""
     if probe.call:
@@ -218,7 +218,7 @@ def scoring_call(probe: RoleProbe, probes: dict, temperature: float) -> tuple:
     others = [p.call[0] for p in probes.values() if p.call and p.name != "reward"]
     src = others[-1] if others else probe.train_batch
     data = TrainBatch(src.input_ids, src.attention_mask, src.loss_mask)  # the inputs only
-    return (data, temperature) if probe.name in POLICY_ROLES else (data,)
+    return (data, dist) if probe.name in POLICY_ROLES else (data,)
 
 
 def measure_dtypes(probe: RoleProbe, call: tuple, groups, path: str | None = None) -> dict:
@@ -306,7 +306,7 @@ def debug_precision(
                 "out_range": p.out,
                 **measure_dtypes(
                     p,
-                    scoring_call(p, probes, cfg.rollout.temperature),
+                    scoring_call(p, probes, trainer.setup.sampled),
                     groups.get("ids"),
                     {"reward": cfg.model.reward_path, "teacher": cfg.model.teacher_path}.get(name),
                 ),

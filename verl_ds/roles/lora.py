@@ -9,6 +9,7 @@ from typing import Iterator
 
 import torch
 
+from verl_ds.algos import FULL, TokenDist
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.ds_internals import gathered, is_zero3, iter_gathered
 
@@ -119,9 +120,9 @@ class AdapterOffReference:
         self.actor = actor
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False):
+    def logprobs(self, batch: TrainBatch, dist: TokenDist = FULL, with_entropy: bool = False):
         with self.actor.module.disable_adapter():
-            return self.actor.logprobs(batch, temperature, with_entropy)
+            return self.actor.logprobs(batch, dist, with_entropy)
 
     def precision_stats(self) -> dict:
         return {"shares_actor_weights": 1.0}

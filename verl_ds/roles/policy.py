@@ -64,11 +64,12 @@ def pack_rows(batch: TrainBatch) -> tuple[dict, torch.Tensor, torch.Tensor]:
 
 class PolicyRole(Role):
     """Log-probabilities of the response tokens: batch tensors are `[B, P + R]` with the response
-    in the last R positions; outputs are fp32 `[B, R]`."""
+    in the last R positions; outputs are fp32 `[B, R]`, under the `algos.TokenDist` the rollout
+    sampled them from (its temperature, and the top-k/top-p set renormalised)."""
 
-    def forward(self, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False):
+    def forward(self, batch: TrainBatch, dist: algos.TokenDist = algos.FULL, with_entropy: bool = False):
         if self.sp:  # each row split along the sequence (`roles/sequence_parallel.py`)
-            return self.sp.policy_forward(self.engine, batch, temperature, with_entropy, self._entropy_needs_grad)
+            return self.sp.policy_forward(self.engine, batch, dist, with_entropy, self._entropy_needs_grad)
         pack = self.prefix_pack(batch)
         if pack is not None:
             logits, labels, to_rows = self._shared_logits(batch, pack)
@@ -76,15 +77,7 @@ class PolicyRole(Role):
             logits, labels, to_rows = self._packed_logits(batch)
         else:
             logits, labels, to_rows = self._padded_logits(batch)
-        if temperature != 1.0:
-            logits = logits / temperature  # match the rollout's processed logprobs
-        entropy = None
-        if with_entropy and not (torch.is_grad_enabled() and self._entropy_needs_grad):
-            logprob, entropy = algos.logprobs_and_entropy(logits, labels, chunk_size=1024)  # a metric
-        else:
-            logprob = algos.logprobs_from_logits(logits, labels, chunk_size=1024)
-            if with_entropy:  # an entropy bonus: its gradient too
-                entropy = algos.entropy_from_logits(logits, chunk_size=1024)
+        logprob, entropy = algos.token_logprobs(logits, labels, dist, with_entropy, self._entropy_needs_grad)
         return to_rows(logprob), None if entropy is None else to_rows(entropy)
 
     def _padded_logits(self, batch: TrainBatch):
@@ -118,11 +111,11 @@ class PolicyRole(Role):
     _entropy_needs_grad = False  # only an entropy bonus needs its gradient
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, temperature: float = 1.0, with_entropy: bool = False):
+    def logprobs(self, batch: TrainBatch, dist: algos.TokenDist = algos.FULL, with_entropy: bool = False):
         """Micro-batched, no grad. Returns logprob `[B, R]` (and entropy `[B, R]` if asked)."""
-        logprob, entropy = self.map_micro(batch, lambda mb: self.forward(mb, temperature, with_entropy))
+        logprob, entropy = self.map_micro(batch, lambda mb: self.forward(mb, dist, with_entropy))
         out = (logprob, entropy) if with_entropy else logprob
-        self.notify("on_score", batch, (temperature,), out)
+        self.notify("on_score", batch, (dist,), out)
         return out
 
 
@@ -146,9 +139,9 @@ class Actor(PolicyRole):
     (its loss mode: a reverse-KL term to the teacher).
     """
 
-    def __init__(self, model, ds_config: dict, loss_cfg: AlgorithmConfig, temperature: float = 1.0, sp=None):
+    def __init__(self, model, ds_config: dict, loss_cfg: AlgorithmConfig, dist: algos.TokenDist = algos.FULL, sp=None):
         super().__init__("actor", model, ds_config, trainable=True, sp=sp)
-        self.cfg, self.temperature = loss_cfg, temperature
+        self.cfg, self.dist = loss_cfg, dist
         self._entropy_needs_grad = bool(loss_cfg.entropy_coef)
         self.policy_loss = algos.get_policy_loss(loss_cfg.policy_loss)
         # a run with kl_coef > 0 has a reference (`config.active_roles`); use_kl_loss puts its KL here
@@ -165,7 +158,7 @@ class Actor(PolicyRole):
         """Clipped surrogate (+ entropy bonus, + KL to the reference or the teacher as loss terms)."""
         c, mask = self.cfg, mb.loss_mask
         mb.require(*self.needs, *(() if mb.on_policy else ("old_logprobs",)), needed_by="the actor's loss")
-        logprob, entropy = self.forward(mb, self.temperature, with_entropy=True)
+        logprob, entropy = self.forward(mb, self.dist, with_entropy=True)
         # on-policy (one mini-batch, first epoch): the old policy is this very forward (ratio 1, exact)
         old = logprob.detach() if mb.on_policy else mb.old_logprobs
         is_w = algos.tis_weights(old, mb.rollout_logprobs, mask, cap=c.tis_cap, mode=c.tis_mode) if c.tis_cap else None

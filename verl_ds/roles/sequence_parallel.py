@@ -124,7 +124,7 @@ class SequenceParallel:
         return tuple(None if parts[0] is None else torch.stack(parts) for parts in zip(*rows))
 
     def policy_forward(
-        self, model, batch: TrainBatch, temperature: float, with_entropy: bool, entropy_grad: bool
+        self, model, batch: TrainBatch, token_dist: algos.TokenDist, with_entropy: bool, entropy_grad: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`PolicyRole.forward` split: (logprobs `[B, R]`, entropy `[B, R]` or None). Logits only for the
         shard's positions that predict response tokens (`logits_to_keep`), as the unsplit pass keeps."""
@@ -133,16 +133,7 @@ class SequenceParallel:
             a, b = window
             keep = torch.arange(a, b, device=ids.device)
             logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
-            if temperature != 1.0:
-                logits = logits / temperature
-            y = labels[a:b][None]
-            entropy = None
-            if with_entropy and not (torch.is_grad_enabled() and entropy_grad):
-                lp, entropy = algos.logprobs_and_entropy(logits, y, chunk_size=1024)
-            else:
-                lp = algos.logprobs_from_logits(logits, y, chunk_size=1024)
-                if with_entropy:
-                    entropy = algos.entropy_from_logits(logits, chunk_size=1024)
+            lp, entropy = algos.token_logprobs(logits, labels[a:b][None], token_dist, with_entropy, entropy_grad)
             c = ids.shape[1]
             spread = lambda x: None if x is None else torch.nn.functional.pad(x[0].float(), (a, c - b))  # noqa: E731
             return spread(lp), spread(entropy)
@@ -187,7 +178,7 @@ class SequenceParallel:
         return torch.stack(out) if out else torch.zeros(0, device=dev)
 
     @torch.no_grad()
-    def logprobs(self, model, batch: TrainBatch, temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(self, model, batch: TrainBatch, token_dist: algos.TokenDist = algos.FULL) -> torch.Tensor:
         """`[B, R]` fp32 log-probabilities of the response tokens, as `PolicyRole.logprobs` gives them
         (0 where the response is padding), each row split over the group."""
-        return self.policy_forward(model, batch, temperature, False, False)[0]
+        return self.policy_forward(model, batch, token_dist, False, False)[0]

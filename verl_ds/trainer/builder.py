@@ -121,7 +121,7 @@ def build_partial(
         chunk_tokens=r.partial.chunk_tokens or max(1, r.max_new_tokens // 4),
         tail_fraction=r.partial.tail_fraction,
     )
-    sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
+    sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens, r.top_k)
     if agents is not None:
         return PartialAgents(engine, limits, prompts, draw, sampling, cfg.trainer.seed, agents)
     return PartialRollouts(engine, limits, prompts, draw, sampling, cfg.trainer.seed, spec)
@@ -148,7 +148,7 @@ def build_roles(setup: RunSetup) -> dict:
                 f"{tied} is this model's tied input/output embedding: train it in full with modules_to_save instead",
             )
         policy = apply_lora(policy, lora.rank, lora.alpha, lora.dropout, lora.target_modules, lora.modules_to_save)
-    roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, temperature=cfg.rollout.temperature, sp=sp)}
+    roles = {"actor": Actor(policy, ds["actor"], cfg.algorithm, dist=setup.sampled, sp=sp)}
     if lora.rank and cfg.algorithm.kl_coef > 0:
         roles["reference"] = AdapterOffReference(roles["actor"])
     if "critic" in setup.roles:

@@ -47,7 +47,7 @@ class SyncProbe:
         (sync `sync` named). Collective: every rank scores the same probe."""
         t0 = time.perf_counter()
         ro = probe.batch
-        mine = actor.logprobs(scoring_inputs(ro), self.temperature).cpu()
+        mine = actor.logprobs(scoring_inputs(ro), algos.TokenDist(self.temperature)).cpu()
         mask = ro.loss_mask
         gap = float(((mine - ro.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
         bound = algos.probe_bound(self.actor_dtype, self.rollout_dtype)

@@ -186,7 +186,7 @@ class RLTrainer:
         """Every frozen view of the batch the update and the advantages read, each stored in the buffer
         dtype: (the train batch without advantages, the old logprobs in fp32 for the rollout-vs-trainer
         metrics; None when `on_policy`: the update's first forward computes them)."""
-        data, t = scoring_inputs(batch), self.cfg.rollout.temperature
+        data, t = scoring_inputs(batch), self.setup.sampled
         old_lp = None
         if not on_policy:
             with timer("old_logprob", stage="score", role="actor"):
@@ -217,7 +217,7 @@ class RLTrainer:
         """Rollout and rewards for this rank's prompts: one round, or, with `algorithm.filter_groups`,
         rounds until enough groups whose samples did not all score alike (`groups.collect_varied`)."""
         cfg, r = self.cfg, self.cfg.rollout
-        sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens)
+        sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens, r.top_k)
 
         def one_round(round_: int) -> Collected:
             with timer("gen", stage="rollout", role="rollout"):

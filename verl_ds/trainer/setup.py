@@ -14,6 +14,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+from verl_ds.algos import TokenDist
 from verl_ds.config import RunConfig, dp_world, longest_row, resolve_names, token_budget, validate_paths
 from verl_ds.data.tiny import check_teacher_tokenizer, prepare_model
 from verl_ds.diagnostics.memory import (
@@ -57,6 +58,7 @@ class RunSetup:
     attention: str  # the policy models' attention implementation (`resolve_attention`)
     packing: bool  # the policy models' passes run padding-free rows (`resolve_attention`)
     share_prefixes: bool  # every role's passes run a prefix its rows share once (`resolve_sharing`)
+    sampled: TokenDist  # what the rollout samples each token from, and every pass scores it under (`resolve_sampled`)
     tools: tuple[Callable, ...]  # `data.tools`
     env_factory: Callable | None  # `rollout.multi_turn.env`; None: no environment
     agent: Callable | None  # `rollout.multi_turn.agent`; None: not an agent job
@@ -103,6 +105,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     # and rollout.enforce_eager auto -> compiled on a GPU, eager on CPU
     engine, eager = resolve_engine(cfg.rollout, model_path), resolve_eager(cfg.rollout.enforce_eager, gpu)
     cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine, enforce_eager=eager))
+    sampled = resolve_sampled(cfg)
     trained = tuple(r for r in files if r in TRAINED_ROLES)
     sleepers = [r for r in trained if getattr(cfg.roles, r).sleep]
     if sleepers and not gpu:
@@ -140,6 +143,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         attention=attention,
         packing=packing,
         share_prefixes=share_prefixes,
+        sampled=sampled,
         tools=names.tools,
         env_factory=names.env_factory,
         agent=names.agent,
@@ -211,6 +215,23 @@ def resolve_sharing(cfg: RunConfig, attention_: str) -> bool:
         m.share_prefix_min_tokens,
     )
     return True
+
+
+def resolve_sampled(cfg: RunConfig) -> TokenDist:
+    """The distribution the rollout samples from (`algos.TokenDist`), which every policy pass scores
+    its tokens under; a truncated one said in one line, with where its kept set comes from."""
+    r = cfg.rollout
+    dist = TokenDist(r.temperature, r.top_k, r.top_p)
+    if dist.truncates:
+        log.info(
+            "sampling: top_k %d, top_p %g: every pass scores a token under the renormalised set the %s engine "
+            "sampled it from, that set recomputed from the pass's own logits by the engine's rule (exact for a "
+            "matched pair; vLLM's returned sampling mask needs its GPU model runner and is not read)",
+            r.top_k,
+            r.top_p,
+            r.engine,
+        )
+    return dist
 
 
 def rank_budget(cfg: RunConfig, world: int, gpu: bool) -> float:

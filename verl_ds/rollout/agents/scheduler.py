@@ -155,7 +155,7 @@ class Scheduler:
         acted on the answers, and the calls they make join the running batch; the calls still running
         when it stops are held where they got (their tokens tagged `version`), to go on at the next
         round. Seeds as `round`. -> its engine steps."""
-        stream = self.engine.stream(self.sampling.temperature, self.sampling.top_p, chunk)
+        stream = self.engine.stream(self.sampling.temperature, self.sampling.top_p, chunk, self.sampling.top_k)
         self._enter(stream)
         while not cut(len(stream), stream.peak):
             self.engine_calls.append(len(stream))
@@ -241,6 +241,7 @@ class Scheduler:
                 top_p=self.sampling.top_p,
                 max_new_tokens=max(asks),
                 seeds=seeds,
+                top_k=self.sampling.top_k,
             )
             rows = out.to_lists()
         except Exception as e:

@@ -122,11 +122,12 @@ def generate_distributed(
     step: int | str,
     round_: int = 0,
     seeds: list[int] | None = None,
+    top_k: int = 0,
 ) -> RolloutBatch:
     """Samples for this rank's prompts (`group_ids` index the local prompts), each prompt seeded
     from (run_seed, step, its `prompt_positions` entry), or with `seeds` given (later turns of
     multi-turn episodes). Collective within a tensor-parallel group: every member must call it."""
-    args = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    args = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, top_k=top_k)
     if seeds is None:
         seeds = prompt_seeds(run_seed, step, prompt_positions(len(local_prompt_ids), round_))
     tp = rollout.tp

@@ -63,11 +63,14 @@ class RolloutEngine(Protocol):
         top_p: float = 1.0,
         max_new_tokens: int = 16,
         seeds: list[int] | None = None,
+        top_k: int = 0,
     ) -> RolloutBatch:
-        """`n` samples per prompt, contiguous per prompt; `seeds[i]` seeds prompt i's samples."""
+        """`n` samples per prompt, contiguous per prompt; `seeds[i]` seeds prompt i's samples. Each
+        token is sampled from `algos.TokenDist(temperature, top_k, top_p)` and its logprob is of that
+        (processed) distribution."""
         ...
 
-    def stream(self, temperature: float, top_p: float, chunk_tokens: int) -> TokenStream:
+    def stream(self, temperature: float, top_p: float, chunk_tokens: int, top_k: int = 0) -> TokenStream:
         """A `TokenStream` (one open at a time, closed before the next `generate`): vLLM steps its
         engine one token at a time; HF generate runs `chunk_tokens` a step, re-sending the contexts."""
         ...

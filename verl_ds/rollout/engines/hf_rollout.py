@@ -8,7 +8,7 @@ from typing import Iterable
 
 import torch
 
-from verl_ds.algos import use_fp32_lm_head
+from verl_ds.algos import TokenDist, processed_logprobs, use_fp32_lm_head
 from verl_ds.errors import RunFailure
 from verl_ds.precision import TORCH_DTYPES
 
@@ -16,21 +16,6 @@ from ..batch import RolloutBatch
 from ..seeding import chunk_seed
 from .engine import Sampled
 from .weights import ParamChecker, eos_token_ids, fingerprint, pad_token_id, sync_mismatch
-
-
-def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """log-softmax of the distribution actually sampled: logits / temperature, then top-p
-    (tokens outside the nucleus get -inf). Greedy (temperature 0) is the raw log-softmax.
-    logits: [..., V] -> [..., V] fp32."""
-    x = logits.float()
-    if temperature > 0:
-        x = x / temperature
-        if top_p < 1.0:
-            sorted_x, idx = x.sort(dim=-1, descending=True)
-            cum = sorted_x.softmax(-1).cumsum(-1)
-            drop = cum - sorted_x.softmax(-1) > top_p  # keep the token that crosses top_p
-            x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    return torch.log_softmax(x, dim=-1)
 
 
 def inverse_cdf_sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -50,15 +35,15 @@ class _SampledLogprobs:
     custom processors: the model's logits (after any processor the model's generation_config adds,
     such as a repetition penalty), before the sampling ones (HF's temperature/top-p, `_PromptStreams`)."""
 
-    def __init__(self, temperature: float, top_p: float):
-        self.temperature, self.top_p = temperature, top_p
+    def __init__(self, dist: TokenDist):
+        self.dist = dist
         self.pending: torch.Tensor | None = None  # [B, V] the latest step's log-probs, its token not yet known
         self.taken: list[torch.Tensor] = []  # [B] per step whose token is known
 
     def record(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.pending is not None:
             self.taken.append(self.pending.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.pending = processed_logprobs(scores, self.temperature, self.top_p)
+        self.pending = processed_logprobs(scores, self.dist)
         return self.pending
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -82,8 +67,8 @@ class _PromptStreams(_SampledLogprobs):
     rank that drew them or the batch order (vLLM's per-request seeds give the same property). It
     returns the chosen token as the only finite score: `generate` runs greedy and takes it."""
 
-    def __init__(self, uniforms: torch.Tensor, temperature: float, top_p: float):
-        super().__init__(temperature, top_p)
+    def __init__(self, uniforms: torch.Tensor, dist: TokenDist):
+        super().__init__(dist)
         self.u, self.t = uniforms, 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -131,6 +116,7 @@ class HFRollout:
         top_p: float = 1.0,
         max_new_tokens: int = 16,
         seeds: list[int] | None = None,
+        top_k: int = 0,
     ) -> RolloutBatch:
         """Left-padded batched `generate`; responses end at (and include) the first eos. With `seeds`,
         prompt i's n samples come from a stream seeded with seeds[i] alone (see `_PromptStreams`);
@@ -145,9 +131,10 @@ class HFRollout:
             prompts, [[]] * len(prompts), [[]] * len(prompts), [""] * len(prompts), groups, pad_id=self.pad_id
         )
         t0 = time.perf_counter()
-        sample_kw, record = {"do_sample": False}, _SampledLogprobs(temperature, top_p)  # greedy
+        dist = TokenDist(temperature, top_k, top_p)
+        sample_kw, record = {"do_sample": False}, _SampledLogprobs(dist)  # greedy
         if temperature > 0 and seeds is None:
-            sample_kw = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+            sample_kw = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
         elif temperature > 0:
             u = torch.cat(
                 [
@@ -155,7 +142,7 @@ class HFRollout:
                     for s in seeds
                 ]
             )
-            record = _PromptStreams(u.to(self.device), temperature, top_p)
+            record = _PromptStreams(u.to(self.device), dist)
         out = self.model.generate(
             input_ids=padded.prompt_ids.to(self.device),
             attention_mask=padded.attention_mask.to(self.device),
@@ -182,9 +169,9 @@ class HFRollout:
         self.last_metrics = {"timing_s/gen": dt, "perf/rollout_tokens_per_s": ntok / max(dt, 1e-9)}
         return batch
 
-    def stream(self, temperature: float, top_p: float, chunk_tokens: int) -> ChunkedStream:
+    def stream(self, temperature: float, top_p: float, chunk_tokens: int, top_k: int = 0) -> ChunkedStream:
         """`generate` in chunks of `chunk_tokens` (HF generate keeps no KV cache between calls)."""
-        return ChunkedStream(self, temperature, top_p, chunk_tokens)
+        return ChunkedStream(self, temperature, top_p, chunk_tokens, top_k)
 
     @torch.no_grad()
     def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -238,8 +225,9 @@ class ChunkedStream:
     `generate` seeds a prompt's n samples; a sample continues seeded by `chunk_seed`. Per step, one
     call per kind of request (new requests of k samples; samples going on)."""
 
-    def __init__(self, engine: HFRollout, temperature: float, top_p: float, chunk: int):
+    def __init__(self, engine: HFRollout, temperature: float, top_p: float, chunk: int, top_k: int = 0):
         self.engine, self.temperature, self.top_p, self.chunk = engine, temperature, top_p, max(1, chunk)
+        self.top_k = top_k
         self.new: list[_Request] = []
         self.going: list[tuple[_Request, int]] = []  # (request, sample)
         self.steps, self.peak, self.seconds, self.tokens = 0, 0, 0.0, 0
@@ -265,7 +253,7 @@ class ChunkedStream:
                 seeds = [chunk_seed(r.seed + j, len(r.got[j].ids)) for r, j in samples]
                 budget = max(r.budget - len(r.got[j].ids) for r, j in samples)
             out = self.engine.generate(
-                prompts, max(k, 1), self.temperature, self.top_p, min(self.chunk, budget), seeds
+                prompts, max(k, 1), self.temperature, self.top_p, min(self.chunk, budget), seeds, self.top_k
             ).to_lists()
             self.seconds += self.engine.last_metrics["timing_s/gen"]
             self.steps += max((len(r) for r in out["responses"]), default=0)

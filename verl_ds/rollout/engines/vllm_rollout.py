@@ -157,6 +157,7 @@ class VLLMRollout:
         top_p: float = 1.0,
         max_new_tokens: int = 16,
         seeds: list[int] | None = None,
+        top_k: int = 0,
     ) -> RolloutBatch:
         """`n` samples per prompt, contiguous per prompt (`group_ids` index the prompts). `seeds[i]`
         seeds prompt i's samples (see seeding.py); None: the engine's own RNG. Every member of a
@@ -173,6 +174,7 @@ class VLLMRollout:
                 n=1 if greedy else n,
                 temperature=temperature,
                 top_p=top_p,
+                top_k=top_k,
                 max_tokens=max_new_tokens,
                 logprobs=0,
                 stop_token_ids=self.eos_ids,
@@ -202,10 +204,10 @@ class VLLMRollout:
         self.last_metrics = {"timing_s/gen": dt, "perf/rollout_tokens_per_s": ntok / max(dt, 1e-9)}
         return batch
 
-    def stream(self, temperature: float, top_p: float, chunk_tokens: int) -> VLLMStream:
+    def stream(self, temperature: float, top_p: float, chunk_tokens: int, top_k: int = 0) -> VLLMStream:
         """Step-and-abort on this engine (`chunk_tokens` unused: it stops between any two steps)."""
         self.wake_up()
-        return VLLMStream(self, temperature, top_p)
+        return VLLMStream(self, temperature, top_p, top_k)
 
     # ---------------------------------------------------------------- GPU memory hand-off
     # vLLM sized its KV pool at start-up, before the roles' Adam states existed: the pool comes back
@@ -322,8 +324,8 @@ class VLLMStream:
     Requests added between steps join the running batch (continuous batching). One engine, one
     rank: a tensor-parallel group's members would have to add identical requests."""
 
-    def __init__(self, engine: VLLMRollout, temperature: float, top_p: float):
-        self.engine, self.temperature, self.top_p = engine, temperature, top_p
+    def __init__(self, engine: VLLMRollout, temperature: float, top_p: float, top_k: int = 0):
+        self.engine, self.temperature, self.top_p, self.top_k = engine, temperature, top_p, top_k
         self.running: dict[str, Sampled] = {}
         self.steps, self.peak, self.seconds, self.tokens, self._n = 0, 0, 0.0, 0, 0
 
@@ -335,6 +337,7 @@ class VLLMStream:
                 n=1,
                 temperature=self.temperature,
                 top_p=self.top_p,
+                top_k=self.top_k,
                 max_tokens=max_new_tokens,
                 logprobs=0,
                 stop_token_ids=self.engine.eos_ids,

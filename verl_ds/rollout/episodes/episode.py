@@ -9,6 +9,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from verl_ds.algos import TokenDist
+
 from ..batch import RolloutBatch
 from .environment import Environment
 
@@ -21,6 +23,12 @@ class Sampling:
     temperature: float
     top_p: float
     max_new_tokens: int
+    top_k: int = 0
+
+    @property
+    def dist(self) -> TokenDist:
+        """The distribution each token is drawn from: the one the trainer scores it under."""
+        return TokenDist(self.temperature, self.top_k, self.top_p)
 
 
 class SeedKey(NamedTuple):

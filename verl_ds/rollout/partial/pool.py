@@ -252,7 +252,7 @@ class PartialRollouts:
         to its environment and the episode's next turn joins the running batch at once; what still
         runs then is cut where it got, its tokens kept for the next step. -> the decode steps it ran."""
         smp, spec = self.sampling, self.spec
-        stream = self.engine.stream(smp.temperature, smp.top_p, self.limits.chunk_tokens)
+        stream = self.engine.stream(smp.temperature, smp.top_p, self.limits.chunk_tokens, smp.top_k)
         # the oldest first: the engine schedules in arrival order, and they are due soonest
         for ep in (ep for g in sorted(live, key=lambda g: (g.born, g.order)) for ep in g.episodes if ep.live):
             self._tally.resent += self._request(stream, ep)
