@@ -363,6 +363,15 @@ class AlgorithmConfig:
     overlong: OverlongConfig = section(OverlongConfig)
     distill: DistillConfig = section(DistillConfig)
     mask_truncated: bool = opt(False, "samples cut at max_new_tokens contribute no loss")
+    mismatch_gate: str = opt(
+        "warn",
+        "the rollout-vs-trainer share of tokens outside the clip band on the same weights, past "
+        "mismatch_gate_fraction: warn (one line) | stop (the run ends, one line) | off",
+        choices=("off", "warn", "stop"),
+    )
+    mismatch_gate_fraction: Optional[float] = opt(
+        None, "the gate's bound on that share; null: from the trainer/rollout dtypes (GUIDE)", gt=0, le=1
+    )
 
     def check(self) -> list[ConfigError]:
         """The rules within this section that its fields' bounds cannot state."""

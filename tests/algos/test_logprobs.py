@@ -97,7 +97,6 @@ def test_mismatch_metrics_hand():
         "logprob_abs_diff_max",
         "k3_kl",
         "prob_pearson",
-        "phantom_clip_fraction",
         "is_ess",
         "is_weight_mean",
         "is_weight_max",
@@ -107,14 +106,12 @@ def test_mismatch_metrics_hand():
     # k3 with r = p_train / p_roll: (2 - ln 2 - 1 + 0.5 + ln 2 - 1) / 2 = 0.25
     assert m["k3_kl"].item() == pytest.approx(0.25)
     assert m["prob_pearson"].item() == pytest.approx(-1.0)
-    assert m["phantom_clip_fraction"].item() == 1.0  # ratios 2 and 0.5: both outside [0.8, 1.2]
     assert m["is_ess"].item() == pytest.approx(2.5**2 / (2 * 4.25))  # weights 2, 0.5 (the masked 9 left out)
     assert m["is_weight_mean"].item() == pytest.approx(1.25) and m["is_weight_max"].item() == pytest.approx(2.0)
     capped = mismatch_metrics(train, roll, mask, cap=1.5)
     assert capped["is_capped_fraction"].item() == pytest.approx(0.5)
     same = mismatch_metrics(train, train, torch.ones(1, 3))
     assert same["logprob_abs_diff_max"].item() == 0.0 and same["k3_kl"].item() == 0.0
-    assert same["phantom_clip_fraction"].item() == 0.0
     assert same["prob_pearson"].item() == pytest.approx(1.0)
     assert same["is_ess"].item() == pytest.approx(1.0)
     assert all(v.dim() == 0 for v in m.values())
@@ -123,14 +120,44 @@ def test_mismatch_metrics_hand():
 def test_phantom_clip_fraction_counts_ratios_outside_the_clip_range():
     """Ratios exp(train - rollout) of 1.1, 1.3, 0.85, 0.7 (and a masked 5.0): with clip 0.2/0.2 the
     1.3 and the 0.7 are clipped (2 of 4); with clip_high 0.28 (DAPO) still both; with clip_low 0.35
-    only the 1.3."""
+    only the 1.3. The row's sequence ratio (the geometric mean, ~0.96) is inside every band."""
     roll = torch.zeros(1, 5)
     train = torch.log(torch.tensor([[1.1, 1.3, 0.85, 0.7, 5.0]]))
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    frac = lambda **kw: mismatch_metrics(train, roll, mask, **kw)["phantom_clip_fraction"].item()
-    assert frac() == pytest.approx(0.5)
-    assert frac(clip_high=0.28) == pytest.approx(0.5)
-    assert frac(clip_low=0.35) == pytest.approx(0.25)
+
+    def dist(**kw):
+        return algos.ratio_distribution(*algos.log_ratios(train, roll, mask), **kw)
+
+    assert dist()["phantom_clip_fraction"] == pytest.approx(0.5)
+    assert dist(clip_high=0.28)["phantom_clip_fraction"] == pytest.approx(0.5)
+    assert dist(clip_low=0.35)["phantom_clip_fraction"] == pytest.approx(0.25)
+    assert dist()["seq_phantom_clip_fraction"] == 0.0
+
+
+def test_ratio_distribution_reports_the_tail_the_mean_hides():
+    """99 tokens at |log ratio| 1e-3 and one at 0.5, and a second row of 50 at 0.4: the median sees
+    none of it, the p99 and max do; the second row's sequence ratio is outside the band, the first's not."""
+    train = torch.full((2, 100), 1e-3)
+    train[0, 7] = 0.5
+    train[1] = -0.4
+    mask = torch.ones(2, 100)
+    mask[1, 50:] = 0
+    tokens, seqs = algos.log_ratios(train, torch.zeros(2, 100), mask)
+    assert tokens.shape == (150,) and seqs.shape == (2,)
+    d = algos.ratio_distribution(tokens, seqs)
+    assert d["log_ratio_abs_p50"] == pytest.approx(1e-3)
+    assert d["log_ratio_abs_max"] == pytest.approx(0.5)
+    assert d["log_ratio_abs_p99"] == pytest.approx(0.4)
+    assert d["phantom_clip_fraction"] == pytest.approx(51 / 150)
+    assert d["seq_phantom_clip_fraction"] == pytest.approx(0.5)
+    assert d["seq_log_ratio_abs_max"] == pytest.approx(0.4)
+    assert set(algos.ratio_distribution(tokens[:0], seqs[:0]).values()) == {0.0}
+
+
+def test_the_gate_bound_follows_the_coarser_dtype():
+    assert algos.mismatch_gate_bound("fp32", "fp32") == 0.01
+    assert algos.mismatch_gate_bound("fp32", "bf16") == algos.mismatch_gate_bound("bf16", "fp32") == 0.05
+    assert algos.mismatch_gate_bound("fp16", "fp32") == 0.03
 
 
 def test_chunked_sliced_logits_take_few_blocks_not_one_per_sequence():

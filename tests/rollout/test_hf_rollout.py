@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tests.rollout.helpers import PROMPTS, load_hf, max_logprob_diff
-from verl_ds.rollout import HFRollout, prompt_seeds
 from verl_ds.algos import TokenDist, processed_logprobs
+from verl_ds.rollout import HFRollout, prompt_seeds
 from verl_ds.rollout.engines.hf_rollout import inverse_cdf_sample
 
 

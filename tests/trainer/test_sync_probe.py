@@ -1,5 +1,6 @@
-"""Every weight verified after a sync: the engine samples a fixed probe and the actor scores it; a
-weight that did not land moves the probe's logprobs past the formats' bound and stops the run."""
+"""Every weight verified after a sync: the actor's first scoring of the step's own rows (free), or where
+those cannot tell (partial rollouts) a fixed probe the engine samples, against the engine's logprobs; a
+weight that did not land moves them past the formats' bound and stops the run before it trains."""
 
 import pytest
 
@@ -34,35 +35,52 @@ def plant_stale(monkeypatch, trainer, part: str) -> None:
     monkeypatch.setattr(rl_trainer, "iter_full_params", lambda e: ((n, initial.get(n, t)) for n, t in real(e)))
 
 
+PARTIAL = ["rollout.partial.enabled=true", "algorithm.tis_cap=2.0"]
+OLD_PASS = ["algorithm.ppo_epochs=2", "algorithm.use_kl_loss=false"]  # a KL in the reward: an old-policy pass
+
+
 @pytest.mark.parametrize(
     "part, extra",
     [
         ("q_proj", []),
-        ("gate_proj", []),
-        ("down_proj", []),
+        ("q_proj", PARTIAL),
+        ("gate_proj", OLD_PASS),
+        ("down_proj", PARTIAL),
         ("v_proj", ["model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]", "roles.actor.lr=0.05"]),
     ],
 )
 def test_a_weight_that_did_not_land_stops_the_run_in_one_line(tmp_path, monkeypatch, part, extra):
     cfg = load_config(None, [*JOB, f"trainer.run_dir={tmp_path}", *extra])
     with RLTrainer(cfg) as trainer:
+        assert trainer.setup.sync_check == ("probe" if extra == PARTIAL else "rows")
         plant_stale(monkeypatch, trainer, part)
-        trainer.step()  # its sync sends the stale weight; the next step's probe sees it, before it trains
+        trainer.step()  # its sync sends the stale weight; the next step's check sees it, before it trains
+        steps = trainer.actor.engine.global_steps
         with pytest.raises(RunFailure) as e:
             trainer.step()
+        assert trainer.actor.engine.global_steps == steps  # stopped before the optimizer stepped
     line = str(e.value)
-    assert "\n" not in line and line.startswith("weight sync 1: the rollout engine's logprobs of a fixed probe are")
+    what = "a fixed probe" if extra == PARTIAL else "this step's rows"
+    assert "\n" not in line and line.startswith(f"weight sync 1: the rollout engine's logprobs of {what} are")
     assert "for fp32 vs fp32): a weight did not reach the engine" in line
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-def test_a_correct_sync_passes_its_probe(tmp_path, dtype):
+@pytest.mark.parametrize("dtype, extra", [("fp32", []), ("bf16", PARTIAL), ("bf16", OLD_PASS), ("fp16", [])])
+def test_a_correct_sync_passes_its_check(tmp_path, dtype, extra):
     cfg = load_config(
-        None, [*JOB, f"trainer.run_dir={tmp_path}", *[f"precision.{k}_dtype={dtype}" for k in ("actor", "reference")]]
+        None,
+        [
+            *JOB,
+            f"trainer.run_dir={tmp_path}",
+            *extra,
+            *[f"precision.{k}_dtype={dtype}" for k in ("actor", "reference")],
+        ],
     )
+    key = "sync_probe" if extra == PARTIAL else "sync_check"
     with RLTrainer(cfg) as trainer:
-        assert "rollout/sync_probe_gap" not in trainer.step()  # no sync before step 1
+        assert f"rollout/{key}_gap" not in trainer.step()  # no sync before step 1
         for _ in range(2):
             m = trainer.step()
-            assert 0.0 <= m["rollout/sync_probe_gap"] <= rl_trainer.algos.probe_bound(dtype, "fp32")
-            assert m["timing_s/sync_probe"] > 0
+            assert 0.0 <= m[f"rollout/{key}_gap"] <= rl_trainer.algos.probe_bound(dtype, "fp32")
+            assert m[f"timing_s/{key}"] > 0
+            assert ("rollout/sync_probe_gap" in m) == (extra == PARTIAL)  # the probe only where the rows cannot tell

@@ -124,6 +124,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
+# The share of response tokens a healthy pair may put outside PPO's clip band on the same weights, by the
+# coarser format (docs/GUIDE.md, "The consistency contract": peers' measured shares and why these).
+MISMATCH_GATE = {"fp32": 0.01, "fp16": 0.03, "bf16": 0.05}
+
+
+def mismatch_gate_bound(trainer_dtype: str, rollout_dtype: str) -> float:
+    """`algorithm.mismatch_gate_fraction`'s default for a trainer/rollout dtype pair: the coarser one's
+    `MISMATCH_GATE` share (int8 and unknown formats as bf16)."""
+    coarse = max(trainer_dtype, rollout_dtype, key=lambda d: UNIT_ROUNDOFF.get(d, UNIT_ROUNDOFF["bf16"]))
+    return MISMATCH_GATE.get(coarse, MISMATCH_GATE["bf16"])
+
+
 def probe_bound(trainer_dtype: str, rollout_dtype: str) -> float:
     """The mean |rollout - trainer| logprob gap a weight sync's probe may show on the same weights: 64 x
     the coarser format's unit roundoff (one rounding of the logits moves a logprob by a fraction of it;

@@ -9,7 +9,7 @@ import torch
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
 from verl_ds.diagnostics.metrics import Timer, reduce_metrics
-from verl_ds.dist import all_reduce_sum
+from verl_ds.dist import all_gather_object, all_reduce_sum
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch
 from verl_ds.trainer.groups import Collected, truncated
@@ -69,8 +69,19 @@ class StepMetrics:
                     old_lp, batch.rollout_logprobs, mask, a.clip_low, a.clip_high, a.tis_cap
                 ).items()
             },
+            **self.ratio_distribution(old_lp, batch.rollout_logprobs, mask),
             "perf/throughput": float(batch.attention_mask.sum()) / max(step_s, 1e-9),
             **rollout_perf,
+        }
+
+    def ratio_distribution(self, old_lp, rollout_lp, mask) -> dict[str, float]:
+        """rollout_corr/ quantiles and clip-band shares over every rank's tokens and rows (gathered, so
+        the p99 is the batch's, not a mean of the ranks' p99s): `algos.ratio_distribution`."""
+        parts = all_gather_object(algos.log_ratios(old_lp, rollout_lp, mask))
+        tokens, seqs = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        a = self.algorithm
+        return {
+            f"rollout_corr/{k}": v for k, v in algos.ratio_distribution(tokens, seqs, a.clip_low, a.clip_high).items()
         }
 
     def distill(self, stored: TrainBatch) -> dict[str, float]:

@@ -1,22 +1,50 @@
-"""The sync's probe: after every weight sync, did every weight reach the rollout engine?
+"""The sync's check: after every weight sync, did every weight reach the rollout engine?
 
-The engine samples a fixed probe (the first training prompts cut short, a fixed seed) at the next
-step's generation, while it is awake; the actor scores the same tokens once the roles are awake (on
-a GPU the two never hold the device at once). Their logprobs differ by the two formats' rounding
-(`algos.probe_bound`), or a weight did not land (one the sync's read-back cannot see: the CPU
-backend repacks linear weights, fused q/k/v and gate/up have no checkpoint name). Past the bound the
-run stops in one line, before the step trains.
+Where the step's own rows can tell (`resolve_sync_check`: "rows"), the actor's first scoring of them —
+the old-policy pass, or an on-policy update's first forward, before any optimizer step — is compared
+with the engine's logprobs of the same tokens: the synced weights against themselves, at no cost.
+Partial rollouts (tokens older weights sampled) and a truncated sampling set on a mixed-precision pair
+(the kept set recomputed from other logits) cannot: there the probe runs. The engine samples a fixed
+probe (the first training prompts cut short, a fixed seed) at the next step's generation, while it is
+awake; the actor scores the same tokens once the roles are awake (on a GPU the two never hold the
+device at once). Either way the logprobs differ by the two formats' rounding (`algos.probe_bound`), or
+a weight did not land (one the sync's read-back cannot see: the CPU backend repacks linear weights,
+fused q/k/v and gate/up have no checkpoint name). Past the bound the run stops in one line, before
+the step trains.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from verl_ds import algos
+from verl_ds.config import RunConfig
+from verl_ds.dist import all_reduce_sum
 from verl_ds.errors import RunFailure
 from verl_ds.rollout import RolloutBatch
 from verl_ds.trainer.groups import scoring_inputs
+
+log = logging.getLogger(__name__)
+
+
+def resolve_sync_check(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str, sampled: algos.TokenDist) -> str:
+    """How each sync is verified, said in one line: "rows" (the step's own rows, free) or "probe"."""
+    why = (
+        "rollout.partial: a step's rows hold tokens older weights sampled"
+        if cfg.rollout.partial.enabled
+        else f"a truncated sampling set on {trainer_dtype} vs {rollout_dtype}: its kept set comes from other logits"
+        if sampled.truncates and trainer_dtype != rollout_dtype
+        else ""
+    )
+    if why:
+        log.info("sync check: a fixed probe after each sync (%s)", why)
+        return "probe"
+    log.info("sync check: the actor's first scoring of each step's rows against the engine's (no extra pass)")
+    return "rows"
 
 
 @dataclass
@@ -50,11 +78,24 @@ class SyncProbe:
         mine = actor.logprobs(scoring_inputs(ro), algos.TokenDist(self.temperature)).cpu()
         mask = ro.loss_mask
         gap = float(((mine - ro.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1))
+        self._judge(gap, sync, "a fixed probe", int(mask.sum()))
+        return {"rollout/sync_probe_gap": gap, "timing_s/sync_probe": probe.sample_s + time.perf_counter() - t0}
+
+    def check_rows(self, mine: torch.Tensor, ro: RolloutBatch, sync: int) -> dict[str, float]:
+        """The actor's first logprobs of the step's rows `mine` `[B, R]` (before any optimizer step)
+        against the engine's; past the bound the run stops. Collective: the gap is every rank's tokens'."""
+        t0 = time.perf_counter()
+        mask = ro.loss_mask
+        diff, n = all_reduce_sum([float(((mine.cpu() - ro.rollout_logprobs).abs() * mask).sum()), float(mask.sum())])
+        gap = diff / max(n, 1.0)
+        self._judge(gap, sync, "this step's rows", int(n))
+        return {"rollout/sync_check_gap": gap, "timing_s/sync_check": time.perf_counter() - t0}
+
+    def _judge(self, gap: float, sync: int, what: str, tokens: int) -> None:
         bound = algos.probe_bound(self.actor_dtype, self.rollout_dtype)
         if not gap <= bound:
             raise RunFailure(
-                f"weight sync {sync}: the rollout engine's logprobs of a fixed probe are {gap:.3g} "
-                f"from the actor's on the same tokens (mean over {int(mask.sum())}; at most {bound:.3g} for "
+                f"weight sync {sync}: the rollout engine's logprobs of {what} are {gap:.3g} "
+                f"from the actor's on the same tokens (mean over {tokens}; at most {bound:.3g} for "
                 f"{self.actor_dtype} vs {self.rollout_dtype}): a weight did not reach the engine"
             )
-        return {"rollout/sync_probe_gap": gap, "timing_s/sync_probe": probe.sample_s + time.perf_counter() - t0}

@@ -121,8 +121,9 @@ class RLTrainer:
             got = self._collect(timer)
             if self.actor.sp:  # a sequence-parallel group trains on its ranks' rows together, each split
                 got = join_sequence_group(got, self.actor.sp)
-            # the last sync's probe, sampled while the engine is awake (none before the first sync)
-            probe = self.probe.sample(self.rollout) if self.global_step else None
+            # the last sync's check: the step's own rows (below), or a probe sampled while the engine is
+            # awake (none before the first sync)
+            probe = self.probe.sample(self.rollout) if self.global_step and self.setup.sync_check == "probe" else None
             # GPU: vLLM's memory to the roles; the sync replaces the weights, so they are discarded
             # (level 2), not copied to the host and back
             self.rollout.sleep(level=2)
@@ -133,12 +134,17 @@ class RLTrainer:
             # 4. old, reference and teacher logprobs and values, stored in the buffer dtype
             n_minis = self._mini_batches(len(got.batch))
             stored, old_lp = self._score_pass(got.batch, timer, on_policy=self._first_is_old(n_minis))
+            # or the sync checked on the actor's first scoring of these rows, before any optimizer step:
+            # the old policy's pass, or (on-policy) the update's first forward
+            check = self._row_check(got.batch, probe_metrics)
+            if check and old_lp is not None:
+                check(old_lp)
             # 5-6. per-token rewards (KL in the reward, or none) and advantages (fp32)
             train = self._advantages(stored, scores, got.batch, timer)
             for o in self.observers:
                 o.on_train_batch(self, train)
             # 7. ppo_epochs over mini-batches for the actor and the critic
-            update_metrics, first_lp = self._update(train, timer, n_minis)
+            update_metrics, first_lp = self._update(train, timer, n_minis, check if train.on_policy else None)
             if train.on_policy:  # the first epoch's forward was the old policy: its logprobs
                 old_lp, stored = first_lp, stored.replace(old_logprobs=self._buffered(first_lp), on_policy=False)
             # 8. the new actor weights into the rollout engine
@@ -157,6 +163,7 @@ class RLTrainer:
         if self.val_prompts and cfg.trainer.val_every and self.global_step % cfg.trainer.val_every == 0:
             metrics.update(self.validate())
         self.logger.log(metrics, self.global_step)
+        self.setup.gate.check(metrics, self.global_step)  # past its bound: one line, or the run's end
         if cfg.logging.sample_every and self.global_step % cfg.logging.sample_every == 0:
             self.logger.log_samples(sample_rows(self.tokenizer, got.batch, got.examples, got.raw), self.global_step)
         return metrics
@@ -172,6 +179,13 @@ class RLTrainer:
         if self.track_activations or (every and self.global_step % every == 0):
             return MemoryTimer({**self.roles, "rollout": self.rollout}, self.track_activations, on_phase=at)
         return Timer(on_phase=at)
+
+    def _row_check(self, batch: RolloutBatch, into: dict):
+        """The last sync's check on this step's rows (`SyncProbe.check_rows`), its metrics into `into`;
+        None where the probe checks (`setup.sync_check`) or no sync came before."""
+        if not self.global_step or self.setup.sync_check != "rows":
+            return None
+        return lambda logprobs: into.update(self.probe.check_rows(logprobs, batch, self.global_step))
 
     def _first_is_old(self, n_minis: int) -> bool:
         """One mini-batch per epoch (and KL as a loss): the first epoch's forward runs on the very
@@ -285,11 +299,13 @@ class RLTrainer:
         self.kl_ctl.update(kl_mean, n_steps=int(n_seq))  # same value on every rank
         return kl_mean, float(self.kl_ctl.value)
 
-    def _update(self, train: TrainBatch, timer: Timer, n_minis: int) -> tuple[dict, torch.Tensor | None]:
+    def _update(
+        self, train: TrainBatch, timer: Timer, n_minis: int, first_check=None
+    ) -> tuple[dict, torch.Tensor | None]:
         """`ppo_epochs` over `n_minis` mini-batches of the actor and the critic (`update.ppo_update`)."""
         n = len(train)
         epochs, mini = self.cfg.algorithm.ppo_epochs, self.setup.mini_rows or n
-        return ppo_update(self.actor, self.critic, train, timer, epochs, mini, n_minis, self._buffered)
+        return ppo_update(self.actor, self.critic, train, timer, epochs, mini, n_minis, self._buffered, first_check)
 
     # ------------------------------------------------------------------ checkpoints
     def _sleep_roles(self) -> None:

@@ -37,6 +37,8 @@ from verl_ds.process import allocator
 from verl_ds.roles import attention, prefix
 from verl_ds.rollout import resolve_eager, resolve_engine
 from verl_ds.trainer.checkpoint import pick_resume, probe_writable
+from verl_ds.trainer.consistency import MismatchGate, resolve_gate
+from verl_ds.trainer.probe import resolve_sync_check
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class RunSetup:
     packing: bool  # the policy models' passes run padding-free rows (`resolve_attention`)
     share_prefixes: bool  # every role's passes run a prefix its rows share once (`resolve_sharing`)
     sampled: TokenDist  # what the rollout samples each token from, and every pass scores it under (`resolve_sampled`)
+    gate: MismatchGate  # the bound on the rollout-vs-trainer mismatch (`consistency.resolve_gate`)
+    sync_check: str  # rows (the step's first scoring, free) | probe (`probe.resolve_sync_check`)
     tools: tuple[Callable, ...]  # `data.tools`
     env_factory: Callable | None  # `rollout.multi_turn.env`; None: no environment
     agent: Callable | None  # `rollout.multi_turn.agent`; None: not an agent job
@@ -144,6 +148,8 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         packing=packing,
         share_prefixes=share_prefixes,
         sampled=sampled,
+        gate=resolve_gate(cfg, precision.actor, precision.rollout),
+        sync_check=resolve_sync_check(cfg, precision.actor, precision.rollout, sampled),
         tools=names.tools,
         env_factory=names.env_factory,
         agent=names.agent,

@@ -30,10 +30,12 @@ def ppo_update(
     mini: int,
     n_minis: int,
     buffered: Callable[[torch.Tensor], torch.Tensor],
+    first_check: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[dict, torch.Tensor | None]:
     """`epochs` over `n_minis` mini-batches of `mini` rows -> (metrics, the first epoch's fp32 logprobs
     when `train.on_policy`, else None). On-policy, the first epoch (one mini-batch, in order) computes
-    the old logprobs; the later epochs read them, `buffered` (the buffer dtype), from a copy of `train`."""
+    the old logprobs; the later epochs read them, `buffered` (the buffer dtype), from a copy of `train`.
+    `first_check(those logprobs)` runs before any optimizer step (the sync's check: it may stop the run)."""
     n = len(train)
     sums: dict[str, float] = {}
     count, first_lp = 0, None
@@ -52,6 +54,8 @@ def ppo_update(
             m = acc.metrics
             if collect:
                 first_lp = acc.outputs.float().cpu()
+                if first_check is not None:
+                    first_check(first_lp)
             if critic:
                 with timer("update_critic", stage="update", role="critic"):
                     critic_m = critic.accumulate(mb, tokens, seqs).metrics

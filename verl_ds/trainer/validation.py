@@ -41,7 +41,9 @@ def validate(
     k, name = cfg.trainer.val_n, cfg.data.task
     tag = f"val{step}"  # seeds apart from every training step's
     greedy = episodes(mine, Sampling(1, 0.0, 1.0, r.max_new_tokens), SeedKey(cfg.trainer.seed, tag))
-    sampled = episodes(mine, Sampling(k, r.temperature, r.top_p, r.max_new_tokens, r.top_k), SeedKey(cfg.trainer.seed, tag, 1))
+    sampled = episodes(
+        mine, Sampling(k, r.temperature, r.top_p, r.max_new_tokens, r.top_k), SeedKey(cfg.trainer.seed, tag, 1)
+    )
     # the next generation comes without a sync (the weights stay, on the host) and a checkpoint or
     # the export may wake the roles first
     rollout.sleep(level=1)

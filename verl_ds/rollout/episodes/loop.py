@@ -51,7 +51,15 @@ def collect(
     run_seed, step, round_ = seed
     if spec is None:
         batch = generate_distributed(
-            rollout, prompt_ids, n, sampling.temperature, sampling.top_p, max_new_tokens, run_seed, step, round_,
+            rollout,
+            prompt_ids,
+            n,
+            sampling.temperature,
+            sampling.top_p,
+            max_new_tokens,
+            run_seed,
+            step,
+            round_,
             top_k=sampling.top_k,
         )
         final = [row[: int(k)] for row, k in zip(batch.response_ids.tolist(), batch.response_mask.sum(1).tolist())]
@@ -129,7 +137,9 @@ def advance(
     limits = spec.limits if spec else SINGLE_TURN
     budgets = [_budget(ep, max_new_tokens, limits) for ep in live]
     asks = [b if cap is None else min(b, cap) for b in budgets]
-    kw = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, run_seed=run_seed, step=None)
+    kw = dict(
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, run_seed=run_seed, step=None
+    )
     if batched:
         heads = live[::n]
         seeds = [prompt_seed(run_seed, *ep.key) for ep in heads]
