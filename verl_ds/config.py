@@ -639,6 +639,11 @@ class LoggingConfig:
     wandb: WandbConfig = section(WandbConfig)
     sample_every: int = opt(10, "a table of generations every K steps; 0: never", ge=0)
     memory_every: int = opt(1, "memory/<stage>/<role>/* every K steps; 0: never", ge=0)
+    consistency_every: int = opt(
+        10,
+        "trainer_corr/*: every K steps a few rows scored again, each alone, against the step's passes; 0: never",
+        ge=0,
+    )
     level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 

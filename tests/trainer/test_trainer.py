@@ -1,11 +1,13 @@
 """The loop in one process (HF rollout, real DeepSpeed engines, W&B disabled): on-policy invariants."""
 
+import logging
 import math
 
 import pytest
 import torch
 
 from verl_ds.config import load_config
+from verl_ds.errors import RunFailure
 from verl_ds.trainer.rl_trainer import RLTrainer
 
 FP32 = [f"precision.{k}_dtype=fp32" for k in ("actor", "critic", "reference", "rollout", "buffer")]
@@ -64,6 +66,52 @@ def test_truncated_sampling_is_scored_under_the_set_it_was_drawn_from(tmp_path, 
             assert abs(m["rollout_corr/is_weight_mean"] - 1.0) < 1e-4
             assert ("timing_s/old_logprob" in m) == (epochs == 2)
             assert math.isfinite(m["actor/entropy"]) and m["actor/kl_ref"] >= 0
+
+
+@pytest.mark.numerics
+def test_the_trainer_against_itself_every_k_steps(tmp_path):
+    """`logging.consistency_every: 2`: steps 1 and 3 score a few rows again, each alone, on the weights the
+    step's first scoring ran on (here the shared-prefix, token-budget passes of an on-policy update), and
+    `trainer_corr/` compares: fp32, so to rounding; step 2 runs no such pass."""
+    job = [
+        "logging.consistency_every=2",
+        "roles.actor.max_tokens_per_micro_batch=64",
+        "model.share_prefix_min_tokens=0",
+    ]
+    with RLTrainer(load_config(None, [*KL_JOB, *job, f"trainer.run_dir={tmp_path}"])) as trainer:
+        steps = [trainer.step() for _ in range(3)]
+    for m in steps[::2]:
+        assert m["trainer_corr/logprob_abs_diff_max"] < 1e-5 and m["trainer_corr/phantom_clip_fraction"] == 0.0
+        assert m["trainer_corr/log_ratio_abs_p99"] <= m["trainer_corr/log_ratio_abs_max"] < 1e-5
+        assert m["timing_s/consistency"] > 0 and m["perf/shared_tokens/actor/update"] < 1.0
+    assert not [k for k in steps[1] if k.startswith("trainer_corr/") or k == "timing_s/consistency"]
+
+
+@pytest.mark.parametrize("mode", ["warn", "stop"])
+def test_the_mismatch_gate_says_the_pair_the_step_and_the_numbers(tmp_path, caplog, mode):
+    """A bf16 rollout against the fp32 trainer under a clip band of +-0.1%: its rounding puts tokens
+    outside the band (the gate reads the share on the same weights, gathered over ranks); past the
+    bf16 pair's default bound, one line: a warning and the run goes on, or the run's end."""
+    job = ["precision.rollout_dtype=bf16", "algorithm.clip_low=0.001", "algorithm.clip_high=0.001"]
+    job += [f"algorithm.mismatch_gate={mode}", f"trainer.run_dir={tmp_path}"]
+    with RLTrainer(load_config(None, [*KL_JOB, *job])) as trainer:
+        assert trainer.setup.gate.bound == 0.05 and trainer.setup.gate.pair == "fp32 actor vs bf16 rollout"
+        if mode == "stop":
+            with pytest.raises(RunFailure) as e:
+                trainer.step()
+            line = str(e.value)
+        else:
+            with caplog.at_level(logging.WARNING, logger="verl_ds.trainer.consistency"):
+                m = trainer.step()
+            assert m["rollout_corr/phantom_clip_fraction"] > 0.05 and trainer.global_step == 1
+            (line,) = [
+                r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "gate" in r.getMessage()
+            ]
+    assert "\n" not in line and line.startswith("mismatch gate: step 1: ")
+    assert (
+        "of response tokens outside the clip band on the same weights (fp32 actor vs bf16 rollout; bound 5.00%" in line
+    )
+    assert "|log ratio| p99" in line
 
 
 @pytest.mark.numerics
@@ -131,7 +179,7 @@ def test_two_epochs_reuse_the_first_forward_as_the_old_policy(tmp_path, budget):
 
     class Spy(TrainerObserver):
         def on_train_batch(self, trainer, train):
-            seen["separate"] = trainer.actor.logprobs(train, cfg.rollout.temperature).float()
+            seen["separate"] = trainer.actor.logprobs(train, trainer.setup.sampled).float()
             seen["on_policy"] = train.on_policy and train.old_logprobs is None
 
     seen = {}

@@ -397,9 +397,25 @@ class Role:
         k = int(all_reduce_max(float(len(groups))))
         return groups + [torch.zeros(0, dtype=torch.long)] * (k - len(groups))
 
+    _alone = False
+
+    @contextlib.contextmanager
+    def rows_alone(self):
+        """Scoring passes run one row at a time, padded, unshared and without a token budget: the
+        composition every other is compared with (`trainer_corr/`). Not counted in the step's tokens."""
+        saved = (self.max_tokens, self.share_prefixes, self.packing)
+        self.max_tokens, self.share_prefixes, self.packing, self._alone = 0, False, False, True
+        try:
+            yield
+        finally:
+            (self.max_tokens, self.share_prefixes, self.packing), self._alone = saved, False
+
     def micro_indices(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Row indices of a scoring pass's micro-batches: consecutive `micro_batch_size` rows, or
-        `packed` under a token budget."""
+        `packed` under a token budget, or (`rows_alone`) one row each."""
+        if self._alone:  # as many forwards on every rank (ZeRO-3 gathers in each): empty entries pad
+            k = int(all_reduce_max(float(len(batch))))
+            return list(torch.arange(len(batch)).split(1)) + [torch.zeros(0, dtype=torch.long)] * (k - len(batch))
         if self.max_tokens:
             return self.packed(batch)
         return list(torch.arange(len(batch)).split(self.micro_batch_size))
@@ -411,7 +427,8 @@ class Role:
         outs, rows, single = [], [], False
         for idx in self.micro_indices(batch):
             mb = batch.select(idx)
-            self._count_tokens("score", mb)
+            if not self._alone:
+                self._count_tokens("score", mb)
             out = fn(mb)  # an empty entry runs one dropped row
             single = not isinstance(out, tuple)
             if len(idx):

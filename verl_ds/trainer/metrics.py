@@ -9,9 +9,10 @@ import torch
 from verl_ds import algos
 from verl_ds.config import AlgorithmConfig
 from verl_ds.diagnostics.metrics import Timer, reduce_metrics
-from verl_ds.dist import all_gather_object, all_reduce_sum
+from verl_ds.dist import all_reduce_sum
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch
+from verl_ds.trainer.consistency import gathered_distribution
 from verl_ds.trainer.groups import Collected, truncated
 
 
@@ -75,14 +76,9 @@ class StepMetrics:
         }
 
     def ratio_distribution(self, old_lp, rollout_lp, mask) -> dict[str, float]:
-        """rollout_corr/ quantiles and clip-band shares over every rank's tokens and rows (gathered, so
-        the p99 is the batch's, not a mean of the ranks' p99s): `algos.ratio_distribution`."""
-        parts = all_gather_object(algos.log_ratios(old_lp, rollout_lp, mask))
-        tokens, seqs = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        a = self.algorithm
-        return {
-            f"rollout_corr/{k}": v for k, v in algos.ratio_distribution(tokens, seqs, a.clip_low, a.clip_high).items()
-        }
+        """rollout_corr/ quantiles and clip-band shares over every rank's tokens and rows."""
+        out = gathered_distribution(old_lp, rollout_lp, mask, self.algorithm)
+        return {f"rollout_corr/{k}": v for k, v in out.items()}
 
     def distill(self, stored: TrainBatch) -> dict[str, float]:
         """distill/*: the student's per-token reverse KL to the teacher on its own samples (old

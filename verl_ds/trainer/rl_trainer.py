@@ -29,7 +29,7 @@ from verl_ds.roles import forget_destroyed_world, iter_full_params
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch, episodes, make_rollout, sync_distributed
 from verl_ds.rollout.episodes import Sampling, SeedKey
-from verl_ds.trainer import advantages, builder
+from verl_ds.trainer import advantages, builder, consistency
 from verl_ds.trainer.checkpoint import LoopState, export_actor
 from verl_ds.trainer.groups import Collected, collect_varied, join_sequence_group, scoring_inputs
 from verl_ds.trainer.metrics import StepMetrics
@@ -139,6 +139,7 @@ class RLTrainer:
             check = self._row_check(got.batch, probe_metrics)
             if check and old_lp is not None:
                 check(old_lp)
+            alone = self._score_alone(stored, timer)  # the trainer against itself, some steps
             # 5-6. per-token rewards (KL in the reward, or none) and advantages (fp32)
             train = self._advantages(stored, scores, got.batch, timer)
             for o in self.observers:
@@ -147,6 +148,8 @@ class RLTrainer:
             update_metrics, first_lp = self._update(train, timer, n_minis, check if train.on_policy else None)
             if train.on_policy:  # the first epoch's forward was the old policy: its logprobs
                 old_lp, stored = first_lp, stored.replace(old_logprobs=self._buffered(first_lp), on_policy=False)
+            if alone is not None:  # those rows as the step's first scoring ran them, against each alone
+                update_metrics.update(consistency.against_itself(old_lp, alone, stored.loss_mask, cfg.algorithm))
             # 8. the new actor weights into the rollout engine
             with timer("update_weights", stage="sync", role="actor"):
                 sync_metrics = sync_distributed(self.rollout, iter_full_params(self.actor.engine))
@@ -186,6 +189,16 @@ class RLTrainer:
         if not self.global_step or self.setup.sync_check != "rows":
             return None
         return lambda logprobs: into.update(self.probe.check_rows(logprobs, batch, self.global_step))
+
+    def _score_alone(self, stored: TrainBatch, timer: Timer) -> consistency.Alone | None:
+        """Every `logging.consistency_every` steps, a few rows scored again, each alone, on the weights
+        the step's first scoring runs on (`trainer_corr/`); None on other steps and under SP (a row
+        runs alone there already)."""
+        every = self.cfg.logging.consistency_every
+        if not every or self.global_step % every or self.actor.sp:
+            return None
+        with timer("consistency", stage="score", role="actor"):
+            return consistency.score_alone(self.actor, stored, self.setup.sampled)
 
     def _first_is_old(self, n_minis: int) -> bool:
         """One mini-batch per epoch (and KL as a loss): the first epoch's forward runs on the very
