@@ -164,13 +164,16 @@ class ModelConfig:
         "(exact; with gradient checkpointing, token budgets, LoRA and ZeRO 0-3). Off under sequence "
         "parallelism and with flash_attention_2 (varlen kernels cannot take the mask: sdpa or flex_attention)",
     )
-    share_prefix_min_tokens: int = opt(
-        16,
+    share_prefix_min_tokens: Any = opt(
+        "auto",
         "a micro-batch shares its prefixes only where that saves at least this many tokens a row (and a FLOP "
-        "count of its projections and attention says the shared pass is cheaper): below, the plain pass. 16: "
-        "between where a 2-layer 128-wide model's update (~7) and scoring (~28) break even "
-        "(benchmarks/shared_prefix_threshold.py); SmolLM2-135M gains from 7",
+        "count of its projections and attention says the shared pass is cheaper): below, the plain pass. auto: "
+        "6 with an fp32 actor (a 2-layer 128-wide model's update breaks even at ~7, SmolLM2-135M gains from 7: "
+        "benchmarks/shared_prefix_threshold.py), 16 with a 16-bit one (short prompts keep the plain pass, whose "
+        "kernels match the rollout engine's: a matched 16-bit pair stays exact there; the shared pass rounds "
+        "differently, ~2e-3 in bf16)",
         ge=0,
+        auto=True,
     )
     attn_implementation: str = opt(
         "auto",

@@ -58,13 +58,16 @@ def test_bench_precision_matrix_crosses_trainer_and_rollout_dtypes(tmp_path, cap
     assert cli.main(args) == 0
     (table,) = parse_md_tables(capsys.readouterr().out)
     assert [r[0] for r in table[1:]] == ["fp32", "fp32/bf16", "bf16/fp32", "bf16"]
-    assert table[0][:6] == [
+    assert table[0][:9] == [
         "dtype (trainer/rollout)",
         "mean abs Δlogprob step 1",
         "over the run",
         "max abs Δlogprob step 1",
         "k3 step 1",
         "phantom clip step 1",
+        "|Δ| p99 step 1",
+        "seq phantom clip step 1",
+        "trainer vs itself, max step 1",
     ]
     res = {r["dtype"]: r for r in json.loads((out / "bench_precision.json").read_text())["results"]}
     assert (res["fp32/bf16"]["trainer_dtype"], res["fp32/bf16"]["rollout_dtype"]) == ("fp32", "bf16")
@@ -73,7 +76,9 @@ def test_bench_precision_matrix_crosses_trainer_and_rollout_dtypes(tmp_path, cap
     # (under native kernels or fp32 products alike), far above fp32's own rounding
     assert 2.0**-16 < res["fp32/bf16"]["mismatch_step1"] < 2.0**-8, res["fp32/bf16"]
     for r in res.values():
-        assert 0.0 <= r["phantom_clip_step1"] <= 1.0
+        assert 0.0 <= r["phantom_clip_step1"] <= 1.0 and 0.0 <= r["seq_phantom_clip_step1"] <= 1.0
+        assert r["p99_step1"] <= r["mismatch_max_step1"] and r["self_max_step1"] is not None
+    assert res["fp32"]["self_max_step1"] < 1e-5  # the fp32 trainer against itself: rounding
 
 
 def test_bench_precision_cells_name_a_subset():

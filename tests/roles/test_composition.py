@@ -5,7 +5,6 @@ rounding; a 16-bit format to `algos.probe_bound` (its kernels decide where it is
 avx512_bf16 host the padded compositions are, the packed and shared ones move by ~1e-3)."""
 
 import pytest
-import torch
 
 from tests.roles.helpers import ds_config
 from tests.roles.test_prefix import tree_batch

@@ -2,6 +2,11 @@
 those cannot tell (partial rollouts) a fixed probe the engine samples, against the engine's logprobs; a
 weight that did not land moves them past the formats' bound and stops the run before it trains."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import verl_ds.trainer.rl_trainer as rl_trainer
@@ -76,7 +81,7 @@ def test_a_correct_sync_passes_its_check(tmp_path, dtype, extra):
             *[f"precision.{k}_dtype={dtype}" for k in ("actor", "reference")],
         ],
     )
-    key = "sync_probe" if extra == PARTIAL else "sync_check"
+    key = "sync_probe" if extra == PARTIAL else "sync_rows"
     with RLTrainer(cfg) as trainer:
         assert f"rollout/{key}_gap" not in trainer.step()  # no sync before step 1
         for _ in range(2):
@@ -84,3 +89,19 @@ def test_a_correct_sync_passes_its_check(tmp_path, dtype, extra):
             assert 0.0 <= m[f"rollout/{key}_gap"] <= rl_trainer.algos.probe_bound(dtype, "fp32")
             assert m[f"timing_s/{key}"] > 0
             assert ("rollout/sync_probe_gap" in m) == (extra == PARTIAL)  # the probe only where the rows cannot tell
+
+
+def test_on_the_vllm_engine_too(tmp_path):
+    """The same planted stale q_proj with vLLM generating: its sync's read-back serves no fused q/k/v
+    under a checkpoint name, so the rows' check is what stops the run (`stale_vllm_script.py`)."""
+    root = Path(__file__).resolve().parents[2]
+    script = Path(__file__).with_name("stale_vllm_script.py")
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "q_proj"], capture_output=True, text=True, timeout=600, cwd=root
+    )
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads(lines[-1].removeprefix("RESULT "))
+    assert (res["engine"], res["check"], res["optimizer_stepped"]) == ("VLLMRollout", "rows", False)
+    assert res["line"].startswith("weight sync 1: the rollout engine's logprobs of this step's rows are")
+    assert res["line"].endswith("for fp32 vs fp32): a weight did not reach the engine")

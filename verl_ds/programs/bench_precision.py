@@ -109,6 +109,9 @@ def summarize(cell: tuple[str, str], rows: list[dict], emulated: list[str] = ())
         "mismatch_max_step1": first.get("rollout_corr/logprob_abs_diff_max"),
         "k3_step1": first.get("rollout_corr/k3_kl"),
         "phantom_clip_step1": first.get("rollout_corr/phantom_clip_fraction"),
+        "p99_step1": first.get("rollout_corr/log_ratio_abs_p99"),
+        "seq_phantom_clip_step1": first.get("rollout_corr/seq_phantom_clip_fraction"),
+        "self_max_step1": first.get("trainer_corr/logprob_abs_diff_max"),
         "mismatch_mean": statistics.mean(series("rollout_corr/logprob_abs_diff_mean")),
         "mismatch": series("rollout_corr/logprob_abs_diff_mean"),
         "steps": len(rows),
@@ -144,6 +147,9 @@ def markdown(results: list[dict]) -> str:
             "max abs Δlogprob step 1",
             "k3 step 1",
             "phantom clip step 1",
+            "|Δ| p99 step 1",
+            "seq phantom clip step 1",
+            "trainer vs itself, max step 1",
         ]
         + [f"peak {r} (MiB)" for r in roles]
         + [
@@ -167,6 +173,9 @@ def markdown(results: list[dict]) -> str:
                 _fmt(res["mismatch_max_step1"], ".2e"),
                 _fmt(res["k3_step1"], ".2e"),
                 _fmt(res["phantom_clip_step1"], ".2%"),
+                _fmt(res.get("p99_step1"), ".2e"),
+                _fmt(res.get("seq_phantom_clip_step1"), ".2%"),
+                _fmt(res.get("self_max_step1"), ".2e"),
             ]
             + [_fmt(res["peak_memory_mib"].get(r), ".3f") for r in roles]
             + [

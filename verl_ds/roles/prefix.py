@@ -151,6 +151,14 @@ def pays(rows: SortedRows, take: Tensor, hidden_size: int, min_saved: int) -> bo
     return cheaper(rows.distinct, tokens, pairs, len(take), hidden_size, min_saved)
 
 
+def min_saved_tokens(setting, actor_dtype: str) -> int:
+    """`model.share_prefix_min_tokens` resolved: a number as given; `auto` by the actor's dtype (config.py's
+    help says why: fp32 shares from 6 tokens a row, a 16-bit actor (or one not yet resolved) from 16)."""
+    if setting != "auto":
+        return int(setting)
+    return 6 if actor_dtype == "fp32" else 16
+
+
 def cheaper(shared: int, tokens: int, pairs: int, rows: int, hidden_size: int, min_saved: int) -> bool:
     """Whether a shared pass of `shared` tokens beats a plain one of `rows` rows, `tokens` tokens and `pairs`
     attended pairs. It must save at least `min_saved` tokens a row: below that the trie, the mask and the

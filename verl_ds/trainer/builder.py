@@ -186,7 +186,7 @@ def build_roles(setup: RunSetup) -> dict:
         if isinstance(role, Role):  # a LoRA reference runs on the actor's engine and budget
             role.max_tokens = setup.token_budgets[name]
         if isinstance(role, Role):  # rows that share a prefix run it once (`roles/prefix.py`), under its mask
-            role.share_prefixes, role.share_min_tokens = setup.share_prefixes, m.share_prefix_min_tokens
+            role.share_prefixes, role.share_min_tokens = setup.share_prefixes, setup.share_min_tokens
             role.attention = reward_attn if name == "reward" else attn  # as each was loaded
         if isinstance(role, PolicyRole):  # padding-free rows where a micro-batch shares no prefix
             role.packing = setup.packing

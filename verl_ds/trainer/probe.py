@@ -89,7 +89,7 @@ class SyncProbe:
         diff, n = all_reduce_sum([float(((mine.cpu() - ro.rollout_logprobs).abs() * mask).sum()), float(mask.sum())])
         gap = diff / max(n, 1.0)
         self._judge(gap, sync, "this step's rows", int(n))
-        return {"rollout/sync_check_gap": gap, "timing_s/sync_check": time.perf_counter() - t0}
+        return {"rollout/sync_rows_gap": gap, "timing_s/sync_rows": time.perf_counter() - t0}
 
     def _judge(self, gap: float, sync: int, what: str, tokens: int) -> None:
         bound = algos.probe_bound(self.actor_dtype, self.rollout_dtype)

@@ -60,6 +60,7 @@ class RunSetup:
     attention: str  # the policy models' attention implementation (`resolve_attention`)
     packing: bool  # the policy models' passes run padding-free rows (`resolve_attention`)
     share_prefixes: bool  # every role's passes run a prefix its rows share once (`resolve_sharing`)
+    share_min_tokens: int  # ... where that saves at least this many tokens a row (`prefix.min_saved_tokens`)
     sampled: TokenDist  # what the rollout samples each token from, and every pass scores it under (`resolve_sampled`)
     gate: MismatchGate  # the bound on the rollout-vs-trainer mismatch (`consistency.resolve_gate`)
     sync_check: str  # rows (the step's first scoring, free) | probe (`probe.resolve_sync_check`)
@@ -100,7 +101,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         log.info("memory allocator: %s%s", malloc, hint if malloc == "glibc" else "")
     precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
     attention, packing = resolve_attention(cfg.model.attn_implementation, cfg.model.packing, gpu)
-    share_prefixes = resolve_sharing(cfg, attention)
+    share_prefixes, share_min_tokens = resolve_sharing(cfg, attention, precision.actor)
     model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
     m = cfg.model
     if m.teacher_path:  # distillation compares the two models' logprobs of the same ids
@@ -147,6 +148,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         attention=attention,
         packing=packing,
         share_prefixes=share_prefixes,
+        share_min_tokens=share_min_tokens,
         sampled=sampled,
         gate=resolve_gate(cfg, precision.actor, precision.rollout),
         sync_check=resolve_sync_check(cfg, precision.actor, precision.rollout, sampled),
@@ -198,10 +200,11 @@ def resolve_attention(attn: str, packing, gpu: bool) -> tuple[str, bool]:
     return attn, attn == "flash_attention_2" if packing == "auto" else bool(packing)
 
 
-def resolve_sharing(cfg: RunConfig, attention_: str) -> bool:
-    """Whether the roles' passes share prefixes (`roles/prefix.py`), said in one line: `model.share_prompt`,
-    where the policy models' attention takes the prefix mask (varlen flash-attention cannot) and rows run
-    whole (under sequence parallelism a row is split over its group and runs alone)."""
+def resolve_sharing(cfg: RunConfig, attention_: str, actor_dtype: str) -> tuple[bool, int]:
+    """Whether the roles' passes share prefixes (`roles/prefix.py`), and from how many tokens saved a row
+    (`prefix.min_saved_tokens`), said in one line: `model.share_prompt`, where the policy models' attention
+    takes the prefix mask (varlen flash-attention cannot) and rows run whole (under sequence parallelism a
+    row is split over its group and runs alone)."""
     m, sp = cfg.model, cfg.trainer.sequence_parallel_size
     why = (
         "model.share_prompt is false"
@@ -212,15 +215,17 @@ def resolve_sharing(cfg: RunConfig, attention_: str) -> bool:
         if sp > 1
         else ""
     )
+    min_saved = prefix.min_saved_tokens(m.share_prefix_min_tokens, actor_dtype)
     if why:
         log.info("shared prefixes: off (%s)", why)
-        return False
+        return False, min_saved
     log.info(
         "shared prefixes: on (a micro-batch's rows run each prefix they share once, in every role's passes, "
-        "where that saves at least %d tokens a row and its cost model says it pays)",
-        m.share_prefix_min_tokens,
+        "where that saves at least %d tokens a row%s and its cost model says it pays)",
+        min_saved,
+        f" ({actor_dtype} actor)" if m.share_prefix_min_tokens == "auto" else "",
     )
-    return True
+    return True, min_saved
 
 
 def resolve_sampled(cfg: RunConfig) -> TokenDist:
