@@ -95,10 +95,8 @@ def test_on_the_vllm_engine_too(tmp_path):
     """The same planted stale q_proj with vLLM generating: its sync's read-back serves no fused q/k/v
     under a checkpoint name, so the rows' check is what stops the run (`stale_vllm_script.py`)."""
     root = Path(__file__).resolve().parents[2]
-    script = Path(__file__).with_name("stale_vllm_script.py")
-    out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), "q_proj"], capture_output=True, text=True, timeout=600, cwd=root
-    )
+    cmd = [sys.executable, "-m", "tests.trainer.stale_vllm_script", str(tmp_path), "q_proj"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
     res = json.loads(lines[-1].removeprefix("RESULT "))
