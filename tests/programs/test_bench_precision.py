@@ -65,7 +65,7 @@ def test_bench_precision_matrix_crosses_trainer_and_rollout_dtypes(tmp_path, cap
         "max abs Δlogprob step 1",
         "k3 step 1",
         "phantom clip step 1",
-        "|Δ| p99 step 1",
+        "abs Δlogprob p99 step 1",
         "seq phantom clip step 1",
         "trainer vs itself, max step 1",
     ]

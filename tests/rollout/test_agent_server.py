@@ -335,7 +335,7 @@ class ScriptedEngine:
         self.tok, self.texts, self.fed = tok, list(texts), []
         self.pad_id = tok.pad_token_id
 
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seeds=None):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seeds=None, top_k=0):
         from verl_ds.rollout import RolloutBatch
 
         self.fed += [list(p) for p in prompts]

@@ -25,7 +25,7 @@ class ScriptedEngine:
         self.prompt_eos = prompt_eos  # eos ids in the first prompt (a template's closed user turn)
         self.per_turn = eos_per_turn  # the answer's eos and the observation's closed turn
 
-    def generate(self, prompt_token_ids, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seeds=None):
+    def generate(self, prompt_token_ids, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seeds=None, top_k=0):
         self.calls.append((len(prompt_token_ids), n, max_new_tokens))
         rows = dict(prompts=[], responses=[], logprobs=[], finish_reasons=[], group_ids=[])
         for i, p in enumerate(prompt_token_ids):

@@ -24,4 +24,4 @@ def test_vllm_cases_in_a_fresh_process():
     )
     print("\n".join(line for line in out.stdout.splitlines() if "vLLM" in line or "passed" in line))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "11 passed" in out.stdout
+    assert "12 passed" in out.stdout

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import verl_ds.trainer.rl_trainer as rl_trainer
+from tests.subprocess_env import child_env
 from verl_ds.config import load_config
 from verl_ds.errors import RunFailure
 from verl_ds.trainer.rl_trainer import RLTrainer
@@ -96,7 +97,7 @@ def test_on_the_vllm_engine_too(tmp_path):
     under a checkpoint name, so the rows' check is what stops the run (`stale_vllm_script.py`)."""
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "tests.trainer.stale_vllm_script", str(tmp_path), "q_proj"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=child_env())
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stdout[-3000:] + out.stderr[-3000:]
     res = json.loads(lines[-1].removeprefix("RESULT "))

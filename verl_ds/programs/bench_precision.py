@@ -147,7 +147,7 @@ def markdown(results: list[dict]) -> str:
             "max abs Δlogprob step 1",
             "k3 step 1",
             "phantom clip step 1",
-            "|Δ| p99 step 1",
+            "abs Δlogprob p99 step 1",
             "seq phantom clip step 1",
             "trainer vs itself, max step 1",
         ]

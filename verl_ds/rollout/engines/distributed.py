@@ -183,8 +183,8 @@ class GroupLeader:
     def last_metrics(self) -> dict[str, float]:
         return self.engine.last_metrics
 
-    def generate(self, prompt_token_ids, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seeds=None):
-        args = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds)
+    def generate(self, prompt_token_ids, n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, seeds=None, top_k=0):
+        args = dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds, top_k=top_k)
         _broadcast(self, {"prompt_token_ids": prompt_token_ids, **args})
         return self.engine.generate(prompt_token_ids, **args)
 
