@@ -36,8 +36,7 @@ PARTIAL = [
     "rollout.partial.chunk_tokens=4",
     "rollout.partial.tail_fraction=1.0",  # cut the moment a step can train: episodes pause in so small a batch
 ]
-# how a sync is checked differs by design (the probe under partial rollouts, the rows otherwise)
-NOT_COMPARED = ("timing_s/", "perf/", "memory/", "partial/", "rollout/sync_probe_gap", "rollout/sync_rows_gap")
+NOT_COMPARED = ("timing_s/", "perf/", "memory/", "partial/")
 # a retry environment: several turns per episode, so pauses fall inside turns and between them
 MULTI_TURN = [
     "rollout.multi_turn.env=tests.trainer.partial_env:CountingRetry",

@@ -92,7 +92,7 @@ def resolve_gate(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str) -> Mism
     pair = f"{trainer_dtype} actor vs {rollout_dtype} rollout"
     bound = a.mismatch_gate_fraction or algos.mismatch_gate_bound(trainer_dtype, rollout_dtype)
     mode = a.mismatch_gate
-    if mode != "off" and cfg.rollout.partial.enabled:
+    if mode != "off" and cfg.rollout.partial.enabled and cfg.rollout.partial.max_staleness > 0:
         log.info("mismatch gate: off (rollout.partial: stale tokens' ratios are not the pair's precision)")
         mode = "off"
     elif mode != "off":

@@ -35,7 +35,7 @@ def resolve_sync_check(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str, s
     """How each sync is verified, said in one line: "rows" (the step's own rows, free) or "probe"."""
     why = (
         "rollout.partial: a step's rows hold tokens older weights sampled"
-        if cfg.rollout.partial.enabled
+        if cfg.rollout.partial.enabled and cfg.rollout.partial.max_staleness > 0
         else f"a truncated sampling set on {trainer_dtype} vs {rollout_dtype}: its kept set comes from other logits"
         if sampled.truncates and trainer_dtype != rollout_dtype
         else ""
