@@ -29,6 +29,7 @@ def long_row_overrides(data: Path, steps: int) -> list[str]:
         "data.max_prompt_length=1500",
         "rollout.max_model_len=1504",
         "rollout.max_new_tokens=4",
+        "model.tiny.max_positions=1504",  # the rows' positions (the default 256 would be refused)
         "trainer.prompts_per_step=4",
         "rollout.n=4",
         "roles.actor.micro_batch_size=8",

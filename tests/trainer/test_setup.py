@@ -91,7 +91,12 @@ def test_vllm_compilation_is_resolved_in_the_setup(tmp_path):
     assert (resolve_eager(True, gpu=True), resolve_eager(False, gpu=False)) == (True, False)
 
 
-LONG = ("data.max_prompt_length=60000", "rollout.max_model_len=60016", "rollout.max_new_tokens=16")
+LONG = (
+    "data.max_prompt_length=60000",
+    "rollout.max_model_len=60016",
+    "rollout.max_new_tokens=16",
+    "model.tiny.max_positions=60016",
+)
 
 
 def test_auto_token_budgets_come_from_memory_and_a_stated_budget_is_kept(tmp_path, caplog):
@@ -139,7 +144,19 @@ def test_a_vllm_context_past_the_models_positions_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         resolve_setup(_cfg(tmp_path, "rollout.engine=vllm", "rollout.max_model_len=512"))
     assert str(e.value).startswith("rollout.max_model_len: 512 is past the model's 256 positions")
-    resolve_setup(_cfg(tmp_path, "rollout.engine=hf", "rollout.max_model_len=512"))  # HF generate: no such limit
+    resolve_setup(_cfg(tmp_path, "rollout.engine=hf", "rollout.max_model_len=512"))  # HF: the rows' length counts
+
+
+def test_rows_past_the_models_positions_are_refused_for_the_hf_engine_too(tmp_path):
+    """HF generate would run on past the 256 positions silently: one line naming the keys and the limit."""
+    hf = ("rollout.engine=hf", "rollout.max_model_len=512", "rollout.max_new_tokens=8")
+    with pytest.raises(ConfigError) as e:
+        resolve_setup(_cfg(tmp_path, *hf, "data.max_prompt_length=250"))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("data.max_prompt_length: data.max_prompt_length + rollout.max_new")
+    assert "up to 258 tokens, past the model's 256 positions" in line and "model.tiny.max_positions" in line
+    assert not (tmp_path / "checkpoints").exists()  # refused before the run's directories
+    resolve_setup(_cfg(tmp_path, *hf, "data.max_prompt_length=248"))
 
 
 def test_model_tiny_settings_that_differ_from_the_built_model_rebuild_it_or_are_one_line(tmp_path):

@@ -275,22 +275,34 @@ def _cgroup_limit() -> float:
 
 
 def check_context(cfg: RunConfig, model_path: str) -> None:
-    """vLLM refuses an engine whose `max_model_len` passes the model's positions (a traceback from its
-    engine start, with nothing of the run's keys in it): one line naming the key and the model's limit.
-    HF generate has no such limit; a model whose config scales its rotary embeddings is left to vLLM."""
-    if cfg.rollout.engine != "vllm":
-        return
+    """Rows past the model's positions, refused in one line naming the keys and the model's limit, for
+    every engine: vLLM refuses an engine whose `max_model_len` passes them (a traceback from its engine
+    start, with nothing of the run's keys in it); HF generate would run on past the positions the model
+    was trained on, silently. A model whose config scales its rotary embeddings is left to its engine."""
     import json
 
     c = json.loads((Path(model_path) / "config.json").read_text())
     c = c.get("text_config", c)
-    limit = c.get("max_position_embeddings")
-    if isinstance(limit, int) and not c.get("rope_scaling") and cfg.rollout.max_model_len > limit:
+    limit, where = c.get("max_position_embeddings"), f"max_position_embeddings in {model_path}/config.json"
+    if not isinstance(limit, int) or c.get("rope_scaling"):
+        return
+    r, mt = cfg.rollout, cfg.rollout.multi_turn
+    if r.engine == "vllm" and r.max_model_len > limit:
         raise ConfigError(
             "rollout.max_model_len",
-            f"{cfg.rollout.max_model_len:,} is past the model's {limit:,} positions (max_position_embeddings in "
-            f"{model_path}/config.json): at most {limit:,}, with data.max_prompt_length + rollout.max_new_tokens "
-            "within it",
+            f"{r.max_model_len:,} is past the model's {limit:,} positions ({where}): at most {limit:,}, with "
+            "data.max_prompt_length + rollout.max_new_tokens within it",
+        )
+    # vLLM's rows end at max_model_len; HF generate's at the prompt cut plus the new tokens (a multi-turn
+    # episode at its token cap, `longest_row`)
+    rows = longest_row(cfg) if mt.enabled else cfg.data.max_prompt_length + r.max_new_tokens
+    if r.engine != "vllm" and rows > limit:
+        keys = "rollout.max_model_len" if mt.enabled else "data.max_prompt_length"
+        parts = "rows" if mt.enabled else "data.max_prompt_length + rollout.max_new_tokens"
+        raise ConfigError(
+            keys,
+            f"{parts} make rows of up to {rows:,} tokens, past the model's {limit:,} positions ({where}; "
+            f"the tiny model's: model.tiny.max_positions): the {r.engine} engine would run on past them",
         )
 
 
