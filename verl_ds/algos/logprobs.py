@@ -241,8 +241,7 @@ class _ChunkedLogprob(torch.autograd.Function):
             g = flat_grad[r : r + n].to(dtype).unsqueeze(-1)
             if not dist.plain:  # the same kept set as the forward's; x / T scales the gradient by 1 / T
                 x = processed_logits(x, dist, flat_labels[r : r + n])
-                if dist.temperature > 0:
-                    g = g / dist.temperature
+                g = g / dist.temperature  # not plain: T > 0
             # d logp[label] / d x = onehot(label) - softmax(x) (0 outside a kept set)
             gx = torch.softmax(x, dim=-1, dtype=dtype).mul_(-g)
             gx.scatter_add_(-1, flat_labels[r : r + n].unsqueeze(-1), g)
@@ -279,7 +278,7 @@ class _ChunkedEntropy(torch.autograd.Function):
             ent = -(p * logp).sum(-1, keepdim=True)
             # dH/dx_j = -p_j * (log p_j + H)
             gx = -flat_grad[r : r + n].to(logp.dtype).unsqueeze(-1) * p * (logp + ent)
-            if not dist.plain and dist.temperature > 0:
+            if not dist.plain:  # T > 0
                 gx = gx / dist.temperature
             grad_rows[r : r + n] = gx.to(grad.dtype)
         return grad, None, None, None
@@ -324,8 +323,6 @@ def mismatch_metrics(
     train_logprob: torch.Tensor,
     rollout_logprob: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
     cap: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Trainer-vs-rollout log-prob mismatch over masked tokens; values are 0-dim detached tensors.

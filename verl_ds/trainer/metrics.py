@@ -66,9 +66,7 @@ class StepMetrics:
             # rollout-vs-trainer gap on the same weights: precision and sync health
             **{
                 f"rollout_corr/{k}": float(v)
-                for k, v in algos.mismatch_metrics(
-                    old_lp, batch.rollout_logprobs, mask, a.clip_low, a.clip_high, a.tis_cap
-                ).items()
+                for k, v in algos.mismatch_metrics(old_lp, batch.rollout_logprobs, mask, a.tis_cap).items()
             },
             **self.ratio_distribution(old_lp, batch.rollout_logprobs, mask),
             "perf/throughput": float(batch.attention_mask.sum()) / max(step_s, 1e-9),

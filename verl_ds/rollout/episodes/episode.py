@@ -9,8 +9,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from verl_ds.algos import TokenDist
-
 from ..batch import RolloutBatch
 from .environment import Environment
 
@@ -24,11 +22,6 @@ class Sampling:
     top_p: float
     max_new_tokens: int
     top_k: int = 0
-
-    @property
-    def dist(self) -> TokenDist:
-        """The distribution each token is drawn from: the one the trainer scores it under."""
-        return TokenDist(self.temperature, self.top_k, self.top_p)
 
 
 class SeedKey(NamedTuple):
