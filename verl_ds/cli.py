@@ -56,9 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="inspect a run config")
     csub = config.add_subparsers(dest="config_command", parser_class=_Parser, required=True)
-    render = csub.add_parser("render", help="print the resolved run config and every role's DeepSpeed JSON")
+    render = csub.add_parser(
+        "render", help="check the config as a start would, then print it resolved and every role's DeepSpeed JSON"
+    )
     render.add_argument("--config", required=True)
     render.add_argument("--world-size", type=POS_INT, default=None)
+    render.add_argument(
+        "--allow-absent",
+        action="store_true",
+        help="list the model and data paths absent on this machine instead of refusing them (a config for another)",
+    )
     render.add_argument("overrides", nargs="*")
     csub.add_parser("docs", help="print every config key (type, default, allowed values, help) as Markdown")
 
@@ -133,20 +140,29 @@ def cmd_config(args) -> int:
 
 
 def cmd_render(args) -> int:
-    """The run config, its precision and every role's DeepSpeed JSON, on any machine: a model or
-    data path absent here is listed, not an error (what is present is checked as a run would)."""
-    from verl_ds.config import load_config, to_dict, validate_paths
+    """The run config, its precision and every role's DeepSpeed JSON after the checks a start makes before
+    any engine (`config.validate`, the paths, the data files, `preflight`): what this prints, `train`
+    starts; what it refuses, `train` refuses in the same lines. `--allow-absent`: a model or data path
+    absent on this machine is listed, not refused (what is here is still checked)."""
+    from verl_ds.config import load_config, sequence_parallel_says, to_dict, validate_paths
     from verl_ds.data.tasks import check_data_files
+    from verl_ds.dist import on_gpu
     from verl_ds.ds_config import render_ds_configs, run_precision
     from verl_ds.errors import raise_all
+    from verl_ds.preflight import preflight
 
     cfg = load_config(args.config, args.overrides, args.world_size)
-    absent = validate_paths(cfg, missing_ok=True)
+    absent = validate_paths(cfg, missing_ok=args.allow_absent)
     raise_all(check_data_files(cfg.data))  # what train would refuse of the files that are here
+    engine = preflight(cfg, on_gpu())
     precision = run_precision(cfg)
     rendered = render_ds_configs(cfg, args.world_size, precision)
     print("# run config (as given; `auto` resolves to the precision below)")
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    if engine != cfg.rollout.engine:
+        print(f"# rollout.engine {cfg.rollout.engine} -> {engine} on this machine")
+    if said := sequence_parallel_says(cfg):
+        print(f"# {said}")
     resolved = {k: v for k, v in vars(precision).items() if not k.endswith("loss_scaling")}
     print("\n# precision (resolved on this machine)")
     print(yaml.safe_dump(resolved, sort_keys=False).rstrip())

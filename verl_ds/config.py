@@ -550,7 +550,9 @@ class RoleConfig:
     lr: float = opt(1e-6, "learning rate (trained roles; 0 freezes the weights)", ge=0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
     betas: list = opt(help="AdamW betas", factory=lambda: [0.9, 0.999])
-    micro_batch_size: int = opt(8, "rows per micro-batch per rank", gt=0)
+    micro_batch_size: int = opt(
+        8, "rows per micro-batch per rank (under trainer.sequence_parallel_size > 1: one)", gt=0
+    )
     max_tokens_per_micro_batch: Any = opt(
         "auto",
         "padded tokens per micro-batch, rows packed by length so little padding runs (dynamic size); auto: "
@@ -672,7 +674,9 @@ class TrainerConfig:
         "ranks each row's tokens are split over in every scoring and training pass (DeepSpeed's Ulysses SP, "
         "roles/sequence_parallel.py); 1: off. One per run: DeepSpeed's SP group is process-global, every role "
         "shares it. Every rank still generates its own prompts; a group's ranks then train on their joined rows "
-        "(data-parallel ranks: world / SP). A micro-batch is one row",
+        "(data-parallel ranks: world / SP). It sets what it needs: every role's micro-batch one row without a "
+        "token budget (micro_batch_size and max_tokens_per_micro_batch not used), rollout.engine auto -> vllm; "
+        "each said at start (and by `config render`)",
         gt=0,
     )
     max_grad_norm: float = opt(1.0, "gradient clipping", gt=0)
@@ -987,13 +991,35 @@ def _between_sections(cfg: RunConfig) -> list[ConfigError]:
 
 
 def _sequence_parallel_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
-    """What `trainer.sequence_parallel_size` > 1 needs of the other sections (the rows run one at a time,
-    split, through DeepSpeed's wrapper of the policy models' attention)."""
-    sp, roles = cfg.trainer.sequence_parallel_size, active_roles(cfg)
+    """What `trainer.sequence_parallel_size` > 1 needs of the other sections that it cannot set itself (the
+    rows run one at a time, split, through DeepSpeed's wrapper of the policy models' attention): what it
+    sets, one-row micro-batches, is `micro_rows`. Every model's attention heads (the policy's, a critic's,
+    reward model's or teacher's, from their config.json) must split evenly over the group: DeepSpeed's
+    all-to-all hands each rank whole heads."""
+    sp = cfg.trainer.sequence_parallel_size
     if sp == 1:
         return []
     why = f"trainer.sequence_parallel_size {sp}"
-    rules = [
+    m = cfg.model
+    models = {
+        "model.tiny" if m.path == "tiny" else "model.path": m.path,
+        "model.critic_path": m.critic_path,
+        "model.reward_path": m.reward_path,
+    }
+    models["model.teacher_path"] = m.teacher_path
+    critic = "critic" in active_roles(cfg)
+    heads = {k: _heads(cfg, path) for k, path in models.items() if path and (critic or k != "model.critic_path")}
+    return [
+        *(
+            (
+                h[0] % sp != 0 or (h[1] % sp != 0 and sp % h[1] != 0),
+                "trainer.sequence_parallel_size",
+                f"{sp} must divide the {h[0]} attention heads of {key} and divide or be a multiple of its {h[1]} "
+                "key/value heads (DeepSpeed's all-to-all hands each rank whole heads)",
+            )
+            for key, h in heads.items()
+            if h
+        ),
         (
             cfg.rollout.engine == "hf",
             "rollout.engine",
@@ -1010,23 +1036,19 @@ def _sequence_parallel_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
             f"{why}: DeepSpeed's Ulysses SP wraps sdpa or flash attention, not eager",
         ),
     ]
-    for role in roles:
-        rc = getattr(cfg.roles, role)
-        rules.append(
-            (
-                rc.micro_batch_size != 1,
-                f"roles.{role}.micro_batch_size",
-                f"{why}: a micro-batch is one row (DeepSpeed's SP registration fixes the batch dimension); set 1",
-            )
-        )
-        rules.append(
-            (
-                rc.max_tokens_per_micro_batch not in ("auto", 0),
-                f"roles.{role}.max_tokens_per_micro_batch",
-                f"{why}: a micro-batch is one row, split over the group; leave the token budget at auto",
-            )
-        )
-    return rules
+
+
+def _heads(cfg: RunConfig, path: str) -> tuple[int, int] | None:
+    """(attention heads, key/value heads) of the model at `path` (`tiny`: `model.tiny`); None where its
+    config.json is absent or unreadable (`validate_paths` names that)."""
+    if path == "tiny":
+        return cfg.model.tiny.heads, cfg.model.tiny.heads
+    try:
+        c = read_json_object(Path(path) / "config.json", "an HF config.json")
+        c = c.get("text_config", c)
+        return c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    except (ConfigError, OSError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def _batch_geometry(cfg: RunConfig, world: int) -> list[ConfigError]:
@@ -1231,14 +1253,14 @@ def _check_ds_file(cfg: RunConfig, role: str, world: int, mini: int) -> None:
         )
     if role in INT8_ROLES and cfg.precision.role_dtype(role) == "int8" and stage != 0:
         raise ConfigError(f"roles.{role}.ds_config", f"an int8 {role} needs a ZeRO stage-0 config")
-    total = mini if trained else rc.micro_batch_size * world
+    total = mini if trained else micro_rows(cfg, role) * world
     where = f"{src} (roles.{role}.micro_batch_size)"
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         v = ds.get(key, "auto")
         if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ConfigError(src, f'{key} must be a positive integer or "auto", got {v!r}')
     micro = ds.get("train_micro_batch_size_per_gpu", "auto")
-    micro = rc.micro_batch_size if micro == "auto" else micro
+    micro = micro_rows(cfg, role) if micro == "auto" else micro
     if ds.get("train_batch_size", "auto") not in ("auto", total):
         raise ConfigError(
             where,
@@ -1272,8 +1294,36 @@ def token_budget(cfg: RunConfig, role: str) -> int:
     if cfg.trainer.sequence_parallel_size > 1:
         return 0
     if rc.max_tokens_per_micro_batch == "auto":
-        return rc.micro_batch_size * longest_row(cfg)
+        return micro_rows(cfg, role) * longest_row(cfg)
     return rc.max_tokens_per_micro_batch
+
+
+def micro_rows(cfg: RunConfig, role: str) -> int:
+    """Rows per micro-batch of `role`: `roles.<role>.micro_batch_size`, or under sequence parallelism one
+    (DeepSpeed's SP registration fixes the batch dimension; a row is split over the group): what asking
+    for SP asks for, said at start (`sequence_parallel_says`) rather than refused."""
+    return 1 if cfg.trainer.sequence_parallel_size > 1 else getattr(cfg.roles, role).micro_batch_size
+
+
+def sequence_parallel_says(cfg: RunConfig) -> str | None:
+    """The start-up line for what `trainer.sequence_parallel_size` > 1 sets in place of the roles' batch
+    keys (`micro_rows`, `token_budget`); None when it sets nothing."""
+    sp = cfg.trainer.sequence_parallel_size
+    unused = [
+        f"roles.{role}.{key} {value}"
+        for role in active_roles(cfg)
+        for key, value, default in (
+            ("micro_batch_size", getattr(cfg.roles, role).micro_batch_size, 1),
+            ("max_tokens_per_micro_batch", getattr(cfg.roles, role).max_tokens_per_micro_batch, "auto"),
+        )
+        if sp > 1 and value not in (default, 0)
+    ]
+    if not unused:
+        return None
+    return (
+        f"trainer.sequence_parallel_size {sp}: every role's micro-batch is one row, split over the group, "
+        f"without a token budget ({', '.join(unused)} not used)"
+    )
 
 
 def mini_batch(cfg: RunConfig) -> int:

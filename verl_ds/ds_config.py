@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 
-from verl_ds.config import active_roles, default_world, dp_world, mini_batch, read_ds_json
+from verl_ds.config import active_roles, default_world, dp_world, micro_rows, mini_batch, read_ds_json
 from verl_ds.errors import ConfigError
 from verl_ds.precision import (
     TRAINED_ROLES,
@@ -202,7 +202,7 @@ def render_ds_configs(
             ds,
             rc.ds_config,
             precision,
-            micro_batch_size=rc.micro_batch_size,
+            micro_batch_size=micro_rows(cfg, role),
             train_batch_size=mini,
             world_size=world,
             max_grad_norm=cfg.trainer.max_grad_norm,

@@ -46,6 +46,7 @@ def test_render_cli_prints_every_role_accepted_by_deepspeed(tmp_path):
         "config",
         *("render", "--config", str(CPU_PPO), f"model.reward_path={rm}", "model.teacher_path=t"),
         *("algorithm.distill.coef=1", "algorithm.estimator=grpo", "precision.teacher_dtype=bf16", "--world-size", "1"),
+        "--allow-absent",
     )
     assert out.returncode == 0, out.stderr
     blocks = [b for b in out.stdout.split("\n# ") if ": DeepSpeed config" in b.split("\n")[0]]
@@ -458,10 +459,12 @@ def test_cli_numbers_out_of_range_are_one_line(args, expected):
 
 
 def test_render_without_the_model_or_data_lists_what_it_could_not_resolve():
-    """The GPU example's DeepSpeed JSONs, on a machine without its model and data."""
-    out = cli(
-        "config", "render", "--config", str(ROOT / "examples" / "grpo_gpu_qwen05b.yaml"), "roles.actor.zero_stage=auto"
-    )
+    """The GPU example's DeepSpeed JSONs, on a machine without its model and data: refused as `train` would
+    refuse them, or with --allow-absent listed (a config for another machine)."""
+    gpu = ["config", "render", "--config", str(ROOT / "examples" / "grpo_gpu_qwen05b.yaml")]
+    out = cli(*gpu)
+    assert out.returncode == 2 and "error: model.path: directory not found" in out.stderr, out.stderr
+    out = cli(*gpu, "--allow-absent", "roles.actor.zero_stage=auto")
     assert out.returncode == 0, out.stderr
     assert "#   model.path: directory not found: /models/Qwen2.5-0.5B-Instruct (a run stops here)" in out.stdout
     assert "#   data.train_files[0]: file not found: data/gsm8k_train.jsonl" in out.stdout
@@ -799,11 +802,11 @@ def test_the_readmes_config_render_works_for_every_example_from_the_repo_root():
     """The README's path, `verl-ds config render --config <example>` from the repo root, with the
     `verl-ds` console script (which puts no directory on sys.path by itself): every example renders,
     the agent example's `examples.agents...` module included. A model or data file not made yet is
-    listed as unresolved, not an error."""
+    listed as unresolved with --allow-absent (without it, refused as `train` refuses it)."""
     exe = Path(sys.executable).parent / "verl-ds"
     for example in sorted((ROOT / "examples").glob("*.yaml")):
         out = subprocess.run(
-            [str(exe), "config", "render", "--config", f"examples/{example.name}"],
+            [str(exe), "config", "render", "--config", f"examples/{example.name}", "--allow-absent"],
             capture_output=True,
             text=True,
             cwd=ROOT,
@@ -841,7 +844,7 @@ def test_config_render_refuses_the_data_files_train_would_refuse(tmp_path, files
     assert out.stderr.strip().splitlines() == ["error: " + line.format(d=tmp_path)]
 
 
-SP = ["trainer.sequence_parallel_size=2", *[f"roles.{r}.micro_batch_size=1" for r in ("actor", "critic", "reference")]]
+SP = ["trainer.sequence_parallel_size=2"]  # one-row micro-batches follow (`config.micro_rows`)
 
 
 def test_sequence_parallel_batches_count_data_parallel_ranks_and_one_row_a_micro_batch(monkeypatch):
@@ -859,8 +862,6 @@ def test_sequence_parallel_batches_count_data_parallel_ranks_and_one_row_a_micro
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("roles.actor.micro_batch_size=4", "roles.actor.micro_batch_size"),
-        ("roles.reference.max_tokens_per_micro_batch=4096", "roles.reference.max_tokens_per_micro_batch"),
         ("rollout.engine=hf", "rollout.engine"),
         ("model.packing=true", "model.packing"),
         ("trainer.sequence_parallel_size=3", "trainer.sequence_parallel_size"),  # does not divide 2 ranks

@@ -26,9 +26,13 @@ def test_choose_engine(requested, params, cuda, engine):
     assert choose_engine(requested, params, cuda)[0] == engine
 
 
-def test_auto_counts_the_checkpoints_parameters_and_builds_hf_generate_for_a_tiny_model(tiny_model_dir):
+def test_auto_counts_the_models_parameters_and_builds_hf_generate_for_a_tiny_model(tiny_model_dir):
+    from verl_ds.diagnostics.memory import load_shape
+
     cfg = RolloutConfig(engine="auto")
-    assert resolve_engine(cfg, str(tiny_model_dir)) == "hf"
+    params = load_shape(str(tiny_model_dir)).params("lm")
+    assert resolve_engine(cfg, params, gpu=False) == "hf"
+    assert resolve_engine(cfg, params, gpu=False, sequence_parallel=2) == "vllm"  # HF would run the split model
     with pytest.raises(ValueError, match="resolve it first"):  # one place decides: the trainer, once
         make_rollout(cfg, str(tiny_model_dir), "fp32", seed=0)
     rollout = make_rollout(RolloutConfig(engine="hf"), str(tiny_model_dir), "fp32", seed=0)
@@ -42,10 +46,12 @@ def test_vllm_missing_falls_back_to_hf_generate_in_one_warning(tiny_model_dir, m
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     with caplog.at_level(logging.INFO, logger="verl_ds.rollout"):
-        assert resolve_engine(RolloutConfig(engine="vllm"), str(tiny_model_dir)) == "hf"
+        assert resolve_engine(RolloutConfig(engine="vllm"), 330_000, gpu=False) == "hf"
     said = [r for r in caplog.records if "vllm" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in said]
     assert "falling back to HF generate" in said[0].getMessage()
+    with pytest.raises(ConfigError, match="sequence_parallel_size 2 needs vLLM"):  # no engine to fall back on
+        resolve_engine(RolloutConfig(engine="auto"), 330_000, gpu=False, sequence_parallel=2)
 
 
 def test_a_trainer_resolves_auto_before_building_and_a_bad_engine_names_the_choices(tmp_path):

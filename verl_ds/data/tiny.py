@@ -93,7 +93,23 @@ def build_tiny_llama(
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = tokenizer or build_char_tokenizer()
-    cfg = LlamaConfig(
+    cfg = LlamaConfig(**llama_config(tokenizer, hidden, layers, heads, ffn, max_len), torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id
+    ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def llama_config(tokenizer, hidden: int, layers: int, heads: int, ffn: int, max_len: int) -> dict:
+    """The HF config of a tiny Llama (`build_tiny_llama`), known before one is built."""
+    return dict(
+        model_type="llama",
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=ffn,
@@ -105,18 +121,34 @@ def build_tiny_llama(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id
-    ).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+
+
+def tiny_tokenizer(t):
+    """The tokenizer a `model.tiny` model is built with."""
+    return build_chat_tokenizer() if t.tokenizer == "chat" else build_char_tokenizer()
+
+
+def model_config(model_cfg) -> dict | None:
+    """The policy model's HF config (its text part): its config.json, or the one `model.tiny` builds;
+    None where the directory is not here (`config render` on another machine)."""
+    if model_cfg.path == "tiny":
+        t = model_cfg.tiny
+        return llama_config(tiny_tokenizer(t), t.hidden, t.layers, t.heads, t.ffn, t.max_positions)
+    path = Path(model_cfg.path) / "config.json"
+    if not path.is_file():
+        return None
+    c = json.loads(path.read_text())
+    return c.get("text_config", c)
+
+
+def student_tokenizer(model_cfg):
+    """The policy's tokenizer (`model.tokenizer_path`, else the model's, else the tiny model's), None
+    where its directory is not here."""
+    path = model_cfg.tokenizer_path or (None if model_cfg.path == "tiny" else model_cfg.path)
+    if path is None:
+        return tiny_tokenizer(model_cfg.tiny)
+    return load_tokenizer(path, model_cfg.trust_remote_code) if Path(path).is_dir() else None
 
 
 def prepare_model(model_cfg, run_dir: str | Path) -> str:
@@ -142,7 +174,7 @@ def prepare_model(model_cfg, run_dir: str | Path) -> str:
     barrier()  # every rank has read the old settings before rank 0 replaces them
     if rank() == 0 and (rebuild or built is None):
         shutil.rmtree(out, ignore_errors=True)
-        tokenizer = build_chat_tokenizer() if t.tokenizer == "chat" else build_char_tokenizer()
+        tokenizer = tiny_tokenizer(t)
         shape = dict(hidden=t.hidden, layers=t.layers, heads=t.heads, ffn=t.ffn)
         build_tiny_llama(out, tokenizer, **shape, seed=t.seed, max_len=t.max_positions)
         (out / TINY_FILE).write_text(json.dumps(asked))
@@ -183,11 +215,11 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tok
 
 
-def check_teacher_tokenizer(student: str | Path, teacher: str | Path, trust_remote_code: bool = False) -> None:
+def check_teacher_tokenizer(student, teacher: str | Path, trust_remote_code: bool = False) -> None:
     """Distillation compares the two models' logprobs of the same token ids, so every id must name
     the same token in both vocabularies (a smaller or larger model of one family shares them).
-    `student`, `teacher`: the directories of their tokenizers."""
-    vocabs = (load_tokenizer(p, trust_remote_code).get_vocab() for p in (student, teacher))
+    `student`: the policy's tokenizer (`student_tokenizer`); `teacher`: the directory of the teacher's."""
+    vocabs = (tok.get_vocab() for tok in (student, load_tokenizer(teacher, trust_remote_code)))
     s_vocab, t_vocab = ({i: tok for tok, i in v.items()} for v in vocabs)
     for i in sorted(set(s_vocab) | set(t_vocab)):
         a, b = s_vocab.get(i), t_vocab.get(i)

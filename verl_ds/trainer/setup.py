@@ -15,8 +15,16 @@ from types import MappingProxyType
 from typing import Callable, Mapping
 
 from verl_ds.algos import TokenDist
-from verl_ds.config import RunConfig, dp_world, longest_row, resolve_names, token_budget, validate_paths
-from verl_ds.data.tiny import check_teacher_tokenizer, prepare_model
+from verl_ds.config import (
+    RunConfig,
+    dp_world,
+    longest_row,
+    resolve_names,
+    sequence_parallel_says,
+    token_budget,
+    validate_paths,
+)
+from verl_ds.data.tiny import prepare_model
 from verl_ds.diagnostics.memory import (
     BYTES,
     ModelShape,
@@ -33,9 +41,10 @@ from verl_ds.dist import init_distributed, on_gpu, rank, world_size
 from verl_ds.ds_config import read_ds_files, render_ds_configs, run_precision
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
+from verl_ds.preflight import preflight
 from verl_ds.process import allocator
 from verl_ds.roles import attention, prefix
-from verl_ds.rollout import resolve_eager, resolve_engine
+from verl_ds.rollout import resolve_eager
 from verl_ds.trainer.checkpoint import pick_resume, probe_writable
 from verl_ds.trainer.consistency import MismatchGate, resolve_gate
 from verl_ds.trainer.probe import resolve_sync_check
@@ -102,14 +111,13 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
     attention, packing = resolve_attention(cfg.model.attn_implementation, cfg.model.packing, gpu)
     share_prefixes, share_min_tokens = resolve_sharing(cfg, attention, precision.actor)
-    model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
-    m = cfg.model
-    if m.teacher_path:  # distillation compares the two models' logprobs of the same ids
-        check_teacher_tokenizer(m.tokenizer_path or model_path, m.teacher_path, m.trust_remote_code)
-    # rollout.engine auto -> vllm | hf, before the roles' ZeRO budget (vLLM holds GPU memory)
-    # and rollout.enforce_eager auto -> compiled on a GPU, eager on CPU
-    engine, eager = resolve_engine(cfg.rollout, model_path), resolve_eager(cfg.rollout.enforce_eager, gpu)
+    # the config against its models (`config render` runs the same), rollout.engine auto -> vllm | hf before
+    # the roles' ZeRO budget (vLLM holds GPU memory); rollout.enforce_eager auto -> compiled on a GPU, eager on CPU
+    engine, eager = preflight(cfg, gpu), resolve_eager(cfg.rollout.enforce_eager, gpu)
     cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine, enforce_eager=eager))
+    if said := sequence_parallel_says(cfg):
+        log.info(said)
+    model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
     sampled = resolve_sampled(cfg)
     trained = tuple(r for r in files if r in TRAINED_ROLES)
     sleepers = [r for r in trained if getattr(cfg.roles, r).sleep]
@@ -121,8 +129,6 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
             "roles.{%s}.offload_activations: a no-op on CPU (activations are in host memory)", ",".join(offloaders)
         )
     budget, shape = rank_budget(cfg, world, gpu), load_shape(model_path)
-    check_context(cfg, model_path)
-    check_sequence_parallel(cfg, shape)
     check_batch_fits(cfg, shape, precision, world, gpu, budget)
     stages = zero_stages(cfg, shape, files, precision, world, budget)
     ds = render_ds_configs(cfg, world, precision, stages, files)
@@ -161,25 +167,6 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         rank_memory=budget,
         memory_estimate=MappingProxyType(estimate),
     )
-
-
-def check_sequence_parallel(cfg: RunConfig, shape) -> None:
-    """What `trainer.sequence_parallel_size` needs of the resolved engine and the model (the config's own
-    rules: `config._sequence_parallel_rules`): vLLM generating (the HF engine runs the actor's model,
-    whose attention SP replaces), and every model's attention heads (the policy's, a reward model's or
-    teacher's) the group splits evenly (DeepSpeed's all-to-all hands each rank whole heads)."""
-    sp = cfg.trainer.sequence_parallel_size
-    if sp == 1:
-        return
-    if cfg.rollout.engine == "hf":
-        raise ConfigError("rollout.engine", f"trainer.sequence_parallel_size {sp} needs vllm (auto resolved to hf)")
-    for name, s in {"model": shape, **{f"{r} model": rs for r, rs in role_shapes(cfg).items()}}.items():
-        if s.heads % sp or (s.kv_heads % sp and sp % s.kv_heads):
-            raise ConfigError(
-                "trainer.sequence_parallel_size",
-                f"{sp} must divide the {name}'s {s.heads} attention heads and divide or be a multiple of its "
-                f"{s.kv_heads} key/value heads (DeepSpeed's all-to-all hands each rank whole heads)",
-            )
 
 
 def resolve_attention(attn: str, packing, gpu: bool) -> tuple[str, bool]:
@@ -272,38 +259,6 @@ def _cgroup_limit() -> float:
             continue
         return float(text) if text.isdigit() else float("inf")
     return float("inf")
-
-
-def check_context(cfg: RunConfig, model_path: str) -> None:
-    """Rows past the model's positions, refused in one line naming the keys and the model's limit, for
-    every engine: vLLM refuses an engine whose `max_model_len` passes them (a traceback from its engine
-    start, with nothing of the run's keys in it); HF generate would run on past the positions the model
-    was trained on, silently. A model whose config scales its rotary embeddings is left to its engine."""
-    import json
-
-    c = json.loads((Path(model_path) / "config.json").read_text())
-    c = c.get("text_config", c)
-    limit, where = c.get("max_position_embeddings"), f"max_position_embeddings in {model_path}/config.json"
-    if not isinstance(limit, int) or c.get("rope_scaling"):
-        return
-    r, mt = cfg.rollout, cfg.rollout.multi_turn
-    if r.engine == "vllm" and r.max_model_len > limit:
-        raise ConfigError(
-            "rollout.max_model_len",
-            f"{r.max_model_len:,} is past the model's {limit:,} positions ({where}): at most {limit:,}, with "
-            "data.max_prompt_length + rollout.max_new_tokens within it",
-        )
-    # vLLM's rows end at max_model_len; HF generate's at the prompt cut plus the new tokens (a multi-turn
-    # episode at its token cap, `longest_row`)
-    rows = longest_row(cfg) if mt.enabled else cfg.data.max_prompt_length + r.max_new_tokens
-    if r.engine != "vllm" and rows > limit:
-        keys = "rollout.max_model_len" if mt.enabled else "data.max_prompt_length"
-        parts = "rows" if mt.enabled else "data.max_prompt_length + rollout.max_new_tokens"
-        raise ConfigError(
-            keys,
-            f"{parts} make rows of up to {rows:,} tokens, past the model's {limit:,} positions ({where}; "
-            f"the tiny model's: model.tiny.max_positions): the {r.engine} engine would run on past them",
-        )
 
 
 def check_batch_fits(

@@ -465,7 +465,7 @@ def estimate_memory(
     the roles whose model is not the policy's (a reward model, a larger teacher). `roles_part`: the
     roles' `roles_memory` for these arguments, where a caller varies only the engine's settings."""
     if cfg.rollout.engine == "auto":  # the engine the trainer would pick for this model and device
-        engine = choose_engine("auto", shape.params("lm"), bool(gpu_gib))[0]
+        engine = choose_engine("auto", shape.params("lm"), bool(gpu_gib), cfg.trainer.sequence_parallel_size)[0]
         cfg = replace(cfg, rollout=replace(cfg.rollout, engine=engine))
     w = workload(cfg, world)
     per_role = dict(roles_part or roles_memory(cfg, shape, ds_configs, world, gpu_gib, role_shapes))

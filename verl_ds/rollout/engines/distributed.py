@@ -9,13 +9,13 @@ generate) a rank generates its own prompts and nothing moves.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Iterable
 
 import torch
 
 from verl_ds import dist as vdist
 from verl_ds.dist import on_gpu
+from verl_ds.errors import ConfigError
 
 from ..batch import RolloutBatch
 from ..seeding import prompt_seeds
@@ -31,13 +31,16 @@ log = logging.getLogger(__name__)
 AUTO_HF_MAX_PARAMS = 2_000_000
 
 
-def choose_engine(requested: str, params: int, cuda: bool) -> tuple[str, str]:
-    """(engine, why) for `rollout.engine` = vllm | hf | auto: auto is vLLM on a GPU and on CPU for
-    models of AUTO_HF_MAX_PARAMS or more, HF generate for smaller ones on CPU."""
+def choose_engine(requested: str, params: int, cuda: bool, sequence_parallel: int = 1) -> tuple[str, str]:
+    """(engine, why) for `rollout.engine` = vllm | hf | auto: auto is vLLM on a GPU, under sequence
+    parallelism (the HF engine would generate with the actor's model, whose attention SP replaces) and on
+    CPU for models of AUTO_HF_MAX_PARAMS or more, HF generate for smaller ones on CPU."""
     if requested != "auto":
         return requested, "as configured"
     if cuda:
         return "vllm", "GPU"
+    if sequence_parallel > 1:
+        return "vllm", f"trainer.sequence_parallel_size {sequence_parallel}: the HF engine runs the actor's split model"
     if params < AUTO_HF_MAX_PARAMS:
         return "hf", (
             f"{params / 1e6:.2f}M params on CPU: below {AUTO_HF_MAX_PARAMS / 1e6:.0f}M HF generate "
@@ -46,20 +49,20 @@ def choose_engine(requested: str, params: int, cuda: bool) -> tuple[str, str]:
     return "vllm", f"{params / 1e6:.1f}M params on CPU"
 
 
-def resolve_engine(rollout_cfg, model_path: str) -> str:
-    """The engine this run samples with: `choose_engine`, then HF generate where vLLM is not importable."""
-    from .weights import checkpoint_shapes
-
-    params = 0
-    if rollout_cfg.engine == "auto":
-        params = sum(math.prod(s) for s in checkpoint_shapes(model_path).values())
-    engine, why = choose_engine(rollout_cfg.engine, params, on_gpu())
+def resolve_engine(rollout_cfg, params: int, gpu: bool, sequence_parallel: int = 1) -> str:
+    """The engine this run samples with (`params`: the policy model's): `choose_engine`, then HF generate
+    where vLLM is not importable, except under sequence parallelism, which needs vLLM (a ConfigError)."""
+    engine, why = choose_engine(rollout_cfg.engine, params, gpu, sequence_parallel)
     if rollout_cfg.engine == "auto":
         log.info("rollout.engine auto -> %s (%s)", engine, why)
     if engine == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError as e:
+            if sequence_parallel > 1:
+                raise ConfigError(
+                    "rollout.engine", f"trainer.sequence_parallel_size {sequence_parallel} needs vLLM: {e}"
+                ) from None
             log.warning("rollout.engine=vllm but vllm is not importable (%s): falling back to HF generate", e)
             engine = "hf"
     return engine
