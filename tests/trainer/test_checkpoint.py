@@ -95,6 +95,14 @@ def test_a_damaged_checkpoint_is_named_and_auto_resumes_from_the_newest_intact_o
     root = tmp_path / "checkpoints"
     step1, step2 = _tiny_run_with_two_checkpoints(tmp_path)
     assert damage(step1, ["actor"], 1) is None and damage(step2, ["actor"], 1) is None
+    # another world: one line, not passed over to a fresh start (every checkpoint of the run has its world)
+    assert json.loads((step2 / "trainer_state.json").read_text())["placement"] == {
+        "world": 1,
+        "sequence_parallel_size": 1,
+    }
+    for resume in ("auto", str(step2)):
+        with pytest.raises(ConfigError, match=r"was written by 1 ranks and this run has 2: .* resume it on 1 ranks"):
+            pick_resume(root, resume, ["actor"], 2, sp=2)
     states = max((step2 / "actor").rglob("*.pt"), key=lambda p: p.stat().st_size)
     _cut_in_half(states)
     assert damage(step2, ["actor"], 1).startswith(f"{states.relative_to(step2)} is not a whole torch file")

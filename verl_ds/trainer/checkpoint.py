@@ -14,7 +14,7 @@ import random
 import re
 import shutil
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -119,26 +119,59 @@ def probe_writable(path: Path, key: str) -> None:
         raise ConfigError(key, f"{path} is not writable ({e.strerror or e})") from None
 
 
-def pick_resume(root: Path, resume: str, roles: list[str], ranks: int) -> Path | None:
+def pick_resume(root: Path, resume: str, roles: list[str], ranks: int, sp: int = 1) -> Path | None:
     """`trainer.resume` resolved and checked before any engine is built: `none` -> None; `auto` -> the
     newest intact checkpoint under `root` (a damaged newer one is passed over in one log line) or
-    None; a path -> that checkpoint, a ConfigError naming what is wrong with it."""
+    None; a path -> that checkpoint, a ConfigError naming what is wrong with it. A checkpoint another
+    number of ranks wrote is refused in one line (`check_placement`), not passed over."""
     if resume == "none":
         return None
     if resume != "auto":
         path = Path(resume)
         if not path.is_dir():
             raise ConfigError("trainer.resume", f"checkpoint directory not found: {path}")
+        check_placement(path, ranks, sp)
         if problem := damage(path, roles, ranks):
             raise ConfigError("trainer.resume", f"{path} is not a usable verl-ds checkpoint: {problem}")
         return path
     for path in reversed(list_checkpoints(root)):
+        check_placement(path, ranks, sp)
         problem = damage(path, roles, ranks)
         if problem is None:
             return path
         log.warning("resume: auto passes over %s: %s", path, problem)
     log.info("resume: auto found no intact checkpoint in %s; starting fresh", root)
     return None
+
+
+def check_placement(path: Path, ranks: int, sp: int) -> None:
+    """A checkpoint resumes on the number of ranks that wrote it (ZeRO's partitions, each rank's RNG and
+    partial rollouts are per rank): another world is one line. The sequence-parallel size may differ: a
+    group's ranks partition the parameters over the whole world either way, so the checkpoint is the same
+    (docs/GUIDE.md, "Resuming")."""
+    written = _placement(path)
+    world = written.get("world") or len(list(path.glob("rng_rank*.pt")))  # before placements were recorded
+    if world and world != ranks:
+        raise ConfigError(
+            "trainer.resume",
+            f"{path} was written by {world} ranks and this run has {ranks}: ZeRO's partitions, each rank's RNG and "
+            f"partial rollouts are per rank; resume it on {world} ranks (trainer.sequence_parallel_size may differ)",
+        )
+    if written.get("sequence_parallel_size", sp) != sp:
+        log.info(
+            "resume: %s was written at trainer.sequence_parallel_size %d, this run splits rows over %d: the same "
+            "checkpoint (ZeRO partitions every rank's share of the parameters either way)",
+            *(path, written["sequence_parallel_size"], sp),
+        )
+
+
+def _placement(path: Path) -> dict:
+    """The ranks a checkpoint was written by, as `LoopState.save` records them ({} where it did not)."""
+    try:
+        placement = json.loads((path / "trainer_state.json").read_text(encoding="utf-8")).get("placement")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return {}  # `damage` names what is wrong with the file
+    return placement if isinstance(placement, dict) else {}
 
 
 def load_checkpoint(path: Path, roles: dict) -> dict:
@@ -166,9 +199,11 @@ class LoopState:
     kl_ctl: Any
     reward_stats: Any
     partial: Any = None
+    placement: dict = field(default_factory=dict)  # {"world", "sequence_parallel_size"}: `check_placement`
 
     def save(self, root: Path, step: int, roles: dict, keep_last: int) -> Path:
         state = {
+            "placement": self.placement,
             "sampler": self.sampler.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(),
             "reward_stats": self.reward_stats.state_dict(),

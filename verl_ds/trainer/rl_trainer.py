@@ -93,7 +93,8 @@ class RLTrainer:
             self.prompts, cfg.trainer.seed, cfg.rollout.temperature, self.precision.actor, self.precision.rollout
         )
         self.step_metrics = StepMetrics(cfg.algorithm, self.roles, self.rollout, self.sampler)
-        self.state = LoopState(self.sampler, self.kl_ctl, self.rewards.stats, self.partial)
+        placement = {"world": s.world, "sequence_parallel_size": s.cfg.trainer.sequence_parallel_size}
+        self.state = LoopState(self.sampler, self.kl_ctl, self.rewards.stats, self.partial, placement)
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)

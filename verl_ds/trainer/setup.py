@@ -139,7 +139,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     # run's directories writable and the checkpoint to resume from checked whole, before any engine
     checkpoints = Path(cfg.trainer.run_dir) / "checkpoints"
     probe_writable(checkpoints, "trainer.run_dir")
-    resume_from = pick_resume(checkpoints, cfg.trainer.resume, trained, world)
+    resume_from = pick_resume(checkpoints, cfg.trainer.resume, trained, world, cfg.trainer.sequence_parallel_size)
     return RunSetup(
         cfg=cfg,
         model_path=model_path,
