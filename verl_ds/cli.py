@@ -154,7 +154,7 @@ def cmd_render(args) -> int:
     cfg = load_config(args.config, args.overrides, args.world_size)
     absent = validate_paths(cfg, missing_ok=args.allow_absent)
     raise_all(check_data_files(cfg.data))  # what train would refuse of the files that are here
-    engine = preflight(cfg, on_gpu())
+    engine = preflight(cfg, on_gpu()).engine
     precision = run_precision(cfg)
     rendered = render_ds_configs(cfg, args.world_size, precision)
     print("# run config (as given; `auto` resolves to the precision below)")

@@ -6,19 +6,34 @@ what needs this rank's memory, the world or the hardware is the setup's.)"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import NamedTuple
 
-from verl_ds.config import RunConfig, longest_row
+from verl_ds.algos import TokenDist
+from verl_ds.config import RunConfig, longest_row, sequence_parallel_says
 from verl_ds.data.tiny import check_teacher_tokenizer, model_config, student_tokenizer
 from verl_ds.diagnostics.memory import ModelShape
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.rollout import resolve_engine
 
+log = logging.getLogger(__name__)
 
-def preflight(cfg: RunConfig, gpu: bool) -> str:
-    """The rollout engine this run samples with (`rollout.engine` resolved; `auto` where the model is not
-    here), after every check of the config against the models: rows within the policy's positions, a
-    teacher's tokenizer the student's. A model absent here is not checked (`validate_paths` names it)."""
+
+class Sampling(NamedTuple):
+    """What `preflight` resolves: the engine the rollout samples with, and the distribution it samples
+    each token from, which every policy pass scores it under (`resolve_sampled`)."""
+
+    engine: str  # vllm | hf; `auto` where the model is not here (`config render` on another machine)
+    dist: TokenDist
+
+
+def preflight(cfg: RunConfig, gpu: bool) -> Sampling:
+    """How this run samples (`rollout.engine` resolved), after every check of the config against the
+    models: rows within the policy's positions, a teacher's tokenizer the student's. A model absent here is
+    not checked (`validate_paths` names it). What sequence parallelism set is said here, once."""
+    if said := sequence_parallel_says(cfg):
+        log.info(said)
     errors: list[ConfigError] = []
     c, engine = model_config(cfg.model), cfg.rollout.engine
     if c is not None:
@@ -35,7 +50,7 @@ def preflight(cfg: RunConfig, gpu: bool) -> str:
         except ConfigError as e:
             errors.append(e)
     raise_all(errors)
-    return engine
+    return Sampling(engine, resolve_sampled(cfg, engine))
 
 
 def _positions(cfg: RunConfig, c: dict, engine: str) -> list[ConfigError]:
@@ -70,3 +85,20 @@ def _positions(cfg: RunConfig, c: dict, engine: str) -> list[ConfigError]:
             )
         ]
     return []
+
+
+def resolve_sampled(cfg: RunConfig, engine: str) -> TokenDist:
+    """The distribution the rollout samples from (`algos.TokenDist`), which every policy pass scores
+    its tokens under; a truncated one said in one line, with where its kept set comes from."""
+    r = cfg.rollout
+    dist = TokenDist(r.temperature, r.top_k, r.top_p)
+    if dist.truncates:
+        log.info(
+            "sampling: top_k %d, top_p %g: every pass scores a token under the renormalised set the %s engine "
+            "sampled it from, that set recomputed from the pass's own logits by the engine's rule (exact for a "
+            "matched pair; vLLM's returned sampling mask needs its GPU model runner and is not read)",
+            r.top_k,
+            r.top_p,
+            engine,
+        )
+    return dist

@@ -40,7 +40,8 @@ def _renders(tmp_path, config, overrides, block, world):
             else:
                 base.setdefault(section, {})[k] = v
     path.write_text(yaml.safe_dump(base))
-    out = cli.main(["config", "render", "--config", str(path), *overrides, "--world-size", str(world)])
+    args = ["config", "render", "--config", str(path), *overrides, "--world-size", str(world), "--allow-absent"]
+    out = cli.main(args)
     assert out == 0
     return load_config(path, overrides, world_size=world)
 
@@ -71,7 +72,8 @@ def test_an_8b_ppo_flow_with_a_reward_model_gets_a_plan_that_renders(tmp_path, c
     assert "plans fit" in out
     # 1k-token rows: a whole row a micro-batch (no all-to-all) is weighed against a split one, and wins
     assert "trainer" not in block, block
-    cfg = _renders(tmp_path, "examples/ppo_cpu_tiny.yaml", overrides, block, world)
+    # the plan is for the 8B model: the tiny stand-in the example names is given its 1k positions
+    cfg = _renders(tmp_path, "examples/ppo_cpu_tiny.yaml", [*overrides, "model.tiny.max_positions=1024"], block, world)
     assert cfg.rollout.sleep and cfg.roles.actor.offload == block["roles"]["actor"].get("offload", "none")
 
 

@@ -8,9 +8,9 @@ from verl_ds import config
 from verl_ds.config import load_config
 from verl_ds.ds_config import render_ds_configs, run_precision
 from verl_ds.errors import ConfigError
+from verl_ds.roles import attention
 from verl_ds.rollout import resolve_eager
-from verl_ds.trainer import setup
-from verl_ds.trainer.setup import resolve_attention, resolve_setup
+from verl_ds.trainer.setup import resolve_setup
 
 
 def _cfg(tmp_path, *extra):
@@ -73,13 +73,13 @@ def test_attention_and_packing_are_resolved_in_the_setup(tmp_path, monkeypatch):
     assert (s.attention, s.packing) == ("eager", True)
     with pytest.raises(ConfigError, match="model.attn_implementation: flash_attention_2 needs a CUDA GPU"):
         resolve_setup(_cfg(tmp_path, "model.attn_implementation=flash_attention_2"))
-    monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name: None)  # a GPU without flash-attn
-    assert resolve_attention("auto", "auto", gpu=True) == ("sdpa", False)
-    monkeypatch.setattr(setup.importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
-    assert resolve_attention("auto", "auto", gpu=True) == ("flash_attention_2", True)
-    assert resolve_attention("auto", False, gpu=True) == ("flash_attention_2", False)
-    assert resolve_attention("auto", "auto", gpu=False) == ("sdpa_cpu16", False)
-    assert resolve_attention("sdpa", "auto", gpu=False) == ("sdpa", False)
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)  # a GPU without flash-attn
+    assert attention.resolve("auto", "auto", gpu=True) == ("sdpa", False)
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
+    assert attention.resolve("auto", "auto", gpu=True) == ("flash_attention_2", True)
+    assert attention.resolve("auto", False, gpu=True) == ("flash_attention_2", False)
+    assert attention.resolve("auto", "auto", gpu=False) == ("sdpa_cpu16", False)
+    assert attention.resolve("sdpa", "auto", gpu=False) == ("sdpa", False)
 
 
 def test_vllm_compilation_is_resolved_in_the_setup(tmp_path):

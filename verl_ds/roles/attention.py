@@ -16,9 +16,12 @@ The gradient is the math's at the same inputs: it differs from the fused kernel'
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import torch
+
+from verl_ds.errors import ConfigError
 
 NAME = "sdpa_cpu16"
 _LOW = (torch.bfloat16, torch.float16)
@@ -110,3 +113,21 @@ def register() -> str:
         AttentionInterface.register(NAME, attention)
         AttentionMaskInterface.register(NAME, mask)
     return NAME
+
+
+def resolve(attn: str, packing, gpu: bool) -> tuple[str, bool]:
+    """`model.attn_implementation` and `model.packing` resolved: flash-attention where it runs (a GPU
+    and the flash-attn package), SDPA on other GPUs, on CPU SDPA with the plain math for 16-bit
+    backward passes (roles/attention.py), and packed rows where the attention runs them without a mask
+    (flash-attention's varlen kernels skip what lies between rows; SDPA's masked pack runs it, which
+    measured slower than padded rows under token budgets on CPU, docs/BENCHMARKS.md)."""
+    has_flash = gpu and importlib.util.find_spec("flash_attn") is not None
+    if attn == "auto":
+        attn = "flash_attention_2" if has_flash else "sdpa" if gpu else NAME
+    elif attn == "flash_attention_2" and not has_flash:
+        raise ConfigError(
+            "model.attn_implementation",
+            "flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install flash-attn); "
+            "auto or sdpa run without it",
+        )
+    return attn, attn == "flash_attention_2" if packing == "auto" else bool(packing)

@@ -21,9 +21,12 @@ positions. Whether a micro-batch shares is a cost question (`pays`), decided per
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 
@@ -200,3 +203,31 @@ def attention_mask(pack_: PrefixPack, implementation: str, dtype: torch.dtype):
 
 
 SUPPORTED = ("sdpa", "sdpa_cpu16", "eager", "flex_attention")  # varlen flash-attention cannot express a prefix
+
+
+def resolve_sharing(cfg, attention_: str, actor_dtype: str) -> tuple[bool, int]:
+    """Whether the roles' passes share prefixes (`roles/prefix.py`), and from how many tokens saved a row
+    (`prefix.min_saved_tokens`), said in one line: `model.share_prompt`, where the policy models' attention
+    takes the prefix mask (varlen flash-attention cannot) and rows run whole (under sequence parallelism a
+    row is split over its group and runs alone)."""
+    m, sp = cfg.model, cfg.trainer.sequence_parallel_size
+    why = (
+        "model.share_prompt is false"
+        if not m.share_prompt
+        else f"{attention_} cannot take a prefix mask (use sdpa or flex_attention)"
+        if attention_ not in SUPPORTED
+        else f"trainer.sequence_parallel_size {sp}: each row runs alone, split over its group"
+        if sp > 1
+        else ""
+    )
+    min_saved = min_saved_tokens(m.share_prefix_min_tokens, actor_dtype)
+    if why:
+        log.info("shared prefixes: off (%s)", why)
+        return False, min_saved
+    log.info(
+        "shared prefixes: on (a micro-batch's rows run each prefix they share once, in every role's passes, "
+        "where that saves at least %d tokens a row%s and its cost model says it pays)",
+        min_saved,
+        f" ({actor_dtype} actor)" if m.share_prefix_min_tokens == "auto" else "",
+    )
+    return True, min_saved

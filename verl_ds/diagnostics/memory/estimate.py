@@ -123,7 +123,7 @@ class Workload:
 
 
 def shares_prefixes(cfg) -> bool:
-    """Whether the run's passes share prefixes (`trainer.setup.resolve_sharing`, before the attention is
+    """Whether the run's passes share prefixes (`roles.prefix.resolve_sharing`, before the attention is
     resolved: flash_attention_2 named, or sequence parallelism, turn it off)."""
     m = cfg.model
     return m.share_prompt and m.attn_implementation != "flash_attention_2" and cfg.trainer.sequence_parallel_size == 1
