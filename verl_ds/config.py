@@ -1321,8 +1321,8 @@ def sequence_parallel_says(cfg: RunConfig) -> str | None:
     if not unused:
         return None
     return (
-        f"trainer.sequence_parallel_size {sp}: every role's micro-batch is one row, split over the group, "
-        f"without a token budget ({', '.join(unused)} not used)"
+        f"trainer.sequence_parallel_size {sp}: every role's micro-batch is one row, or the rows that share a "
+        f"prefix as one pack, split over the group ({', '.join(unused)} not used)"
     )
 
 

@@ -105,7 +105,28 @@ def planted_boundary():
         SequenceParallel.shard = shard
 
 
-PLANTS = {"divisor": planted_divisor, "boundary": planted_boundary}
+@contextmanager
+def planted_pack_mask():
+    """A pack's rows attending causally over the whole pack (its rule `k <= q < end[k]` dropped past the
+    all-to-all): each row sees its siblings' tokens."""
+    from verl_ds.roles import sequence_parallel
+
+    real = sequence_parallel.prefix.allowed
+    sequence_parallel.prefix.allowed = lambda end: torch.ones(len(end), len(end), dtype=torch.bool).tril()
+    try:
+        yield
+    finally:
+        sequence_parallel.prefix.allowed = real
+
+
+PLANTS = {"divisor": planted_divisor, "boundary": planted_boundary, "pack mask": planted_pack_mask}
+
+
+def shared(role):
+    """`role` as a run with shared prefixes under SP builds it: a micro-batch is a pack of rows (a token
+    budget over the whole batch here: one pack of its three prompts' twelve rows)."""
+    role.share_prefixes, role.share_min_tokens, role.max_tokens = True, 0, 10_000
+    return role
 
 
 def main(model_dir: str, plants: bool) -> None:
@@ -135,18 +156,21 @@ def main(model_dir: str, plants: bool) -> None:
     dp = world // sp.size
 
     def check_policy() -> None:
-        ref = Reference(load_causal_lm(model_dir, attn_implementation="sdpa"), config("reference", 3, dp, n), sp=sp)
-        got_lp, got_ent = ref.logprobs(batch, with_entropy=True)
-        for what, got, want in (("logprobs", got_lp, want_lp), ("entropy", got_ent, want_ent)):
-            diff = float((got - want)[mask].abs().max())
-            assert diff <= 1e-5, f"SP 2 {what} differ from SP 1 by {diff:.3g}"
-            assert torch.all(got[~mask] == 0), what
-        for s in stages:
-            got = grads(actor(model_dir, s, dp, n, sp=sp), batch, dp)
-            try:
-                assert_same_gradients(got, want_grads[s])
-            except AssertionError as e:
-                raise AssertionError(f"ZeRO-{s} actor gradients: {e}") from None
+        for how, wrap in (("", lambda role: role), ("shared ", shared)):
+            ref = Reference(load_causal_lm(model_dir, attn_implementation="sdpa"), config("reference", 3, dp, n), sp=sp)
+            got_lp, got_ent = wrap(ref).logprobs(batch, with_entropy=True)
+            held, distinct, _ = ref.take_token_counts()["score"]
+            assert (distinct < held) == bool(how), (how, held, distinct)  # the prompts ran once, or not
+            for what, got, want in (("logprobs", got_lp, want_lp), ("entropy", got_ent, want_ent)):
+                diff = float((got - want)[mask].abs().max())
+                assert diff <= 1e-5, f"SP 2 {how}{what} differ from SP 1 by {diff:.3g}"
+                assert torch.all(got[~mask] == 0), what
+            for s in stages:
+                got = grads(wrap(actor(model_dir, s, dp, n, sp=sp)), batch, dp)
+                try:
+                    assert_same_gradients(got, want_grads[s])
+                except AssertionError as e:
+                    raise AssertionError(f"ZeRO-{s} {how}actor gradients: {e}") from None
 
     if plants:  # each planted bug alone, against the same checks: the first it fails is named
         for name, plant in PLANTS.items():
@@ -160,11 +184,12 @@ def main(model_dir: str, plants: bool) -> None:
         return
     check_policy()
     assert_same_gradients(grads(actor(model_dir, 2, dp, n, sp=sp, lora=True), batch, dp), want_lora)
-    critic = Critic(value_model(model_dir), config("critic", 2, dp, n), Cfg(), sp=sp)
-    got_values = critic.values(batch)
-    diff = float((got_values - want_values)[mask].abs().max())
-    assert diff <= 1e-5, f"SP 2 critic values differ from SP 1 by {diff:.3g}"
-    assert_same_gradients(grads(critic, batch, dp), want_critic)
+    for how, wrap in (("", lambda role: role), ("shared ", shared)):
+        critic = wrap(Critic(value_model(model_dir), config("critic", 2, dp, n), Cfg(), sp=sp))
+        got_values = critic.values(batch)
+        diff = float((got_values - want_values)[mask].abs().max())
+        assert diff <= 1e-5, f"SP 2 {how}critic values differ from SP 1 by {diff:.3g}"
+        assert_same_gradients(grads(critic, batch, dp), want_critic)
     # each rank scores its own rows, before a group joins them: unequal counts, some rows on both
     own = torch.arange(0, 3) if sp.rank == 0 else torch.arange(2, n)
     got_scores = reward_model(model_dir, dp, n, sp=sp).score(batch.select(own))

@@ -36,3 +36,5 @@ def test_sequence_parallel_checks_catch_planted_bugs(tiny_model_dir):
     # on both ranks: the loss scaled by the world (SP times too large at ZeRO-1/2); each shard's last label dropped
     assert out.stdout.count("CAUGHT divisor: ZeRO-1 actor gradients") == 2, out.stdout[-3000:]
     assert out.stdout.count("CAUGHT boundary: SP 2 logprobs differ") == 2, out.stdout[-3000:]
+    # a shared-prefix pack whose rows attend causally over the whole pack (its rule dropped)
+    assert out.stdout.count("CAUGHT pack mask: SP 2 shared logprobs differ") == 2, out.stdout[-3000:]

@@ -366,12 +366,13 @@ class Role:
         if self._last_pack[0] is mb:
             return self._last_pack[1]
         pack = None
-        if self.share_prefixes and not self.sp and not mb.pad_row and len(mb) > 1:
+        if self.share_prefixes and not mb.pad_row and len(mb) > 1:
             take = prefix.held_columns(mb.attention_mask, mb.response_width, self._FIRST_RESPONSE)
             rows = prefix.sort_rows(mb.input_ids, take)  # prices the shared pass before laying it out
             # the packer counted each prompt once against the token budget: past it, share whatever it costs
             over = self.max_tokens and prefix.run_tokens(take)[0] > self.max_tokens
-            if over or prefix.pays(rows, take, self._hidden_size, self.share_min_tokens):
+            # under SP a micro-batch of rows is one forward (as many on every rank): its pack, whatever it costs
+            if self.sp or over or prefix.pays(rows, take, self._hidden_size, self.share_min_tokens):
                 pack = prefix.pack(mb.input_ids, take, rows)
         self._last_pack = (mb, pack)
         return pack

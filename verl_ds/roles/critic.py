@@ -55,7 +55,7 @@ class Critic(Role):
 
     def forward(self, batch: TrainBatch) -> torch.Tensor:
         if self.sp:  # each row split along the sequence (`roles/sequence_parallel.py`)
-            return self.sp.values(self.engine, batch)
+            return self.sp.values(self.engine, batch, self.prefix_pack(batch))
         pack = self.prefix_pack(batch)
         if pack is not None:  # each shared prefix once (`prefix.py`)
             keep, where = pack.response(batch.response_width)

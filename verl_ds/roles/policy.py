@@ -69,7 +69,8 @@ class PolicyRole(Role):
 
     def forward(self, batch: TrainBatch, dist: algos.TokenDist = algos.FULL, with_entropy: bool = False):
         if self.sp:  # each row split along the sequence (`roles/sequence_parallel.py`)
-            return self.sp.policy_forward(self.engine, batch, dist, with_entropy, self._entropy_needs_grad)
+            pack = self.prefix_pack(batch)  # a micro-batch of several rows: one pack
+            return self.sp.policy_forward(self.engine, batch, dist, with_entropy, self._entropy_needs_grad, pack)
         pack = self.prefix_pack(batch)
         if pack is not None:
             logits, labels, to_rows = self._shared_logits(batch, pack)

@@ -208,16 +208,16 @@ SUPPORTED = ("sdpa", "sdpa_cpu16", "eager", "flex_attention")  # varlen flash-at
 def resolve_sharing(cfg, attention_: str, actor_dtype: str) -> tuple[bool, int]:
     """Whether the roles' passes share prefixes (`roles/prefix.py`), and from how many tokens saved a row
     (`prefix.min_saved_tokens`), said in one line: `model.share_prompt`, where the policy models' attention
-    takes the prefix mask (varlen flash-attention cannot) and rows run whole (under sequence parallelism a
-    row is split over its group and runs alone)."""
+    takes the prefix mask (varlen flash-attention cannot; under sequence parallelism the dense mask, which
+    `roles/sequence_parallel.py` applies past DeepSpeed's all-to-all, not FlexAttention's block mask)."""
     m, sp = cfg.model, cfg.trainer.sequence_parallel_size
     why = (
         "model.share_prompt is false"
         if not m.share_prompt
         else f"{attention_} cannot take a prefix mask (use sdpa or flex_attention)"
         if attention_ not in SUPPORTED
-        else f"trainer.sequence_parallel_size {sp}: each row runs alone, split over its group"
-        if sp > 1
+        else f"trainer.sequence_parallel_size {sp}: {attention_} under SP takes a causal mask only (use sdpa)"
+        if sp > 1 and attention_ == "flex_attention"
         else ""
     )
     min_saved = min_saved_tokens(m.share_prefix_min_tokens, actor_dtype)

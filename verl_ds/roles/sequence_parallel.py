@@ -20,19 +20,57 @@ large). The ranks' parameter gradients then sum to the row's gradient; what Deep
 depends on the ZeRO stage under SP (`ds_internals.gradient_divisor`), and `Role.accumulate` scales the loss
 by it.
 
-Every micro-batch is one row (DeepSpeed's registration fixes the batch dimension; rows run one forward
-each, so ZeRO-3's per-forward weight gathers stay matched across ranks).
+A micro-batch is one sequence (DeepSpeed's registration fixes the batch dimension): one row, or, where
+rows share prefixes (`roles/prefix.py`), their whole trie as one pack. The pack is split like a row; after
+the all-to-all each rank holds the whole sequence for its heads, so the core attention takes the pack's
+rule (`k <= q < end[k]`) over it (`_pack_aware`: DeepSpeed's wrapper drops HF's mask, which is the
+shard's). The rule stays set until the next forward sets another, so a gradient-checkpointed layer
+recomputed in the backward attends as it did forward. Every micro-batch runs one forward per row or one
+per pack, as many on every rank (ZeRO-3's per-forward weight gathers stay matched).
 """
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from verl_ds import algos
+from verl_ds.roles import prefix
 from verl_ds.roles.batch import TrainBatch
+
+# the `end` of the pack the next attention calls run over (None: one row, causal): `_pack_aware`
+_PACK_END: contextvars.ContextVar = contextvars.ContextVar("verl_ds_sp_pack_end", default=None)
+
+
+def _pack_aware(core):
+    """`core` (an HF attention function) taking the current pack's rule over the gathered sequence."""
+
+    def attend(module, query, key, value, attention_mask, *args, **kwargs):
+        end = _PACK_END.get()
+        if end is not None:
+            attention_mask = prefix.allowed(end)[None, None]
+        return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return attend
+
+
+class _SumShards(torch.autograd.Function):
+    """The group's sum of `[K]` values each rank filled in part (zeros elsewhere), whose backward hands
+    each rank the incoming gradient as it is: every rank computes the same loss from the same sums, so
+    it already is the whole gradient of the entries a rank filled (`_GatherShards`' reasoning)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        out = local.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class _GatherShards(torch.autograd.Function):
@@ -68,7 +106,10 @@ class SequenceParallel:
         process. Once per process: DeepSpeed's SP group is process-global, so every role shares it.
         -> this rank's group (its `mpu` is DeepSpeed's `parallel_state_sp`)."""
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        # DeepSpeed wraps the core it finds registered: the pack-aware one (`_pack_aware`)
+        ALL_ATTENTION_FUNCTIONS[attn_implementation] = _pack_aware(ALL_ATTENTION_FUNCTIONS[attn_implementation])
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model, attn_implementation, size, micro_batch_size=1, seq_length_is_variable=True
         )
@@ -112,6 +153,7 @@ class SequenceParallel:
             r = int(real[prompt_cols:].sum())  # and response tokens (right-padded)
             local_ids, pos, labels = self.shard(ids if len(ids) else batch.input_ids[i][:1])
             c, lo = local_ids.shape[1], self.rank * local_ids.shape[1]
+            _PACK_END.set(None)  # a row alone: causal
             # response token j sits at p + j and is predicted at p + j - 1
             window = (min(max(p - 1 - lo, 0), c), min(max(p - 1 + r - lo, 0), c))
             outs = shard_fn(local_ids, pos, labels, window)
@@ -123,11 +165,56 @@ class SequenceParallel:
             )
         return tuple(None if parts[0] is None else torch.stack(parts) for parts in zip(*rows))
 
+    def shard_pack(self, pack: prefix.PrefixPack) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A shared-prefix pack's `[N]` tokens -> this rank's (ids `[1, c]`, positions `[1, c]`, its first
+        place `lo`), the pack padded at its end to `c * size` places (a pad sees itself only), and the pack's
+        rule set for the attention calls that follow (`_PACK_END`)."""
+        n = len(pack)
+        c = -(-n // self.size)
+        extra = c * self.size - n
+        dev = pack.input_ids.device
+        pad = torch.arange(n, n + extra, device=dev)
+        _PACK_END.set(torch.cat([pack.end, pad + 1]))
+        ids = torch.nn.functional.pad(pack.input_ids, (0, extra))
+        pos = torch.cat([pack.position_ids, torch.zeros(extra, dtype=torch.long, device=dev)])
+        lo = self.rank * c
+        return ids[None, lo : lo + c], pos[None, lo : lo + c], lo
+
+    def at_places(self, places: torch.Tensor, lo: int, c: int, local_fn) -> torch.Tensor:
+        """`[K]` values at pack `places` (duplicates allowed), each computed by the rank whose shard holds it:
+        `local_fn(its local positions [k])` -> `[k]`; summed over the group (`_SumShards`)."""
+        mine = (places >= lo) & (places < lo + c)
+        local = local_fn(places[mine] - lo)
+        full = local.new_zeros(len(places)).index_put((mine.nonzero()[:, 0],), local)
+        return _SumShards.apply(full, self.group)
+
     def policy_forward(
-        self, model, batch: TrainBatch, token_dist: algos.TokenDist, with_entropy: bool, entropy_grad: bool
+        self,
+        model,
+        batch: TrainBatch,
+        token_dist: algos.TokenDist,
+        with_entropy: bool,
+        entropy_grad: bool,
+        pack: prefix.PrefixPack | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`PolicyRole.forward` split: (logprobs `[B, R]`, entropy `[B, R]` or None). Logits only for the
-        shard's positions that predict response tokens (`logits_to_keep`), as the unsplit pass keeps."""
+        shard's positions that predict response tokens (`logits_to_keep`), as the unsplit pass keeps.
+        `pack`: the micro-batch's rows as one shared-prefix sequence, split as one row."""
+        if pack is not None:
+            keep, where = pack.response(batch.response_width)
+            labels = batch.input_ids[:, -batch.response_width :][where]
+            ids, pos, lo = self.shard_pack(pack)
+            mine = (keep >= lo) & (keep < lo + ids.shape[1])
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep[mine] - lo).logits
+            lp, entropy = algos.token_logprobs(logits, labels[mine][None], token_dist, with_entropy, entropy_grad)
+            back = lambda x: (
+                None
+                if x is None
+                else x.new_zeros(where.shape).masked_scatter(  # noqa: E731
+                    where, self.at_places(keep, lo, ids.shape[1], lambda _: x[0].float())
+                )
+            )
+            return back(lp), back(entropy)
 
         def shard_fn(ids, pos, labels, window):
             a, b = window
@@ -140,8 +227,14 @@ class SequenceParallel:
 
         return self.per_token(batch, shard_fn)
 
-    def values(self, model, batch: TrainBatch) -> torch.Tensor:
-        """The critic's `[B, R]` values V(state before each response token), split."""
+    def values(self, model, batch: TrainBatch, pack: prefix.PrefixPack | None = None) -> torch.Tensor:
+        """The critic's `[B, R]` values V(state before each response token), split (`pack`: as one row)."""
+        if pack is not None:
+            keep, where = pack.response(batch.response_width)
+            ids, pos, lo = self.shard_pack(pack)
+            local = model(input_ids=ids, attention_mask=None, position_ids=pos)[0].float()
+            values = self.at_places(keep, lo, ids.shape[1], lambda at: local[at])
+            return values.new_zeros(where.shape).masked_scatter(where, values)
 
         def shard_fn(ids, pos, labels, window):
             return (model(input_ids=ids, attention_mask=None, position_ids=pos)[0].float(),)
@@ -171,6 +264,7 @@ class SequenceParallel:
                 ids = mine[j] if src == self.rank else torch.empty(int(n), dtype=torch.long, device=dev)
                 dist.broadcast(ids, src=root, group=self.group)
                 local_ids, pos, _ = self.shard(ids)
+                _PACK_END.set(None)
                 hidden = backbone(input_ids=local_ids, position_ids=pos, use_cache=False).last_hidden_state
                 score = self.gather(model.score(hidden)[0, :, 0].float())
                 if src == self.rank:

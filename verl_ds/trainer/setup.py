@@ -88,7 +88,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     trained = tuple(r for r in files if r in TRAINED_ROLES)
     model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
     shape = load_shape(model_path)
-    memory = fit_memory(cfg, shape, files, precision, world, gpu, token_budgets)
+    memory = fit_memory(cfg, shape, files, precision, world, gpu, token_budgets, share_prefixes)
     # last, once the config's own mistakes are refused (a refused run leaves no checkpoints dir): the
     # run's directories writable and the checkpoint to resume from checked whole, before any engine
     checkpoints = Path(cfg.trainer.run_dir) / "checkpoints"

@@ -49,15 +49,16 @@ def fit_memory(
     world: int,
     gpu: bool,
     token_budgets: dict[str, int],
+    share_prefixes: bool = False,
 ) -> MemoryFit:
     """The run against this rank's memory, each decision after the ones it needs (`token_budgets`: the
-    config's, `config.token_budget`)."""
+    config's, `config.token_budget`; `share_prefixes`: `RunSetup.share_prefixes`)."""
     _say_no_ops(cfg, files, gpu)
     budget = rank_budget(cfg, world, gpu)
     check_batch_fits(cfg, shape, precision, world, gpu, budget)
     stages = zero_stages(cfg, shape, files, precision, world, budget)
     ds = render_ds_configs(cfg, world, precision, stages, files)
-    token_budgets = fit_token_budgets(cfg, shape, ds, precision, world, gpu, budget, token_budgets)
+    token_budgets = fit_token_budgets(cfg, shape, ds, precision, world, gpu, budget, token_budgets, share_prefixes)
     gpu_gib = budget / 2**30 if gpu else None
     estimate = stage_totals(estimate_memory(cfg, shape, dict(ds), world, precision.rollout, gpu_gib, role_shapes(cfg)))
     return MemoryFit(budget, MappingProxyType(ds), MappingProxyType(token_budgets), MappingProxyType(estimate))
@@ -137,12 +138,15 @@ def fit_token_budgets(
     gpu: bool,
     budget: float,
     budgets: dict[str, int],
+    share_prefixes: bool = False,
 ) -> dict[str, int]:
     """Each role's token budget against this rank's memory (the `debug memory` model, `fit_passes`):
     `auto` becomes at most the full-length rows its heaviest pass fits in `HEADROOM` of the memory left
     beside the model states and the rollout engine (never below one row); a budget the user set, or
     row micro-batches (0), that the model says will not fit is a warning naming what would. A row that
-    does not fit even alone is refused here, before any engine, naming the pass and what would fit."""
+    does not fit even alone is refused here, before any engine, naming the pass and what would fit. Under
+    sequence parallelism a micro-batch is one row, or with `share_prefixes` one pack of rows split over the
+    group: up to a prompt group's full-length rows (`rollout.n`), as many tokens as the memory fits."""
     fits = fit_passes(
         cfg, shape, dict(ds), world, precision.rollout, budget, budget / 2**30 if gpu else None, role_shapes(cfg)
     )
@@ -154,7 +158,10 @@ def fit_token_budgets(
             continue
         rows = max(1, fit.rows(HEADROOM))
         if cfg.trainer.sequence_parallel_size > 1:
-            continue  # one row a micro-batch (`token_budget`)
+            if share_prefixes:  # the rows of a pack (`roles/prefix.py`) run as one sequence, split
+                out[role] = max(t, min(cfg.rollout.n * t, fit.tokens(HEADROOM)))
+                said.append(f"{role} {out[role]:,} (a pack of rows sharing prefixes, split over the SP group)")
+            continue  # else one row a micro-batch (`token_budget`)
         if rc.max_tokens_per_micro_batch == "auto":
             out[role] = min(budgets[role], rows * t)
             why = "memory" if out[role] < budgets[role] else "micro_batch_size"

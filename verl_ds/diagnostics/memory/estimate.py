@@ -124,9 +124,10 @@ class Workload:
 
 def shares_prefixes(cfg) -> bool:
     """Whether the run's passes share prefixes (`roles.prefix.resolve_sharing`, before the attention is
-    resolved: flash_attention_2 named, or sequence parallelism, turn it off)."""
+    resolved: flash_attention_2 named, or flex_attention under sequence parallelism, turn it off)."""
     m = cfg.model
-    return m.share_prompt and m.attn_implementation != "flash_attention_2" and cfg.trainer.sequence_parallel_size == 1
+    sp = cfg.trainer.sequence_parallel_size
+    return m.share_prompt and m.attn_implementation not in ("flash_attention_2", "flex_attention" if sp > 1 else "")
 
 
 def workload(cfg, world: int) -> Workload:
@@ -555,6 +556,11 @@ class PassFit:
     def rows(self, headroom: float = 1.0) -> int:
         """Full-length rows one micro-batch of this pass fits in `headroom` x the rank's memory."""
         return max(0, int((headroom * self.budget_bytes - self.resident_bytes) // self.row_bytes))
+
+    def tokens(self, headroom: float = 1.0) -> int:
+        """Tokens one micro-batch of this pass fits, a row's bytes taken as linear in its tokens."""
+        per_token = self.row_bytes / max(self.row_tokens, 1)
+        return max(0, int((headroom * self.budget_bytes - self.resident_bytes) // per_token))
 
 
 def fit_passes(
