@@ -57,8 +57,12 @@ def grads(role, batch, replicas: int) -> dict:
     return out
 
 
-def actor(model_dir: str, stage: int, dp: int, n: int, sp=None, lora: bool = False):
+def actor(model_dir: str, stage: int, dp: int, n: int, sp=None, lora: bool = False, checkpointed: bool = False):
     model = load_causal_lm(model_dir, attn_implementation="sdpa")
+    if checkpointed:
+        from verl_ds.roles.base import enable_grad_checkpointing
+
+        enable_grad_checkpointing(model)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -119,7 +123,32 @@ def planted_pack_mask():
         sequence_parallel.prefix.allowed = real
 
 
-PLANTS = {"divisor": planted_divisor, "boundary": planted_boundary, "pack mask": planted_pack_mask}
+@contextmanager
+def planted_pack_reset():
+    """The pack's rule cleared once its forward returns: a checkpointed layer recomputed in the backward
+    would attend causally over the whole pack (the forward's values stay right)."""
+    from verl_ds.roles import sequence_parallel
+
+    real = sequence_parallel.SequenceParallel.policy_forward
+
+    def forward(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        sequence_parallel._PACK_END.set(None)
+        return out
+
+    sequence_parallel.SequenceParallel.policy_forward = forward
+    try:
+        yield
+    finally:
+        sequence_parallel.SequenceParallel.policy_forward = real
+
+
+PLANTS = {
+    "divisor": planted_divisor,
+    "boundary": planted_boundary,
+    "pack mask": planted_pack_mask,
+    "pack reset": planted_pack_reset,
+}
 
 
 def shared(role):
@@ -171,6 +200,13 @@ def main(model_dir: str, plants: bool) -> None:
                     assert_same_gradients(got, want_grads[s])
                 except AssertionError as e:
                     raise AssertionError(f"ZeRO-{s} {how}actor gradients: {e}") from None
+        # gradient checkpointing recomputes each layer in the backward: under the pack's rule still
+        try:
+            assert_same_gradients(
+                grads(shared(actor(model_dir, 1, dp, n, sp=sp, checkpointed=True)), batch, dp), want_grads[1]
+            )
+        except AssertionError as e:
+            raise AssertionError(f"ZeRO-1 shared checkpointed actor gradients: {e}") from None
 
     if plants:  # each planted bug alone, against the same checks: the first it fails is named
         for name, plant in PLANTS.items():
@@ -179,6 +215,8 @@ def main(model_dir: str, plants: bool) -> None:
                     check_policy()
                 except AssertionError as e:
                     print(f"CAUGHT {name}: {str(e).splitlines()[0]}", flush=True)
+                except torch.utils.checkpoint.CheckpointError as e:  # torch's own check of the recompute
+                    print(f"CAUGHT {name}: {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
                 else:
                     print(f"MISSED {name}", flush=True)
         return

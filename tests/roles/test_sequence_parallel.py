@@ -38,3 +38,7 @@ def test_sequence_parallel_checks_catch_planted_bugs(tiny_model_dir):
     assert out.stdout.count("CAUGHT boundary: SP 2 logprobs differ") == 2, out.stdout[-3000:]
     # a shared-prefix pack whose rows attend causally over the whole pack (its rule dropped)
     assert out.stdout.count("CAUGHT pack mask: SP 2 shared logprobs differ") == 2, out.stdout[-3000:]
+    # the rule cleared after the forward: the checkpointed recompute in the backward attends over the pack
+    # (torch's checkpoint sees the recompute save other tensors; a recompute that saved as many would fail
+    # the gradients' check)
+    assert out.stdout.count("CAUGHT pack reset: ") == 2, out.stdout[-3000:]

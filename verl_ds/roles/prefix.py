@@ -12,8 +12,10 @@ and an agent's calls that continue one row, are deeper ones.
 Why this route and not the prompt's KV cache: HF drops caches in gradient-checkpointed layers, while one
 sequence under a mask is a plain forward (checkpointing, LoRA, ZeRO-3's per-forward gathers unchanged),
 and the rule `k <= q < end[k]` is one array every attention kernel can take: a dense mask (SDPA, eager),
-FlexAttention's `mask_mod` (a block mask: GPUs), and, not yet written, the core attention past DeepSpeed's
-Ulysses all-to-all, which drops masks (under sequence parallelism a row runs alone, unshared).
+FlexAttention's `mask_mod` (a block mask: GPUs), and the core attention past DeepSpeed's Ulysses
+all-to-all, which drops HF's masks: under sequence parallelism a pack is split like one row and the
+rule is applied over the gathered sequence (`roles/sequence_parallel.py`, dense; FlexAttention there
+takes DeepSpeed's causal block mask only, so SP with it does not share).
 
 Exact up to summation order: every token sees exactly the tokens it sees in its own row, at the same
 positions. Whether a micro-batch shares is a cost question (`pays`), decided per micro-batch.
