@@ -67,11 +67,14 @@ def run(run_dir: Path, length: int, steps: int, sets: list[str]) -> dict:
     return {"length": length, "rc": rc, "rows": rows, "tail": tail[-3:]}
 
 
-def train_one_rank(root: Path, config: str, run_dir: Path, args: list[str]) -> tuple[int, list[dict], list[str]]:
-    """`bash launch/train.sh config args` from `root` as one rank x every core, into a fresh `run_dir`:
-    (exit code, its metrics.jsonl rows, the output's last lines); the checkpoints and export removed."""
-    env = {**os.environ, "NUM_RANKS": "1"}
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+def train_one_rank(
+    root: Path, config: str, run_dir: Path, args: list[str], ranks: int = 1
+) -> tuple[int, list[dict], list[str]]:
+    """`bash launch/train.sh config args` from `root` as one rank x every core (or `ranks` ranks sharing
+    them), into a fresh `run_dir`: (exit code, its metrics.jsonl rows, the output's last lines); the
+    checkpoints and export removed."""
+    env = {**os.environ, "NUM_RANKS": str(ranks)}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
     shutil.rmtree(run_dir, ignore_errors=True)
     done = subprocess.run(["bash", "launch/train.sh", config, *args], cwd=root, env=env, capture_output=True, text=True)
     metrics = run_dir / "metrics.jsonl"

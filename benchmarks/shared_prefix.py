@@ -4,6 +4,7 @@ on SmolLM2-135M-Instruct (the demo's model). Prints a Markdown table with ratios
     source launch/env.sh && python benchmarks/shared_prefix.py                  # 1k-token prompts, 3 steps a cell
     python benchmarks/shared_prefix.py --lengths 1024 4096 --steps 2 --base 0123abc   # + the code at a commit
     python benchmarks/shared_prefix.py --config examples/grpo_cpu_smollm2_tools.yaml --steps 3   # a job as it is
+    python benchmarks/shared_prefix.py --config examples/grpo_cpu_tiny_long_sp.yaml --ranks 2   # 8k-token rows, SP 2
 
 The job is `examples/grpo_cpu_smollm2.yaml` as it is (fp32, gradient checkpointing on) through `bash
 launch/train.sh`, one rank x every core, `trainer.prompts_per_step=1 rollout.n=8 rollout.max_new_tokens=16`,
@@ -14,7 +15,8 @@ defaults) on the same job. Per cell, the median over the steps after the first: 
 and the step's seconds, the update's peak resident memory (`memory/update/process/rss_peak_mib`), and
 `perf/shared_tokens/actor/update` (tokens run / tokens the rows hold). `--config X`: that job on its own
 data instead (the length column then reads 0), e.g. the tool job, whose episodes share their prompt and
-what they share after it. Writes <out>/results.json.
+what they share after it; `--ranks 2` runs it on 2 ranks (a sequence-parallel job: each shared pack split
+over the group, `roles/sequence_parallel.py`). Writes <out>/results.json.
 """
 
 from __future__ import annotations
@@ -49,9 +51,8 @@ def write_data(path: Path, rows: int, words: int, seed: int = 0) -> None:
             f.write(json.dumps({"prompt": "\n".join(shots) + f"\nWhat is {a} + {b}?", "answer": str(a + b)}) + "\n")
 
 
-def run(root: Path, config: str, run_dir: Path, length: int, steps: int, sets: list[str]) -> list[dict]:
+def run(root: Path, config: str, run_dir: Path, length: int, steps: int, sets: list[str], ranks: int = 1) -> list[dict]:
     args = [
-        f"model.path={MODEL}",
         f"trainer.run_dir={run_dir}",
         f"trainer.steps={steps}",
         "trainer.val_every=0",
@@ -60,12 +61,13 @@ def run(root: Path, config: str, run_dir: Path, length: int, steps: int, sets: l
         "logging.memory_every=1",
     ]
     if length:  # the few-shot job
+        args.append(f"model.path={MODEL}")
         data = run_dir.parent / f"prompts_{length}.jsonl"
         write_data(data, 8, length)
         args += ["trainer.prompts_per_step=1", "data.task=files", f"data.train_files=[{data}]"]
         args += [f"data.max_prompt_length={length}", "rollout.n=8", "rollout.max_new_tokens=16"]
         args += [f"rollout.max_model_len={length + 32}"]
-    rc, rows, tail = train_one_rank(root, config, run_dir, args + sets)
+    rc, rows, tail = train_one_rank(root, config, run_dir, args + sets, ranks)
     if rc or not rows:
         print("\n".join(tail), file=sys.stderr)
     return rows
@@ -103,12 +105,13 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
     ap.add_argument("--config", help="a job as it is, on its own data (instead of the few-shot prompts)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ranks", type=int, default=1, help="ranks of the job (a sequence-parallel --config: its SP size)")
     ap.add_argument("--cells", nargs="+", default=["plain", "shared"], choices=["plain", "shared", "before"])
     ap.add_argument("--base", help="a git ref: adds the cell `before`, the code at that commit on the same job")
     ap.add_argument("--set", action="append", default=[], help="an override for every cell (repeatable)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench_shared_prefix")
     a = ap.parse_args()
-    if not (MODEL / "config.json").exists():
+    if not a.config and not (MODEL / "config.json").exists():
         sys.exit("the demo's model is missing: run `bash launch/demo.sh` once (it converts SmolLM2-135M-Instruct)")
     a.out = a.out.resolve()  # the `before` cell runs from its worktree
     a.out.mkdir(parents=True, exist_ok=True)
@@ -124,7 +127,8 @@ def main() -> None:
     results = []
     for length in [0] if a.config else a.lengths:
         for cell in cells:
-            rows = run(roots[cell], a.config or CONFIG, a.out / f"{cell}{length}", length, a.steps, sets[cell] + a.set)
+            out = a.out / f"{cell}{length}"
+            rows = run(roots[cell], a.config or CONFIG, out, length, a.steps, sets[cell] + a.set, a.ranks)
             results.append({"length": length, "cell": cell, "rows": rows})
             print(table(results).splitlines()[-1], flush=True)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))

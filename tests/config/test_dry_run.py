@@ -90,6 +90,16 @@ def test_the_quickstart_with_sequence_parallelism_renders_and_says_what_it_set(c
     assert '"train_micro_batch_size_per_gpu": 1' in out and '"train_micro_batch_size_per_gpu": 64' not in out
 
 
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_renders_as_it_is(example, capsys, monkeypatch):
+    """From the repo root (the examples' relative paths); a model or data file not made yet listed."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # as a user's shell holds it
+    rc, out, err = render(capsys, example, world=2, absent=True)
+    assert rc == 0, err
+    assert "# actor: DeepSpeed config" in out
+
+
 FIXES = {  # what a user does about each SP refusal that names a key they set
     "rollout.engine": "rollout.engine=vllm",
     "model.packing": "model.packing=auto",

@@ -91,12 +91,21 @@ def test_grpo_three_steps(tmp_path):
     assert (tmp_path / "reward_curve.png").stat().st_size > 0
 
 
-def test_quickstart_example_engine_auto_picks_hf_generate(tmp_path):
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    """The example as shipped (rollout.engine: auto) for 3 steps: (its run dir, the launcher's output).
+    Two tests read it: the engine it picks, and the plain optimizer the offloaded one is held against."""
+    run_dir = tmp_path_factory.mktemp("quickstart")
+    out = run_train("grpo_cpu_tiny.yaml", run_dir, "trainer.steps=3", *[o for o in FAST if o != "rollout.engine=vllm"])
+    return run_dir, out
+
+
+def test_quickstart_example_engine_auto_picks_hf_generate(quickstart):
     """The example as shipped (rollout.engine: auto): HF generate for its 330k model on CPU, 2 ranks."""
-    out = run_train("grpo_cpu_tiny.yaml", tmp_path, "trainer.steps=3", *[o for o in FAST if o != "rollout.engine=vllm"])
+    run_dir, out = quickstart
     assert "rollout.engine auto -> hf" in out.stdout + out.stderr
     assert "memory allocator: tcmalloc" in out.stdout + out.stderr  # train.sh preloads it on CPU
-    _check_run(tmp_path, 3)
+    _check_run(run_dir, 3)
 
 
 def test_ppo_gae_critic_three_steps(tmp_path):
@@ -112,46 +121,6 @@ def test_ppo_gae_critic_three_steps(tmp_path):
             "precision/critic/loss_scale",
         ],
     )
-
-
-def test_kill_after_step_2_then_resume_auto(tmp_path):
-    """kill -9 mid-run, resume: auto continues from the checkpoint; and the killed run's /dev/shm
-    all-reduce buffers (which no exit handler could remove) go at the next start, while a live
-    job's buffer beside them stays."""
-    killed = tmp_path / "killed"
-    port = str(_free_port())
-    run_until_step("grpo_cpu_tiny.yaml", killed, 3, "trainer.steps=50", "checkpoint.every=2", *FAST, MASTER_PORT=port)
-    assert (killed / "checkpoints" / "step_2" / "trainer_state.json").exists()
-    assert not list((killed / "checkpoints").glob(".*.tmp"))
-    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*")
-    assert len(left) == 2, left  # one per rank: what the kill leaves
-    # a step takes well under the killer's poll on a fast host, so the kill may land after step 4's checkpoint
-    last = max(int(p.name.split("_")[1]) for p in (killed / "checkpoints").glob("step_*"))
-    ref = tmp_path / "ref"
-    live = f"/dev/shm/deepspeed_allreduce_buffer_0_127.0.0.1_{port}live_0"
-    with (
-        open(live, "wb") as f,
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=f) as job,
-    ):
-        try:  # a live process holding its buffer open: a job running beside the next start
-            out = run_train("grpo_cpu_tiny.yaml", ref, f"trainer.steps={last + 1}", *FAST)
-            assert not any(os.path.exists(b) for b in left), left
-            assert os.path.exists(live)
-            assert "DeepSpeed shm buffer(s) of jobs that are gone" in out.stdout + out.stderr
-        finally:
-            job.kill()
-            if os.path.exists(live):
-                os.remove(live)
-    want = read_metrics(ref)[last]["data/position"]
-
-    run_train(
-        "grpo_cpu_tiny.yaml", killed, f"trainer.steps={last + 1}", "trainer.resume=auto", "checkpoint.every=2", *FAST
-    )
-    rows = read_metrics(killed)  # the killed run's own steps after the checkpoint are replaced, not duplicated
-    assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, last + 2))
-    resumed = [r for r in rows if r["step"] > last]
-    assert len(resumed) == 1
-    assert resumed[0]["data/position"] == want
 
 
 def test_dapo_features_gspo_in_the_loop(tmp_path):
@@ -253,13 +222,33 @@ def test_lora_zero3_two_ranks_sync(tmp_path):
 def _kill_at_3_then_resume_reproduces(tmp_path, config, overrides, rows, keys):
     """kill -9 once step 3 is logged, keep the checkpoints up to step 2 (as if the kill landed before
     step 4's), resume: auto to step 4: steps 3-4 equal the uninterrupted run's `rows[2:]` on `keys`
-    (None: on every value but the timings, bitwise)."""
-    killed = tmp_path / "killed"
-    run_until_step(config, killed, 3, *overrides, "trainer.steps=50", "checkpoint.every=2")
+    (None: on every value but the timings, bitwise); and what the kill left in /dev/shm is removed by
+    that next start, a live job's buffer kept."""
+    killed, port = tmp_path / "killed", str(_free_port())
+    run_until_step(config, killed, 3, *overrides, "trainer.steps=50", "checkpoint.every=2", MASTER_PORT=port)
+    assert not list((killed / "checkpoints").glob(".*.tmp"))  # the kill left no half-written checkpoint
     for late in (killed / "checkpoints").glob("step_*"):
         if int(late.name.split("_")[1]) > 2:
             shutil.rmtree(late)
-    run_train(config, killed, *overrides, "trainer.resume=auto", "checkpoint.every=2")
+    # the killed job's /dev/shm all-reduce buffers (no exit handler ran) go at the next start, while a
+    # live job's buffer beside them stays
+    left = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*")
+    assert len(left) == 2, left  # one per rank: what the kill leaves
+    live = f"/dev/shm/deepspeed_allreduce_buffer_0_127.0.0.1_{port}live_0"
+    with (
+        open(live, "wb") as f,
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=f) as job,
+    ):
+        try:  # a live process holding its buffer open: a job running beside the next start
+            out = run_train(config, killed, *overrides, "trainer.resume=auto", "checkpoint.every=2")
+            assert not any(os.path.exists(b) for b in left), left
+            assert os.path.exists(live)
+            assert "DeepSpeed shm buffer(s) of jobs that are gone" in out.stdout + out.stderr
+        finally:
+            job.kill()
+            if os.path.exists(live):
+                os.remove(live)
+    # the killed run's own steps after the checkpoint are replaced, not duplicated
     resumed = [r for r in read_metrics(killed) if r["step"] >= 3]
     assert [r["step"] for r in resumed] == [3, 4]
     if keys is None:
@@ -535,15 +524,14 @@ def test_distillation_with_an_int8_and_a_bf16_teacher_under_the_launcher(tmp_pat
 
 
 @pytest.mark.numerics
-def test_an_offloaded_optimizer_trains_like_the_plain_one_and_resumes_from_its_checkpoint(tmp_path, capsys):
+def test_an_offloaded_optimizer_trains_like_the_plain_one_and_resumes_from_its_checkpoint(tmp_path, capsys, quickstart):
     """roles.actor.offload=optimizer under the launcher (ZeRO-3, DeepSpeedCPUAdam on the host): the
     same seed gives the same reward curve as the plain optimizer (every sample alike) and every other
     metric within 1e-5 relative (DeepSpeedCPUAdam's arithmetic is not torch's fused AdamW's: measured
     ~1e-7); `resume: auto` from the step-2 checkpoint (its host-side Adam states) gives step 3 again.
     (kill -9 itself: test_kill_after_step_2_then_resume_auto and the multi-turn and LoRA runs.)"""
-    plain, off = tmp_path / "plain", tmp_path / "offload"
+    plain, off = quickstart[0], tmp_path / "offload"  # the plain run: the example's engine auto -> hf
     extra = ("checkpoint.every=2", "roles.actor.offload=optimizer", "rollout.engine=hf")
-    run_train("grpo_cpu_tiny.yaml", plain, "trainer.steps=3", *FAST, "rollout.engine=hf")
     run_train("grpo_cpu_tiny.yaml", off, "trainer.steps=3", *FAST, *extra)
     a, b = read_metrics(plain), read_metrics(off)
     assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
