@@ -438,8 +438,8 @@ def test_pack_by_tokens_fills_the_budget_with_rows_of_similar_length():
 def test_pack_by_tokens_keeps_the_row_order_when_that_runs_less():
     """Two candidates, the one with less work wins. Two prompts of 20 tokens, 4 answers each (1/3/5/7
     and 2/4/6/8): in row order (micro-batches of 4) each prompt runs once, sorted by length each
-    micro-batch holds both prompts; with shared prompts the row order wins, without it the length
-    order. Shared, a budget counts each prompt once: at 112 tokens all 8 rows fit one micro-batch
+    micro-batch holds both prompts; with shared prompts the row order wins (or, over the budget, each
+    prompt's rows together cut by length), without it the length order. Shared, a budget counts each prompt once: at 112 tokens all 8 rows fit one micro-batch
     (2 x 20 + 8 x 8 = 104). A long tail (one 30-token answer per prompt): the length order puts the
     two long rows together, whether prompts are shared or not."""
 
@@ -461,7 +461,9 @@ def test_pack_by_tokens_keeps_the_row_order_when_that_runs_less():
     assert cut(even, 112) == [[0, 4, 1, 5], [2, 6, 3, 7]]
     tail = batch([5] * 8, [1, 1, 1, 30] * 2, two)
     assert cut(tail, 140, shared=True) == cut(tail, 140) == [[0, 1, 2, 4, 5, 6], [3, 7]]
-    assert cut(even, 50, shared=True)[0] == [0, 4, 1]  # the row order over the budget (52): not a candidate
+    # the row order over the budget (52) is not a candidate; each prompt's rows together, cut where they fit
+    # (48, then 20 + 2 x 4 and 20 + 2 x 8), runs less than the length order's micro-batches of both prompts
+    assert cut(even, 50, shared=True) == [[0, 1, 2, 3], [4, 5], [6, 7]]
 
 
 def test_pack_by_tokens_cuts_where_the_padding_saved_outweighs_a_micro_batchs_cost():

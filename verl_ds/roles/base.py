@@ -145,7 +145,8 @@ def pack_by_tokens(
     `_size`). Two candidates, the one with less `_size` + `cost` per micro-batch wins: rows sorted by
     length, cut where that runs the least (`_cut`: similar lengths share a micro-batch, a long tail gets
     its own); and, given `rows_per_micro` when each fits the budget, the rows in order in micro-batches of that many (a
-    GRPO batch's groups stay whole, so each prompt runs once: better when answers are short).
+    GRPO batch's groups stay whole, so each prompt runs once: better when answers are short); with `shared`,
+    also each prompt's rows together, by length within it, cut as the first.
     `packed` rows (`pack_rows`) run their own tokens only, in any order: the rows in order, each
     micro-batch filled up to the budget."""
     plen, rlen, pid = _row_lengths(batch, shared)
@@ -161,6 +162,12 @@ def pack_by_tokens(
         return [torch.tensor(g, dtype=torch.long) for g in groups if g]
     by_length = _cut(sorted(range(n), key=lambda i: (plen[i] + rlen[i], i)), plen, rlen, pid, budget, cost)
     candidates = [by_length]
+    if shared:  # each prompt's rows together, by length within it: the cuts can keep a prompt once
+        first = {}
+        for i in range(n):
+            first.setdefault(pid[i], i)
+        by_prompt = sorted(range(n), key=lambda i: (first[pid[i]], plen[i] + rlen[i], i))
+        candidates.append(_cut(by_prompt, plen, rlen, pid, budget, cost))
     if rows_per_micro:
         in_order = [list(range(s, min(s + rows_per_micro, n))) for s in range(0, n, rows_per_micro)]
         if all(_size(g, plen, rlen, pid) <= budget for g in in_order):

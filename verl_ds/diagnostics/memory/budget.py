@@ -146,7 +146,8 @@ def fit_token_budgets(
     row micro-batches (0), that the model says will not fit is a warning naming what would. A row that
     does not fit even alone is refused here, before any engine, naming the pass and what would fit. Under
     sequence parallelism a micro-batch is one row, or with `share_prefixes` one pack of rows split over the
-    group: up to a prompt group's full-length rows (`rollout.n`), as many tokens as the memory fits."""
+    group: up to one prompt's group (its prompt once, `rollout.n` full-length responses), as many tokens as
+    the memory fits."""
     fits = fit_passes(
         cfg, shape, dict(ds), world, precision.rollout, budget, budget / 2**30 if gpu else None, role_shapes(cfg)
     )
@@ -158,8 +159,10 @@ def fit_token_budgets(
             continue
         rows = max(1, fit.rows(HEADROOM))
         if cfg.trainer.sequence_parallel_size > 1:
-            if share_prefixes:  # the rows of a pack (`roles/prefix.py`) run as one sequence, split
-                out[role] = max(t, min(cfg.rollout.n * t, fit.tokens(HEADROOM)))
+            if share_prefixes:  # the rows of a pack (`roles/prefix.py`) run as one sequence, split: a prompt's
+                # group at most (its prompt once, its n responses), as the attention over a pack is quadratic
+                group = t + (cfg.rollout.n - 1) * max(t - cfg.data.max_prompt_length, 1)
+                out[role] = max(t, min(group, fit.tokens(HEADROOM)))
                 said.append(f"{role} {out[role]:,} (a pack of rows sharing prefixes, split over the SP group)")
             continue  # else one row a micro-batch (`token_budget`)
         if rc.max_tokens_per_micro_batch == "auto":
