@@ -1284,6 +1284,40 @@ def longest_row(cfg: RunConfig) -> int:
     return min(r.max_model_len, cfg.data.max_prompt_length + response)
 
 
+def position_errors(cfg: RunConfig, c: dict, where: str, engine: str) -> list[ConfigError]:
+    """Rows past the model's positions, for every engine: vLLM refuses an engine whose `max_model_len`
+    passes them (a traceback from its engine start, with nothing of the run's keys in it); HF generate
+    would run on past the positions the model was trained on, silently. A model whose config scales its
+    rotary embeddings is left to its engine; `auto` not resolved is checked as vLLM. `c`: the policy's HF
+    config (`data.tiny.model_config`), `where` its limit's place in words (`preflight`)."""
+    limit = c.get("max_position_embeddings")
+    if not isinstance(limit, int) or c.get("rope_scaling"):
+        return []
+    r, mt = cfg.rollout, cfg.rollout.multi_turn
+    if engine in ("vllm", "auto") and r.max_model_len > limit:
+        return [
+            ConfigError(
+                "rollout.max_model_len",
+                f"{r.max_model_len:,} is past the model's {limit:,} positions ({where}): at most {limit:,}, with "
+                "data.max_prompt_length + rollout.max_new_tokens within it",
+            )
+        ]
+    # vLLM's rows end at max_model_len; HF generate's at the prompt cut plus the new tokens (a multi-turn
+    # episode at its token cap, `longest_row`)
+    rows = longest_row(cfg) if mt.enabled else cfg.data.max_prompt_length + r.max_new_tokens
+    if engine == "hf" and rows > limit:
+        keys = "rollout.max_model_len" if mt.enabled else "data.max_prompt_length"
+        parts = "rows" if mt.enabled else "data.max_prompt_length + rollout.max_new_tokens"
+        return [
+            ConfigError(
+                keys,
+                f"{parts} make rows of up to {rows:,} tokens, past the model's {limit:,} positions ({where}): "
+                f"the hf engine would run on past them",
+            )
+        ]
+    return []
+
+
 def token_budget(cfg: RunConfig, role: str) -> int:
     """`roles.<role>.max_tokens_per_micro_batch` resolved: `auto` is micro_batch_size x
     `longest_row`, the padded tokens of a row micro-batch whose rows all run full length, which the

@@ -186,11 +186,11 @@ def render_ds_configs(
     (`files`: as `read_ds_files` read them; left as they are). A role's ZeRO stage is
     `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
     see trainer/setup.py), else its JSON file's."""
-    world = world_size or default_world(cfg)  # `cfg` was validated at load (config.validate)
-    world = dp_world(cfg, world)  # DeepSpeed's batch arithmetic counts data-parallel ranks
+    # what the config decides first (`cfg` was validated at load, config.validate), then this module's part
+    world = dp_world(cfg, world_size or default_world(cfg))  # DeepSpeed's batch arithmetic: data-parallel ranks
+    mini, micro = mini_batch(cfg), {role: micro_rows(cfg, role) for role in active_roles(cfg)}
     files = files or read_ds_files(cfg)
     precision = precision or run_precision(cfg, files=files)
-    mini = mini_batch(cfg)
     out = {}
     for role, ds in files.items():
         rc = getattr(cfg.roles, role)
@@ -202,7 +202,7 @@ def render_ds_configs(
             ds,
             rc.ds_config,
             precision,
-            micro_batch_size=micro_rows(cfg, role),
+            micro_batch_size=micro[role],
             train_batch_size=mini,
             world_size=world,
             max_grad_norm=cfg.trainer.max_grad_norm,
