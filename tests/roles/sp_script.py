@@ -221,7 +221,8 @@ def main(model_dir: str, plants: bool) -> None:
                     print(f"MISSED {name}", flush=True)
         return
     check_policy()
-    assert_same_gradients(grads(actor(model_dir, 2, dp, n, sp=sp, lora=True), batch, dp), want_lora)
+    for wrap in (lambda role: role, shared):  # LoRA: the adapters' gradients, split and shared alike
+        assert_same_gradients(grads(wrap(actor(model_dir, 2, dp, n, sp=sp, lora=True)), batch, dp), want_lora)
     for how, wrap in (("", lambda role: role), ("shared ", shared)):
         critic = wrap(Critic(value_model(model_dir), config("critic", 2, dp, n), Cfg(), sp=sp))
         got_values = critic.values(batch)

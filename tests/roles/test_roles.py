@@ -439,9 +439,10 @@ def test_pack_by_tokens_keeps_the_row_order_when_that_runs_less():
     """Two candidates, the one with less work wins. Two prompts of 20 tokens, 4 answers each (1/3/5/7
     and 2/4/6/8): in row order (micro-batches of 4) each prompt runs once, sorted by length each
     micro-batch holds both prompts; with shared prompts the row order wins (or, over the budget, each
-    prompt's rows together cut by length), without it the length order. Shared, a budget counts each prompt once: at 112 tokens all 8 rows fit one micro-batch
-    (2 x 20 + 8 x 8 = 104). A long tail (one 30-token answer per prompt): the length order puts the
-    two long rows together, whether prompts are shared or not."""
+    prompt's rows together cut by length), without it the length order. Shared, a budget counts each
+    prompt once: at 112 tokens all 8 rows fit one micro-batch (2 x 20 + 8 x 8 = 104). A long tail (one
+    30-token answer per prompt): the length order puts the two long rows together, whether prompts are
+    shared or not."""
 
     def batch(plen: list[int], rlen: list[int], prompt: list[int]) -> dict:
         n, P, R = len(plen), max(plen), max(rlen)
