@@ -133,7 +133,7 @@ def planted_pack_reset():
 
     def forward(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
-        sequence_parallel._PACK_END.set(None)
+        sequence_parallel._PACK_RULE.set(None)
         return out
 
     sequence_parallel.SequenceParallel.policy_forward = forward

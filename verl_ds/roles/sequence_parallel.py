@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,18 +42,17 @@ from verl_ds import algos
 from verl_ds.roles import prefix
 from verl_ds.roles.batch import TrainBatch
 
-# the `end` of the pack the next attention calls run over (None: one row, causal): `_pack_aware`
-_PACK_END: contextvars.ContextVar = contextvars.ContextVar("verl_ds_sp_pack_end", default=None)
+# the rule (`[1, 1, N, N]` bool) of the pack the next attention calls run over, made once a forward
+# (None: one row, causal): `_pack_aware`
+_PACK_RULE: contextvars.ContextVar = contextvars.ContextVar("verl_ds_sp_pack_rule", default=None)
 
 
 def _pack_aware(core):
     """`core` (an HF attention function) taking the current pack's rule over the gathered sequence."""
 
     def attend(module, query, key, value, attention_mask, *args, **kwargs):
-        end = _PACK_END.get()
-        if end is not None:
-            attention_mask = prefix.allowed(end)[None, None]
-        return core(module, query, key, value, attention_mask, *args, **kwargs)
+        rule = _PACK_RULE.get()
+        return core(module, query, key, value, attention_mask if rule is None else rule, *args, **kwargs)
 
     return attend
 
@@ -87,6 +87,15 @@ class _GatherShards(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad[ctx.lo : ctx.hi], None, None, None
+
+
+class PackShard(NamedTuple):
+    """This rank's part of a shared-prefix pack (`SequenceParallel.shard_pack`)."""
+
+    ids: torch.Tensor  # [1, c] this rank's tokens of the padded pack
+    pos: torch.Tensor  # [1, c] their positions
+    at: torch.Tensor  # [k] the wanted places this shard holds, as its local positions
+    mine: torch.Tensor  # [K] bool: which of the wanted places those are
 
 
 @dataclass(frozen=True)
@@ -153,7 +162,7 @@ class SequenceParallel:
             r = int(real[prompt_cols:].sum())  # and response tokens (right-padded)
             local_ids, pos, labels = self.shard(ids if len(ids) else batch.input_ids[i][:1])
             c, lo = local_ids.shape[1], self.rank * local_ids.shape[1]
-            _PACK_END.set(None)  # a row alone: causal
+            _PACK_RULE.set(None)  # a row alone: causal
             # response token j sits at p + j and is predicted at p + j - 1
             window = (min(max(p - 1 - lo, 0), c), min(max(p - 1 + r - lo, 0), c))
             outs = shard_fn(local_ids, pos, labels, window)
@@ -165,28 +174,26 @@ class SequenceParallel:
             )
         return tuple(None if parts[0] is None else torch.stack(parts) for parts in zip(*rows))
 
-    def shard_pack(self, pack: prefix.PrefixPack) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """A shared-prefix pack's `[N]` tokens -> this rank's (ids `[1, c]`, positions `[1, c]`, its first
-        place `lo`), the pack padded at its end to `c * size` places (a pad sees itself only), and the pack's
-        rule set for the attention calls that follow (`_PACK_END`)."""
+    def shard_pack(self, pack: prefix.PrefixPack, places: torch.Tensor) -> PackShard:
+        """A shared-prefix pack's `[N]` tokens -> this rank's shard of it, the pack padded at its end to
+        `c * size` places (a pad sees itself only), with which of `places` (`[K]`, duplicates allowed) it
+        holds; the pack's rule set for the attention calls that follow (`_PACK_RULE`)."""
         n = len(pack)
         c = -(-n // self.size)
         extra = c * self.size - n
         dev = pack.input_ids.device
-        pad = torch.arange(n, n + extra, device=dev)
-        _PACK_END.set(torch.cat([pack.end, pad + 1]))
+        _PACK_RULE.set(prefix.allowed(torch.cat([pack.end, torch.arange(n, n + extra, device=dev) + 1]))[None, None])
         ids = torch.nn.functional.pad(pack.input_ids, (0, extra))
         pos = torch.cat([pack.position_ids, torch.zeros(extra, dtype=torch.long, device=dev)])
         lo = self.rank * c
-        return ids[None, lo : lo + c], pos[None, lo : lo + c], lo
-
-    def at_places(self, places: torch.Tensor, lo: int, c: int, local_fn) -> torch.Tensor:
-        """`[K]` values at pack `places` (duplicates allowed), each computed by the rank whose shard holds it:
-        `local_fn(its local positions [k])` -> `[k]`; summed over the group (`_SumShards`)."""
         mine = (places >= lo) & (places < lo + c)
-        local = local_fn(places[mine] - lo)
-        full = local.new_zeros(len(places)).index_put((mine.nonzero()[:, 0],), local)
-        return _SumShards.apply(full, self.group)
+        return PackShard(ids[None, lo : lo + c], pos[None, lo : lo + c], places[mine] - lo, mine)
+
+    def to_rows(self, shard: PackShard, local: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """This rank's `[k]` values at its `shard.at` -> the group's `[B, R]` (0 where `where` is not):
+        each place's value from the rank holding it, summed over the group (`_SumShards`)."""
+        full = local.new_zeros(len(shard.mine)).index_put((shard.mine.nonzero()[:, 0],), local)
+        return local.new_zeros(where.shape).masked_scatter(where, _SumShards.apply(full, self.group))
 
     def policy_forward(
         self,
@@ -203,18 +210,10 @@ class SequenceParallel:
         if pack is not None:
             keep, where = pack.response(batch.response_width)
             labels = batch.input_ids[:, -batch.response_width :][where]
-            ids, pos, lo = self.shard_pack(pack)
-            mine = (keep >= lo) & (keep < lo + ids.shape[1])
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep[mine] - lo).logits
-            lp, entropy = algos.token_logprobs(logits, labels[mine][None], token_dist, with_entropy, entropy_grad)
-            back = lambda x: (
-                None
-                if x is None
-                else x.new_zeros(where.shape).masked_scatter(  # noqa: E731
-                    where, self.at_places(keep, lo, ids.shape[1], lambda _: x[0].float())
-                )
-            )
-            return back(lp), back(entropy)
+            shard = self.shard_pack(pack, keep)
+            logits = model(input_ids=shard.ids, position_ids=shard.pos, use_cache=False, logits_to_keep=shard.at).logits
+            lp, entropy = algos.token_logprobs(logits, labels[shard.mine][None], token_dist, with_entropy, entropy_grad)
+            return tuple(None if x is None else self.to_rows(shard, x[0].float(), where) for x in (lp, entropy))
 
         def shard_fn(ids, pos, labels, window):
             a, b = window
@@ -231,10 +230,9 @@ class SequenceParallel:
         """The critic's `[B, R]` values V(state before each response token), split (`pack`: as one row)."""
         if pack is not None:
             keep, where = pack.response(batch.response_width)
-            ids, pos, lo = self.shard_pack(pack)
-            local = model(input_ids=ids, attention_mask=None, position_ids=pos)[0].float()
-            values = self.at_places(keep, lo, ids.shape[1], lambda at: local[at])
-            return values.new_zeros(where.shape).masked_scatter(where, values)
+            shard = self.shard_pack(pack, keep)
+            local = model(input_ids=shard.ids, attention_mask=None, position_ids=shard.pos)[0].float()
+            return self.to_rows(shard, local[shard.at], where)
 
         def shard_fn(ids, pos, labels, window):
             return (model(input_ids=ids, attention_mask=None, position_ids=pos)[0].float(),)
@@ -264,7 +262,7 @@ class SequenceParallel:
                 ids = mine[j] if src == self.rank else torch.empty(int(n), dtype=torch.long, device=dev)
                 dist.broadcast(ids, src=root, group=self.group)
                 local_ids, pos, _ = self.shard(ids)
-                _PACK_END.set(None)
+                _PACK_RULE.set(None)
                 hidden = backbone(input_ids=local_ids, position_ids=pos, use_cache=False).last_hidden_state
                 score = self.gather(model.score(hidden)[0, :, 0].float())
                 if src == self.rank:

@@ -126,8 +126,8 @@ def shares_prefixes(cfg) -> bool:
     """Whether the run's passes share prefixes (`roles.prefix.resolve_sharing`, before the attention is
     resolved: flash_attention_2 named, or flex_attention under sequence parallelism, turn it off)."""
     m = cfg.model
-    sp = cfg.trainer.sequence_parallel_size
-    return m.share_prompt and m.attn_implementation not in ("flash_attention_2", "flex_attention" if sp > 1 else "")
+    flex_under_sp = m.attn_implementation == "flex_attention" and cfg.trainer.sequence_parallel_size > 1
+    return m.share_prompt and m.attn_implementation != "flash_attention_2" and not flex_under_sp
 
 
 def workload(cfg, world: int) -> Workload:
