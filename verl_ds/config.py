@@ -52,6 +52,11 @@ def read_ds_json(name: str, key: str) -> dict:
     return read_json_object(path, "a DeepSpeed config")
 
 
+def read_ds_files(cfg: RunConfig) -> dict[str, dict]:
+    """Each active role's DeepSpeed JSON file, as written (read once by a run: `trainer/setup.py`)."""
+    return {r: read_ds_json(getattr(cfg.roles, r).ds_config, f"roles.{r}.ds_config") for r in active_roles(cfg)}
+
+
 def read_json_object(path: Path, what: str) -> dict:
     """A JSON file that must hold one object (a DeepSpeed config, an HF config.json): anything else
     (not UTF-8, e.g. a weights file given by mistake; malformed; a key given twice) is one line."""
@@ -1357,6 +1362,30 @@ def sequence_parallel_says(cfg: RunConfig) -> str | None:
     return (
         f"trainer.sequence_parallel_size {sp}: every role's micro-batch is one row, or the rows that share a "
         f"prefix as one pack, split over the group ({', '.join(unused)} not used)"
+    )
+
+
+@dataclass(frozen=True)
+class Batches:
+    """A run's batch arithmetic on `world` ranks, from its config alone (`batches`): derived once and
+    read by the DeepSpeed renderer, the memory fit and the loop."""
+
+    dp_world: int  # data-parallel ranks (`dp_world`)
+    mini: int  # rows per optimizer step over every rank (`mini_batch`)
+    micro: dict[str, int]  # each active role's rows per micro-batch (`micro_rows`)
+    token_budgets: dict[str, int]  # each active role's tokens per micro-batch as the config asks (`token_budget`)
+    longest_row: int  # (`longest_row`)
+
+
+def batches(cfg: RunConfig, world: int) -> Batches:
+    """The batch arithmetic of `cfg` on `world` ranks (`Batches`)."""
+    roles = active_roles(cfg)
+    return Batches(
+        dp_world(cfg, world),
+        mini_batch(cfg),
+        {r: micro_rows(cfg, r) for r in roles},
+        {r: token_budget(cfg, r) for r in roles},
+        longest_row(cfg),
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 
-from verl_ds.config import active_roles, default_world, dp_world, micro_rows, mini_batch, read_ds_json
+from verl_ds.config import Batches, batches, default_world, read_ds_files
 from verl_ds.errors import ConfigError
 from verl_ds.precision import (
     TRAINED_ROLES,
@@ -159,11 +159,6 @@ def ds_dtype(ds: dict) -> str:
     return "fp32"
 
 
-def read_ds_files(cfg) -> dict[str, dict]:
-    """Each active role's DeepSpeed JSON file, as written (read once by a run: `trainer/setup.py`)."""
-    return {r: read_ds_json(getattr(cfg.roles, r).ds_config, f"roles.{r}.ds_config") for r in active_roles(cfg)}
-
-
 def json_dtypes(cfg, files: dict[str, dict] | None = None) -> dict[str, str]:
     """The compute dtype each active role's JSON file asks for (`auto` defers to it)."""
     return {role: ds_dtype(ds) for role, ds in (files or read_ds_files(cfg)).items()}
@@ -182,15 +177,22 @@ def render_ds_configs(
     zero_stages: dict[str, int] | None = None,
     files: dict[str, dict] | None = None,
 ) -> dict[str, dict]:
-    """Every active role's final DeepSpeed config, as DeepSpeed will receive it, from its JSON file
-    (`files`: as `read_ds_files` read them; left as they are). A role's ZeRO stage is
-    `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
-    see trainer/setup.py), else its JSON file's."""
-    # what the config decides first (`cfg` was validated at load, config.validate), then this module's part
-    world = dp_world(cfg, world_size or default_world(cfg))  # DeepSpeed's batch arithmetic: data-parallel ranks
-    mini, micro = mini_batch(cfg), {role: micro_rows(cfg, role) for role in active_roles(cfg)}
+    """`render_roles` for a config alone: on `world_size` ranks (default: `config.default_world`), the
+    precision and the JSON files resolved and read here unless given (`config render`, `debug memory`)."""
     files = files or read_ds_files(cfg)
     precision = precision or run_precision(cfg, files=files)
+    return render_roles(cfg, batches(cfg, world_size or default_world(cfg)), precision, zero_stages, files)
+
+
+def render_roles(
+    cfg, batch: Batches, precision: ResolvedPrecision, zero_stages: dict[str, int] | None, files: dict[str, dict]
+) -> dict[str, dict]:
+    """Every active role's final DeepSpeed config, as DeepSpeed will receive it, from its JSON file
+    (`files`: as `config.read_ds_files` read them; left as they are), for the config's batch arithmetic
+    (`batch`, `config.batches`: DeepSpeed's is over data-parallel ranks). A role's ZeRO stage is
+    `roles.<role>.zero_stage` when it is a number, else `zero_stages[role]` (what `auto` chose,
+    see trainer/setup.py), else its JSON file's."""
+    b = batch
     out = {}
     for role, ds in files.items():
         rc = getattr(cfg.roles, role)
@@ -202,9 +204,9 @@ def render_ds_configs(
             ds,
             rc.ds_config,
             precision,
-            micro_batch_size=micro[role],
-            train_batch_size=mini,
-            world_size=world,
+            micro_batch_size=b.micro[role],
+            train_batch_size=b.mini,
+            world_size=b.dp_world,
             max_grad_norm=cfg.trainer.max_grad_norm,
             optimizer_params={"lr": rc.lr, "weight_decay": rc.weight_decay, "betas": list(rc.betas)},
             json_loss_scaling=cfg.precision.role_dtype(role) == "auto",

@@ -36,7 +36,7 @@ def test_the_setup_reads_each_roles_json_once_and_holds_what_the_run_derives(tmp
     cfg = _cfg(tmp_path)
     reads = []
     read = config.read_ds_json
-    monkeypatch.setattr("verl_ds.ds_config.read_ds_json", lambda name, key: reads.append(key) or read(name, key))
+    monkeypatch.setattr("verl_ds.config.read_ds_json", lambda name, key: reads.append(key) or read(name, key))
     s = resolve_setup(cfg)
     assert sorted(reads) == ["roles.actor.ds_config", "roles.critic.ds_config", "roles.reference.ds_config"]
     assert s.roles == ("actor", "critic", "reference") and s.trained == ("actor", "critic")

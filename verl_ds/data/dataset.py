@@ -61,6 +61,10 @@ class PromptSampler:
             self.pos += 1
         return out
 
+    def draw(self, k: int, rank: int, world: int) -> list[int]:
+        """This rank's share of the next `k` indices (every rank's sampler draws the same `k`)."""
+        return self.next(k)[rank::world]
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
 

@@ -1,19 +1,24 @@
-"""Builds everything one run needs from its `RunSetup` (trainer/setup.py): its data side in one call
-(`build_data`: the tokenizer, the codec, the job's episodes, the prompts and their sampler), every
-role's DeepSpeed engine (`build_roles`, DeepSpeed-Chat's rlhf_engine.py in one place), and what runs
-on the rollout engine besides the loop's own episodes (`build_agents`, `build_partial`)."""
+"""Builds everything one run needs from its `RunSetup` (trainer/setup.py), in one call (`build` ->
+`RunParts`): where the rank is (`Progress`), its data side (`build_data`: the tokenizer, the codec, the
+job's episodes, the prompts and their sampler), every role's DeepSpeed engine (`build_roles`,
+DeepSpeed-Chat's rlhf_engine.py in one place), the rollout engine, the loop's helpers (rewards, the
+sync's probe, the step's metrics), what runs on the rollout engine besides the loop's own episodes
+(`build_agents`, `build_partial`) and the state a checkpoint keeps (`LoopState`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from verl_ds import algos
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import PromptSampler, tokenize_prompts
 from verl_ds.data.tasks import load_examples
 from verl_ds.data.tiny import load_tokenizer
+from verl_ds.diagnostics.progress import Progress
 from verl_ds.envs import parse_hermes_tool_calls, tool_schemas
 from verl_ds.errors import ConfigError
 from verl_ds.roles import (
@@ -31,14 +36,64 @@ from verl_ds.roles import (
 from verl_ds.roles.long_rows import tile_mlps
 from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_targets
 from verl_ds.roles.sequence_parallel import SequenceParallel
+from verl_ds.rollout import make_rollout
 from verl_ds.rollout.agents import AgentEpisodes
 from verl_ds.rollout.engines.weights import eos_token_ids
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
 from verl_ds.rollout.partial import PartialLimits, PartialRollouts
 from verl_ds.rollout.partial.agents import PartialAgents
+from verl_ds.trainer.checkpoint import LoopState
+from verl_ds.trainer.metrics import StepMetrics
+from verl_ds.trainer.probe import SyncProbe
+from verl_ds.trainer.rewards import Rewards
 from verl_ds.trainer.setup import RunSetup
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """What one run is built from (`build`), each part once; the loop reads them."""
+
+    progress: Progress  # where this rank is, for the launcher to name if it dies by a signal (the OOM killer)
+    data: RunData
+    roles: dict  # name -> role (`build_roles`)
+    rollout: Any  # this rank's rollout engine (`rollout.make_rollout`)
+    rewards: Rewards
+    probe: SyncProbe
+    step_metrics: StepMetrics
+    agents: AgentEpisodes | None  # None: not an agent job
+    partial: PartialRollouts | None  # None: each step generates its own batch to the end
+    state: LoopState  # what a checkpoint keeps beside the roles
+
+
+def build(setup: RunSetup) -> RunParts:
+    """Every part of the run, each after the ones it needs: the data before any engine (an empty
+    dataset is refused first), the roles' engines, then the rollout engine (on a GPU vLLM sizes its
+    cache from the memory the roles left)."""
+    s, cfg = setup, setup.cfg
+    progress = Progress(s.rank, cfg.trainer.run_dir, dict(s.memory_estimate), s.rank_memory)
+    data = build_data(s)
+    roles = build_roles(s)
+    p = s.precision
+    rollout = make_rollout(
+        cfg.rollout, s.model_path, p.rollout, cfg.trainer.seed, cfg.model.trust_remote_code, p.lm_head_fp32
+    )
+    rewards = Rewards(cfg, s.reward_fn, roles.get("reward"), data.tokenizer, s.rank)
+    probe = SyncProbe(data.prompts, cfg.trainer.seed, cfg.rollout.temperature, p.actor, p.rollout)
+    step_metrics = StepMetrics(cfg.algorithm, roles, rollout, data.sampler)
+    agents = build_agents(s, data.codec, rollout)
+    draw = functools.partial(data.sampler.draw, cfg.trainer.prompts_per_step, s.rank, s.world)
+    partial = build_partial(s, rollout, data.prompts, draw, data.episode_spec, agents)
+    a = cfg.algorithm
+    kl_ctl = (
+        algos.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+        if a.kl_target
+        else algos.FixedKLController(a.kl_coef)
+    )
+    placement = {"world": s.world, "sequence_parallel_size": cfg.trainer.sequence_parallel_size}
+    state = LoopState(data.sampler, kl_ctl, rewards.stats, partial, placement)
+    return RunParts(progress, data, roles, rollout, rewards, probe, step_metrics, agents, partial, state)
 
 
 @dataclass(frozen=True)

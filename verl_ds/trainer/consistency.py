@@ -98,3 +98,19 @@ def resolve_gate(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str) -> Mism
     elif mode != "off":
         log.info("mismatch gate: %s past %.2g%% of tokens outside the clip band (%s)", mode, 100 * bound, pair)
     return MismatchGate(mode, bound, pair)
+
+
+def resolve_sync_check(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str, sampled: algos.TokenDist) -> str:
+    """How each sync is verified, said in one line: "rows" (the step's own rows, free) or "probe"."""
+    why = (
+        "rollout.partial: a step's rows hold tokens older weights sampled"
+        if cfg.rollout.partial.enabled and cfg.rollout.partial.max_staleness > 0
+        else f"a truncated sampling set on {trainer_dtype} vs {rollout_dtype}: its kept set comes from other logits"
+        if sampled.truncates and trainer_dtype != rollout_dtype
+        else ""
+    )
+    if why:
+        log.info("sync check: a fixed probe after each sync (%s)", why)
+        return "probe"
+    log.info("sync check: the actor's first scoring of each step's rows against the engine's (no extra pass)")
+    return "rows"

@@ -1,6 +1,6 @@
 """The sync's check: after every weight sync, did every weight reach the rollout engine?
 
-Where the step's own rows can tell (`resolve_sync_check`: "rows"), the actor's first scoring of them —
+Where the step's own rows can tell (`consistency.resolve_sync_check`: "rows"), the actor's first scoring of them —
 the old-policy pass, or an on-policy update's first forward, before any optimizer step — is compared
 with the engine's logprobs of the same tokens: the synced weights against themselves, at no cost.
 Partial rollouts (tokens older weights sampled) and a truncated sampling set on a mixed-precision pair
@@ -22,29 +22,12 @@ from dataclasses import dataclass
 import torch
 
 from verl_ds import algos
-from verl_ds.config import RunConfig
 from verl_ds.dist import all_reduce_sum
 from verl_ds.errors import RunFailure
 from verl_ds.rollout import RolloutBatch
 from verl_ds.trainer.groups import scoring_inputs
 
 log = logging.getLogger(__name__)
-
-
-def resolve_sync_check(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str, sampled: algos.TokenDist) -> str:
-    """How each sync is verified, said in one line: "rows" (the step's own rows, free) or "probe"."""
-    why = (
-        "rollout.partial: a step's rows hold tokens older weights sampled"
-        if cfg.rollout.partial.enabled and cfg.rollout.partial.max_staleness > 0
-        else f"a truncated sampling set on {trainer_dtype} vs {rollout_dtype}: its kept set comes from other logits"
-        if sampled.truncates and trainer_dtype != rollout_dtype
-        else ""
-    )
-    if why:
-        log.info("sync check: a fixed probe after each sync (%s)", why)
-        return "probe"
-    log.info("sync check: the actor's first scoring of each step's rows against the engine's (no extra pass)")
-    return "rows"
 
 
 @dataclass

@@ -21,20 +21,16 @@ from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer
 from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.plots import plot_curves
-from verl_ds.diagnostics.progress import Progress
 from verl_ds.dist import all_reduce_sum
 from verl_ds.gemm import fp32_gemm
 from verl_ds.process import release_free_memory
 from verl_ds.roles import forget_destroyed_world, iter_full_params
 from verl_ds.roles.batch import TrainBatch
-from verl_ds.rollout import RolloutBatch, episodes, make_rollout, sync_distributed
+from verl_ds.rollout import RolloutBatch, episodes, sync_distributed
 from verl_ds.rollout.episodes import Sampling, SeedKey
 from verl_ds.trainer import advantages, builder, consistency
-from verl_ds.trainer.checkpoint import LoopState, export_actor
+from verl_ds.trainer.checkpoint import export_actor
 from verl_ds.trainer.groups import Collected, collect_varied, join_sequence_group, scoring_inputs
-from verl_ds.trainer.metrics import StepMetrics
-from verl_ds.trainer.probe import SyncProbe
-from verl_ds.trainer.rewards import Rewards
 from verl_ds.trainer.samples import sample_rows
 from verl_ds.trainer.setup import resolve_setup
 from verl_ds.trainer.update import mini_batches, ppo_update
@@ -60,41 +56,19 @@ class RLTrainer:
         self.cfg = cfg = s.cfg  # rollout.engine resolved
         self.rank, self.world, self.precision, self.model_path = s.rank, s.world, s.precision, s.model_path
         self.run_dir = Path(cfg.trainer.run_dir)
-        # where this rank is, for the launcher to name if the rank dies by a signal (the OOM killer)
-        self.progress = Progress(self.rank, str(self.run_dir), dict(s.memory_estimate), s.rank_memory)
-        data = builder.build_data(s)  # the tokenizer, codec, episodes, prompts and their sampler
-        self.tokenizer, self.codec, self.episode_spec = data.tokenizer, data.codec, data.episode_spec
-        self.prompts, self.val_prompts, self.sampler = data.prompts, data.val_prompts, data.sampler
-        self.roles = builder.build_roles(s)
+        parts = builder.build(s)  # every part, once (trainer/builder.py)
+        self.progress, self.roles, self.rollout = parts.progress, parts.roles, parts.rollout
+        d = parts.data
+        self.tokenizer, self.codec, self.episode_spec = d.tokenizer, d.codec, d.episode_spec
+        self.prompts, self.val_prompts, self.sampler = d.prompts, d.val_prompts, d.sampler
         self.actor, self.critic = self.roles["actor"], self.roles.get("critic")
         self.reference = self.roles.get("reference")
         self.teacher = self.roles.get("teacher")  # on-policy distillation (algorithm.distill)
-        self.rewards = Rewards(cfg, s.reward_fn, self.roles.get("reward"), self.tokenizer, self.rank)
+        self.rewards, self.probe, self.step_metrics = parts.rewards, parts.probe, parts.step_metrics
+        self.agents, self.partial, self.state = parts.agents, parts.partial, parts.state
+        self.kl_ctl = self.state.kl_ctl
         self.estimator = algos.get_advantage_estimator(cfg.algorithm.estimator)
-        a = cfg.algorithm
-        self.kl_ctl = (
-            algos.AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
-            if a.kl_target
-            else algos.FixedKLController(a.kl_coef)
-        )
         self.buffer_dtype = self.precision.torch_dtype("buffer")
-        self.rollout = make_rollout(
-            cfg.rollout,
-            self.model_path,
-            self.precision.rollout,
-            cfg.trainer.seed,
-            trust_remote_code=cfg.model.trust_remote_code,
-            lm_head_fp32=self.precision.lm_head_fp32,
-        )
-        self.agents = builder.build_agents(s, self.codec, self.rollout)  # None: not an agent job
-        # None: each step generates its own batch to the end; else groups stay in flight across steps
-        self.partial = builder.build_partial(s, self.rollout, self.prompts, self._draw, self.episode_spec, self.agents)
-        self.probe = SyncProbe(
-            self.prompts, cfg.trainer.seed, cfg.rollout.temperature, self.precision.actor, self.precision.rollout
-        )
-        self.step_metrics = StepMetrics(cfg.algorithm, self.roles, self.rollout, self.sampler)
-        placement = {"world": s.world, "sequence_parallel_size": s.cfg.trainer.sequence_parallel_size}
-        self.state = LoopState(self.sampler, self.kl_ctl, self.rewards.stats, self.partial, placement)
         # vLLM seeds the global RNG when it starts: seed this rank's own stream after it
         torch.manual_seed(cfg.trainer.seed + self.rank)
         random.seed(cfg.trainer.seed + self.rank)
@@ -285,7 +259,7 @@ class RLTrainer:
 
     def _draw(self) -> list[int]:
         """This rank's share of the next `prompts_per_step` prompts (indices into `self.prompts`)."""
-        return self.sampler.next(self.cfg.trainer.prompts_per_step)[self.rank :: self.world]
+        return self.sampler.draw(self.cfg.trainer.prompts_per_step, self.rank, self.world)
 
     def _episodes(self, examples: list[dict], sampling: Sampling, seed: SeedKey) -> episodes.Rollout:
         """This rank's episodes of `examples`: the user's agent against the endpoint, or the loop's

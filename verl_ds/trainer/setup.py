@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from verl_ds.algos import TokenDist
-from verl_ds.config import RunConfig, dp_world, resolve_names, token_budget, validate_paths
+from verl_ds.config import RunConfig, batches, read_ds_files, resolve_names, validate_paths
 from verl_ds.data.tiny import prepare_model
 from verl_ds.diagnostics.memory import load_shape
 from verl_ds.diagnostics.memory.budget import fit_memory
 from verl_ds.dist import init_distributed, on_gpu, rank, world_size
-from verl_ds.ds_config import read_ds_files, run_precision
+from verl_ds.ds_config import run_precision
 from verl_ds.errors import raise_all
 from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
 from verl_ds.preflight import preflight
@@ -25,9 +25,9 @@ from verl_ds.process import allocator
 from verl_ds.roles import attention as attn
 from verl_ds.roles import prefix
 from verl_ds.rollout import resolve_eager
+from verl_ds.trainer import consistency
 from verl_ds.trainer.checkpoint import pick_resume, probe_writable
-from verl_ds.trainer.consistency import MismatchGate, resolve_gate
-from verl_ds.trainer.probe import resolve_sync_check
+from verl_ds.trainer.consistency import MismatchGate
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class RunSetup:
     share_min_tokens: int  # ... where that saves at least this many tokens a row (`prefix.min_saved_tokens`)
     sampled: TokenDist  # what the rollout samples each token from, and every pass scores it under (`resolve_sampled`)
     gate: MismatchGate  # the bound on the rollout-vs-trainer mismatch (`consistency.resolve_gate`)
-    sync_check: str  # rows (the step's first scoring, free) | probe (`probe.resolve_sync_check`)
+    sync_check: str  # rows (the step's first scoring, free) | probe (`consistency.resolve_sync_check`)
     tools: tuple[Callable, ...]  # `data.tools`
     env_factory: Callable | None  # `rollout.multi_turn.env`; None: no environment
     agent: Callable | None  # `rollout.multi_turn.agent`; None: not an agent job
@@ -77,23 +77,28 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     # before the roles' ZeRO budget (vLLM holds GPU memory); rollout.enforce_eager auto: compiled on a GPU
     eager = resolve_eager(cfg.rollout.enforce_eager, gpu)
     cfg = replace(cfg, rollout=replace(cfg.rollout, engine=sampling.engine, enforce_eager=eager))
-    attention, packing = attn.resolve(cfg.model.attn_implementation, cfg.model.packing, gpu)
-    files = read_ds_files(cfg)  # one per active role
-    precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
-    share_prefixes, share_min_tokens = prefix.resolve_sharing(cfg, attention, precision.actor)
+    # what the config gives alone: its DeepSpeed JSONs (one per active role), its paths, its batch
+    # arithmetic on this world, the names it resolves
+    files = read_ds_files(cfg)
     validate_paths(cfg)
-    token_budgets = {r: token_budget(cfg, r) for r in files}
+    batch = batches(cfg, world)
     names, errors = resolve_names(cfg)  # validation resolved them too: a cfg not from load_config
     raise_all(errors)
     trained = tuple(r for r in files if r in TRAINED_ROLES)
     model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
-    shape = load_shape(model_path)
-    memory = fit_memory(cfg, shape, files, precision, world, gpu, token_budgets, share_prefixes)
+    precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
+    # how the policy's passes attend, and whether they share prefixes (from how many tokens: the actor's dtype)
+    attention, packing = attn.resolve(cfg.model.attn_implementation, cfg.model.packing, gpu)
+    share_prefixes, share_min_tokens = prefix.resolve_sharing(cfg, attention, precision.actor)
+    memory = fit_memory(cfg, load_shape(model_path), files, precision, world, gpu, batch, share_prefixes)
     # last, once the config's own mistakes are refused (a refused run leaves no checkpoints dir): the
     # run's directories writable and the checkpoint to resume from checked whole, before any engine
     checkpoints = Path(cfg.trainer.run_dir) / "checkpoints"
     probe_writable(checkpoints, "trainer.run_dir")
     resume_from = pick_resume(checkpoints, cfg.trainer.resume, trained, world, cfg.trainer.sequence_parallel_size)
+    # the consistency contract: the mismatch gate's bound, and how each sync is checked
+    gate = consistency.resolve_gate(cfg, precision.actor, precision.rollout)
+    sync_check = consistency.resolve_sync_check(cfg, precision.actor, precision.rollout, sampling.dist)
     return RunSetup(
         cfg=cfg,
         model_path=model_path,
@@ -110,13 +115,13 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         share_prefixes=share_prefixes,
         share_min_tokens=share_min_tokens,
         sampled=sampling.dist,
-        gate=resolve_gate(cfg, precision.actor, precision.rollout),
-        sync_check=resolve_sync_check(cfg, precision.actor, precision.rollout, sampling.dist),
+        gate=gate,
+        sync_check=sync_check,
         tools=names.tools,
         env_factory=names.env_factory,
         agent=names.agent,
         reward_fn=reward_fn or names.reward_fn,
-        mini_rows=cfg.trainer.mini_batch_size // dp_world(cfg, world),  # a SP group's ranks hold its rows
+        mini_rows=cfg.trainer.mini_batch_size // batch.dp_world,  # a SP group's ranks hold its rows
         resume_from=resume_from,
         rank_memory=memory.budget,
         memory_estimate=memory.estimate,

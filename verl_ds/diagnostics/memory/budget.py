@@ -12,7 +12,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
-from verl_ds.config import RunConfig, longest_row
+from verl_ds.config import Batches, RunConfig
 from verl_ds.diagnostics.memory import (  # the package's face (this module is not part of it: setup's)
     BYTES,
     ModelShape,
@@ -24,7 +24,7 @@ from verl_ds.diagnostics.memory import (  # the package's face (this module is n
     stage_totals,
     workload,
 )
-from verl_ds.ds_config import render_ds_configs
+from verl_ds.ds_config import render_roles
 from verl_ds.errors import ConfigError, raise_all
 from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
 
@@ -48,17 +48,17 @@ def fit_memory(
     precision: ResolvedPrecision,
     world: int,
     gpu: bool,
-    token_budgets: dict[str, int],
+    batch: Batches,
     share_prefixes: bool = False,
 ) -> MemoryFit:
-    """The run against this rank's memory, each decision after the ones it needs (`token_budgets`: the
-    config's, `config.token_budget`; `share_prefixes`: `RunSetup.share_prefixes`)."""
+    """The run against this rank's memory, each decision after the ones it needs (`batch`: the config's
+    batch arithmetic, `config.batches`; `share_prefixes`: `RunSetup.share_prefixes`)."""
     _say_no_ops(cfg, files, gpu)
     budget = rank_budget(cfg, world, gpu)
     check_batch_fits(cfg, shape, precision, world, gpu, budget)
-    stages = zero_stages(cfg, shape, files, precision, world, budget)
-    ds = render_ds_configs(cfg, world, precision, stages, files)
-    token_budgets = fit_token_budgets(cfg, shape, ds, precision, world, gpu, budget, token_budgets, share_prefixes)
+    stages = zero_stages(cfg, shape, files, precision, world, budget, batch)
+    ds = render_roles(cfg, batch, precision, stages, files)
+    token_budgets = fit_token_budgets(cfg, shape, ds, precision, world, gpu, budget, batch, share_prefixes)
     gpu_gib = budget / 2**30 if gpu else None
     estimate = stage_totals(estimate_memory(cfg, shape, dict(ds), world, precision.rollout, gpu_gib, role_shapes(cfg)))
     return MemoryFit(budget, MappingProxyType(ds), MappingProxyType(token_budgets), MappingProxyType(estimate))
@@ -137,7 +137,7 @@ def fit_token_budgets(
     world: int,
     gpu: bool,
     budget: float,
-    budgets: dict[str, int],
+    batch: Batches,
     share_prefixes: bool = False,
 ) -> dict[str, int]:
     """Each role's token budget against this rank's memory (the `debug memory` model, `fit_passes`):
@@ -151,7 +151,8 @@ def fit_token_budgets(
     fits = fit_passes(
         cfg, shape, dict(ds), world, precision.rollout, budget, budget / 2**30 if gpu else None, role_shapes(cfg)
     )
-    t, errors, out, said = longest_row(cfg), [], dict(budgets), []
+    budgets, t = batch.token_budgets, batch.longest_row
+    errors, out, said = [], dict(budgets), []
     for role, fit in fits.items():
         rc = getattr(cfg.roles, role)
         if fit.rows() < 1:
@@ -207,14 +208,20 @@ def _no_row_fits(cfg: RunConfig, role: str, fit) -> str:
 
 
 def zero_stages(
-    cfg: RunConfig, shape: ModelShape, files: dict, precision: ResolvedPrecision, world: int, budget: float
+    cfg: RunConfig,
+    shape: ModelShape,
+    files: dict,
+    precision: ResolvedPrecision,
+    world: int,
+    budget: float,
+    batch: Batches,
 ) -> dict[str, int]:
     """What `roles.<role>.zero_stage: auto` means here: the lowest stage whose analytic estimate (the
     `debug memory` model) fits this rank's `budget` (GPU memory, or RAM / ranks on this node)."""
     auto = [r for r in files if getattr(cfg.roles, r).zero_stage == "auto"]
     if not auto:
         return {}
-    ds = render_ds_configs(cfg, world, precision, files=files)
+    ds = render_roles(cfg, batch, precision, None, files)
     chosen = choose_zero_stages(cfg, shape, ds, world, budget, auto, role_shapes=role_shapes(cfg))
     log.info("zero_stage auto -> %s (budget %.1f GiB per rank)", chosen, budget / 2**30)
     return chosen
