@@ -21,11 +21,12 @@ log = logging.getLogger(__name__)
 
 
 class Sampling(NamedTuple):
-    """What `preflight` resolves: the engine the rollout samples with, and the distribution it samples
-    each token from, which every policy pass scores it under (`resolve_sampled`)."""
+    """What `preflight` resolves: the engine the rollout samples with, the distribution it samples each
+    token from, which every policy pass scores it under (`resolve_sampled`), and the policy's shape."""
 
     engine: str  # vllm | hf; `auto` where the model is not here (`config render` on another machine)
     dist: TokenDist
+    shape: ModelShape | None  # the policy's, from its config.json (or the tiny one's); None: not here
 
 
 def preflight(cfg: RunConfig, gpu: bool) -> Sampling:
@@ -40,10 +41,15 @@ def preflight(cfg: RunConfig, gpu: bool) -> Sampling:
             check_teacher_tokenizer(student, m.teacher_path, m.trust_remote_code)
         except ConfigError as e:
             errors.append(e)
+    shape = None
     if c is not None:
         try:
-            params = ModelShape.from_hf_config(c).params("lm")
-            engine = resolve_engine(cfg.rollout, params, gpu, cfg.trainer.sequence_parallel_size)
+            shape = ModelShape.from_hf_config(c)
+        except (KeyError, TypeError) as e:
+            errors.append(ConfigError(m.path, f"not a decoder config.json this estimate understands ({e})"))
+    if shape is not None:
+        try:
+            engine = resolve_engine(cfg.rollout, shape.params("lm"), gpu, cfg.trainer.sequence_parallel_size)
         except ConfigError as e:
             errors.append(e)
     if said := sequence_parallel_says(cfg):
@@ -52,7 +58,7 @@ def preflight(cfg: RunConfig, gpu: bool) -> Sampling:
         where = "model.tiny.max_positions" if m.path == "tiny" else f"max_position_embeddings in {m.path}/config.json"
         errors += position_errors(cfg, c, where, engine)
     raise_all(errors)
-    return Sampling(engine, dist)
+    return Sampling(engine, dist, shape)
 
 
 def resolve_sampled(cfg: RunConfig) -> TokenDist:

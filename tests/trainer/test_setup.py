@@ -40,7 +40,7 @@ def test_the_setup_reads_each_roles_json_once_and_holds_what_the_run_derives(tmp
     s = resolve_setup(cfg)
     assert sorted(reads) == ["roles.actor.ds_config", "roles.critic.ds_config", "roles.reference.ds_config"]
     assert s.roles == ("actor", "critic", "reference") and s.trained == ("actor", "critic")
-    assert s.cfg.rollout.engine == "hf" and s.model_path == str(tmp_path / "init_model")
+    assert s.cfg.rollout.engine == "hf"
     assert (s.rank, s.world, s.gpu) == (0, 1, False)
     assert s.mini_rows == 8 and s.tools == () and s.env_factory is None and s.agent is None
     assert s.resume_from is None  # trainer.resume: none
@@ -164,12 +164,17 @@ def test_model_tiny_settings_that_differ_from_the_built_model_rebuild_it_or_are_
     other settings are one line (a resume would otherwise load the checkpoint's shape without a word)."""
     import json
 
-    first = resolve_setup(_cfg(tmp_path))
+    from verl_ds.data.tiny import prepare_model
+
+    def build(*overrides):  # the builder's first part, after the setup (its process group)
+        return prepare_model(resolve_setup(_cfg(tmp_path, *overrides)).cfg.model, str(tmp_path))
+
+    first = build()
     assert json.loads((tmp_path / "init_model" / "config.json").read_text())["hidden_size"] == 32
-    resolve_setup(_cfg(tmp_path, "model.tiny.hidden=48"))  # nothing trained: built again
+    build("model.tiny.hidden=48")  # nothing trained: built again
     assert json.loads((tmp_path / "init_model" / "config.json").read_text())["hidden_size"] == 48
     (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
     with pytest.raises(ConfigError) as e:
-        resolve_setup(_cfg(tmp_path, "model.tiny.hidden=64"))
+        build("model.tiny.hidden=64")
     assert str(e.value).startswith("model.tiny: ") and "hidden 48 -> 64" in str(e.value)
-    assert first.model_path == str(tmp_path / "init_model")
+    assert first == str(tmp_path / "init_model")

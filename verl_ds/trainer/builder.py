@@ -1,5 +1,5 @@
 """Builds everything one run needs from its `RunSetup` (trainer/setup.py), in one call (`build` ->
-`RunParts`): where the rank is (`Progress`), its data side (`build_data`: the tokenizer, the codec, the
+`RunParts`): its model, its data side (`build_data`: the tokenizer, the codec, the
 job's episodes, the prompts and their sampler), every role's DeepSpeed engine (`build_roles`,
 DeepSpeed-Chat's rlhf_engine.py in one place), the rollout engine, the loop's helpers (rewards, the
 sync's probe, the step's metrics), what runs on the rollout engine besides the loop's own episodes
@@ -17,8 +17,7 @@ from verl_ds import algos
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import PromptSampler, tokenize_prompts
 from verl_ds.data.tasks import load_examples
-from verl_ds.data.tiny import load_tokenizer
-from verl_ds.diagnostics.progress import Progress
+from verl_ds.data.tiny import load_tokenizer, prepare_model
 from verl_ds.envs import parse_hermes_tool_calls, tool_schemas
 from verl_ds.errors import ConfigError
 from verl_ds.roles import (
@@ -55,7 +54,7 @@ log = logging.getLogger(__name__)
 class RunParts:
     """What one run is built from (`build`), each part once; the loop reads them."""
 
-    progress: Progress  # where this rank is, for the launcher to name if it dies by a signal (the OOM killer)
+    model_path: str  # `model.path`, or the tiny model built under the run dir (`data.tiny.prepare_model`)
     data: RunData
     roles: dict  # name -> role (`build_roles`)
     rollout: Any  # this rank's rollout engine (`rollout.make_rollout`)
@@ -68,16 +67,17 @@ class RunParts:
 
 
 def build(setup: RunSetup) -> RunParts:
-    """Every part of the run, each after the ones it needs: the data before any engine (an empty
-    dataset is refused first), the roles' engines, then the rollout engine (on a GPU vLLM sizes its
-    cache from the memory the roles left)."""
+    """Every part of the run, each after the ones it needs: the model (the tiny one built under the run
+    dir, once the setup has refused nothing), the data before any engine (what it refuses, refused
+    first), the roles' engines, then the rollout engine (on a GPU vLLM sizes its cache from the memory
+    the roles left)."""
     s, cfg = setup, setup.cfg
-    progress = Progress(s.rank, cfg.trainer.run_dir, dict(s.memory_estimate), s.rank_memory)
-    data = build_data(s)
-    roles = build_roles(s)
+    model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
+    data = build_data(s, model_path)
+    roles = build_roles(s, model_path)
     p = s.precision
     rollout = make_rollout(
-        cfg.rollout, s.model_path, p.rollout, cfg.trainer.seed, cfg.model.trust_remote_code, p.lm_head_fp32
+        cfg.rollout, model_path, p.rollout, cfg.trainer.seed, cfg.model.trust_remote_code, p.lm_head_fp32
     )
     rewards = Rewards(cfg, s.reward_fn, roles.get("reward"), data.tokenizer, s.rank)
     probe = SyncProbe(data.prompts, cfg.trainer.seed, cfg.rollout.temperature, p.actor, p.rollout)
@@ -93,7 +93,7 @@ def build(setup: RunSetup) -> RunParts:
     )
     placement = {"world": s.world, "sequence_parallel_size": cfg.trainer.sequence_parallel_size}
     state = LoopState(data.sampler, kl_ctl, rewards.stats, partial, placement)
-    return RunParts(progress, data, roles, rollout, rewards, probe, step_metrics, agents, partial, state)
+    return RunParts(model_path, data, roles, rollout, rewards, probe, step_metrics, agents, partial, state)
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class RunData:
     sampler: PromptSampler  # the order the training prompts are drawn in (resumable)
 
 
-def build_data(setup: RunSetup) -> RunData:
+def build_data(setup: RunSetup, model_path: str) -> RunData:
     """The student's tokenizer (a teacher's gives the same ids: the setup checked it); the codec: the
     chat template with the `tools` of `data.tools` and `data.system_prompt`, or the tokenizer alone
     (multi-turn runs check the template now); a multi-turn job's `EpisodeSpec` (the environment
@@ -116,8 +116,8 @@ def build_data(setup: RunSetup) -> RunData:
     sampler over the first."""
     cfg = setup.cfg
     m, d, mt = cfg.model, cfg.data, cfg.rollout.multi_turn
-    eos_ids = eos_token_ids(setup.model_path)
-    tokenizer = load_tokenizer(m.tokenizer_path or setup.model_path, m.trust_remote_code)
+    eos_ids = eos_token_ids(model_path)
+    tokenizer = load_tokenizer(m.tokenizer_path or model_path, m.trust_remote_code)
     schemas = tool_schemas(setup.tools) if setup.tools else None
     codec = ChatCodec(
         tokenizer, d.apply_chat_template, schemas, d.system_prompt, model=m.path, eos_ids=eos_ids, few_shot=d.few_shot
@@ -182,9 +182,9 @@ def build_partial(
     return PartialRollouts(engine, limits, prompts, draw, sampling, cfg.trainer.seed, spec)
 
 
-def build_roles(setup: RunSetup) -> dict:
+def build_roles(setup: RunSetup, model_path: str) -> dict:
     """One DeepSpeed engine per active role, each from its own rendered config (`setup.ds`)."""
-    cfg, ds, model_path, precision = setup.cfg, setup.ds, setup.model_path, setup.precision
+    cfg, ds, precision = setup.cfg, setup.ds, setup.precision
     p, m = cfg.precision, cfg.model
     gc = p.enable_grad_checkpointing
     fp32_head, lora = precision.lm_head_fp32, m.lora

@@ -21,6 +21,7 @@ from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer
 from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.plots import plot_curves
+from verl_ds.diagnostics.progress import Progress
 from verl_ds.dist import all_reduce_sum
 from verl_ds.gemm import fp32_gemm
 from verl_ds.process import release_free_memory
@@ -54,10 +55,12 @@ class RLTrainer:
         # the process group and every fact the run derives from its config, derived once (trainer/setup.py)
         self.setup = s = resolve_setup(cfg, reward_fn)
         self.cfg = cfg = s.cfg  # rollout.engine resolved
-        self.rank, self.world, self.precision, self.model_path = s.rank, s.world, s.precision, s.model_path
+        self.rank, self.world, self.precision = s.rank, s.world, s.precision
         self.run_dir = Path(cfg.trainer.run_dir)
+        # where this rank is, for the launcher to name if the rank dies by a signal (the OOM killer)
+        self.progress = Progress(self.rank, str(self.run_dir), dict(s.memory_estimate), s.rank_memory)
         parts = builder.build(s)  # every part, once (trainer/builder.py)
-        self.progress, self.roles, self.rollout = parts.progress, parts.roles, parts.rollout
+        self.model_path, self.roles, self.rollout = parts.model_path, parts.roles, parts.rollout
         d = parts.data
         self.tokenizer, self.codec, self.episode_spec = d.tokenizer, d.codec, d.episode_spec
         self.prompts, self.val_prompts, self.sampler = d.prompts, d.val_prompts, d.sampler

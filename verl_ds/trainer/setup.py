@@ -1,8 +1,8 @@
 """`RunSetup`: what one run derives from its config, derived once at the start of `RLTrainer.__init__`
 (`resolve_setup`) and read by everything after it: the builder, the loop, the programs. Nothing
-else re-derives these facts (the process group, the model path, the rollout engine, the device, the
-precision, the roles and their DeepSpeed configs, the names the run resolves, the world, the
-mini-batch, the checkpoint to resume from)."""
+else re-derives these facts (the process group, the rollout engine, the device, the precision, the
+roles and their DeepSpeed configs, the names the run resolves, the world, the mini-batch, the
+checkpoint to resume from)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from typing import Callable, Mapping
 
 from verl_ds.algos import TokenDist
 from verl_ds.config import RunConfig, batches, read_ds_files, resolve_names, validate_paths
-from verl_ds.data.tiny import prepare_model
-from verl_ds.diagnostics.memory import load_shape
 from verl_ds.diagnostics.memory.budget import fit_memory
 from verl_ds.dist import init_distributed, on_gpu, rank, world_size
 from verl_ds.ds_config import run_precision
@@ -37,7 +35,6 @@ class RunSetup:
     """The facts of one run, each derived once (`resolve_setup`)."""
 
     cfg: RunConfig  # as given, with `rollout.engine` resolved (vllm | hf)
-    model_path: str  # `model.path`, or the tiny model built under the run dir
     gpu: bool  # `dist.on_gpu()`: the engines run on this rank's GPU
     rank: int
     world: int
@@ -65,12 +62,13 @@ class RunSetup:
 
 def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup:
     """(Long on purpose: one fact a line, each after the ones it needs; docs/ARCHITECTURE.md, "One run setup".)
-    The run's facts in dependency order, each from the module that owns it and never back: the
-    checkpoint to resume from is the one fact the setup comes back for, last. The config against its
-    models (`preflight`, what `config render` checks too) and every active role's DeepSpeed JSON (read
-    once); the precision, the attention and prefix sharing it allows; the paths and the names the config
-    gives; the process group (rank and world); the model; this rank's memory (budgets, ZeRO stages, the
-    rendered configs); and last the run's directories and the checkpoint."""
+    The run's facts in dependency order, each from the module that owns it: the process group (rank,
+    world, device); the config against its models (`preflight`, what `config render` checks too: the
+    engine, the sampled distribution, the policy's shape); what the config gives alone (every active
+    role's DeepSpeed JSON, read once; its paths; its batch arithmetic; its names); the precision; the
+    consistency contract; the run's directory and the checkpoint to resume from; the attention and
+    prefix sharing; and this rank's memory (budget, ZeRO stages, the rendered configs, token budgets).
+    Nothing is made here: the model, the data and the engines are the builder's (`builder.build`)."""
     start_process_group(cfg)
     me, world, gpu = rank(), world_size(), on_gpu()
     sampling = preflight(cfg, gpu)  # the config against its models, rollout.engine auto -> vllm | hf
@@ -85,23 +83,20 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     names, errors = resolve_names(cfg)  # validation resolved them too: a cfg not from load_config
     raise_all(errors)
     trained = tuple(r for r in files if r in TRAINED_ROLES)
-    model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
     precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
-    # how the policy's passes attend, and whether they share prefixes (from how many tokens: the actor's dtype)
-    attention, packing = attn.resolve(cfg.model.attn_implementation, cfg.model.packing, gpu)
-    share_prefixes, share_min_tokens = prefix.resolve_sharing(cfg, attention, precision.actor)
-    memory = fit_memory(cfg, load_shape(model_path), files, precision, world, gpu, batch, share_prefixes)
-    # last, once the config's own mistakes are refused (a refused run leaves no checkpoints dir): the
-    # run's directories writable and the checkpoint to resume from checked whole, before any engine
+    # the consistency contract (the mismatch gate's bound, how each sync is checked); the run's directory
+    # writable and the checkpoint to resume from checked whole (nothing made: a refused run leaves none)
+    gate = consistency.resolve_gate(cfg, precision.actor, precision.rollout)
+    sync_check = consistency.resolve_sync_check(cfg, precision.actor, precision.rollout, sampling.dist)
     checkpoints = Path(cfg.trainer.run_dir) / "checkpoints"
     probe_writable(checkpoints, "trainer.run_dir")
     resume_from = pick_resume(checkpoints, cfg.trainer.resume, trained, world, cfg.trainer.sequence_parallel_size)
-    # the consistency contract: the mismatch gate's bound, and how each sync is checked
-    gate = consistency.resolve_gate(cfg, precision.actor, precision.rollout)
-    sync_check = consistency.resolve_sync_check(cfg, precision.actor, precision.rollout, sampling.dist)
+    # how the policy's passes attend, and whether they share prefixes (from how many tokens: the actor's dtype)
+    attention, packing = attn.resolve(cfg.model.attn_implementation, cfg.model.packing, gpu)
+    share_prefixes, share_min_tokens = prefix.resolve_sharing(cfg, attention, precision.actor)
+    memory = fit_memory(cfg, sampling.shape, files, precision, world, gpu, batch, share_prefixes)
     return RunSetup(
         cfg=cfg,
-        model_path=model_path,
         gpu=gpu,
         rank=me,
         world=world,
