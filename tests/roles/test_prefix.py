@@ -111,11 +111,11 @@ def distinct(batch: TrainBatch, first_response: bool = True) -> int:
 DISTINCT = 7 + 1 + 4 + 2 + 1 + 4 + 3 + 2 + 3 + 7  # by hand, unless two random tokens happen to agree
 
 
-def _actors(model_dir: str, stage: int, gc: bool, lora: bool = False, micro: int = 7):
+def _actors(model_dir: str, stage: int, gc: bool, lora: bool = False, micro: int = 7, attn: str = "sdpa"):
     cfg = ds_config("actor", stage, "fp32", micro=micro, total=micro)
     out = []
     for _ in range(2):
-        model = load_causal_lm(model_dir, grad_checkpointing=gc)
+        model = load_causal_lm(model_dir, grad_checkpointing=gc, attn_implementation=attn)
         if lora:
             torch.manual_seed(0)
             model = apply_lora(model, 4, 8.0, 0.0, ["q_proj", "v_proj"], [])
@@ -145,6 +145,25 @@ def test_shared_actor_scores_and_trains_as_the_plain_actor(tiny_model_dir, stage
     assert shared.take_token_counts()["score"] == (held, DISTINCT, DISTINCT)
     batch = _ppo(batch, lp)
     assert_same_gradients(accumulated_grads(shared, batch), accumulated_grads(plain, batch))
+
+
+@pytest.mark.numerics
+def test_flex_attention_shares_through_its_block_mask_as_the_plain_pass(tiny_model_dir):
+    """FlexAttention (the GPU's route for rows that share prefixes: varlen flash-attention cannot express
+    "the prefix plus my own tokens"), run on the CPU where it can: scoring (torch's CPU FlexAttention has
+    no backward). The shared pass takes the block mask made from the pack's rule (`prefix.attention_mask`)
+    in one `[1, 34]` sequence; its logprobs and entropies equal the plain SDPA pass's."""
+    plain, _ = _actors(tiny_model_dir, 0, False)
+    flex, _ = _actors(tiny_model_dir, 0, False, attn="flex_attention")
+    flex.attention = "flex_attention"
+    shapes = _shared(flex)
+    batch = tree_batch(plain.module.config.vocab_size)
+    real = batch.loss_mask.bool()
+    lp, ent = plain.logprobs(batch, with_entropy=True)
+    lp_s, ent_s = flex.logprobs(batch, with_entropy=True)
+    assert shapes == [(1, DISTINCT)]
+    torch.testing.assert_close(lp_s[real], lp[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent_s[real], ent[real], rtol=0, atol=1e-5)
 
 
 @pytest.mark.numerics
