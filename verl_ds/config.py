@@ -705,6 +705,15 @@ class TrainerConfig:
     val_every: int = opt(0, "validate every K steps; 0: never during training", ge=0)
     val_before_train: Optional[bool] = opt(None, "validate before step 1; null: yes when a validation set exists")
     val_n: int = opt(4, "samples per validation prompt (mean@k, pass@k)", gt=0)
+    rollout_ranks: int = opt(
+        0,
+        "ranks that only generate (the last ones of the launch: a rollout engine each, no DeepSpeed engine); the "
+        "others train. 0: every rank does both, in turn (colocated). Apart, generation never waits for training: "
+        "the rollout ranks sample step t+1 on the weights of step t while the trainer ranks train step t (one "
+        "step off-policy, corrected by algorithm.tis_cap), and take each step's weights over the wire, checked "
+        'by the sync\'s probe (docs/GUIDE.md, "Rollout ranks apart")',
+        ge=0,
+    )
     collective_timeout_s: float = opt(
         600.0,
         "seconds a collective or store wait may block before the rank fails; a dead peer fails the "
@@ -981,6 +990,7 @@ def _between_sections(cfg: RunConfig) -> list[ConfigError]:
             "model.teacher_path",
             "a teacher is used by distillation only: set algorithm.distill.coef > 0 (or drop the teacher)",
         ),
+        *_rollout_ranks_rules(cfg),
         *_sequence_parallel_rules(cfg),
         *(
             (
@@ -993,6 +1003,39 @@ def _between_sections(cfg: RunConfig) -> list[ConfigError]:
             for role in active_roles(cfg)
         ),
     )
+
+
+def _rollout_ranks_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
+    """What `trainer.rollout_ranks` > 0 runs today: single-turn episodes streamed one step ahead, no
+    validation on the rollout ranks' engines, every row trained once (no partial rollouts, no dynamic
+    sampling), one sequence-parallel-free trainer group; the off-policy step corrected by TIS."""
+    k, a, r, t = cfg.trainer.rollout_ranks, cfg.algorithm, cfg.rollout, cfg.trainer
+    if k == 0:
+        return []
+    why = f"trainer.rollout_ranks {k}"
+    launched = int(os.environ.get("VERL_DS_LAUNCH_WORLD") or os.environ.get("WORLD_SIZE", 0))
+    return [
+        (
+            0 < launched <= k,
+            "trainer.rollout_ranks",
+            f"{k} of the {launched} ranks launched leaves none to train: at most {launched - 1}",
+        ),
+        (
+            a.tis_cap is None,
+            "algorithm.tis_cap",
+            f"{why}: rows are sampled by the previous step's weights: set the importance-weight cap (e.g. 2.0)",
+        ),
+        (r.partial.enabled, "rollout.partial.enabled", f"{why}: the rollout ranks stream whole steps (false)"),
+        (r.multi_turn.enabled, "rollout.multi_turn.enabled", f"{why}: single-turn episodes only, for now"),
+        (a.filter_groups.enabled, "algorithm.filter_groups.enabled", f"{why}: one round a step (false)"),
+        (
+            t.val_every > 0 or bool(t.val_before_train),
+            "trainer.val_every",
+            f"{why}: validation generates on the rollout ranks' engines, not yet (0, and val_before_train: false)",
+        ),
+        (t.sequence_parallel_size > 1, "trainer.sequence_parallel_size", f"{why}: with 1 only, for now"),
+        (r.tensor_parallel_size > 1, "rollout.tensor_parallel_size", f"{why}: with 1 only, for now"),
+    ]
 
 
 def _sequence_parallel_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
@@ -1085,9 +1128,11 @@ def _batch_geometry(cfg: RunConfig, world: int) -> list[ConfigError]:
 
 
 def default_world(cfg: RunConfig) -> int:
-    """The ranks a config is checked and rendered for when none are given: $WORLD_SIZE (the launcher
-    sets it), else the fewest the run takes (its sequence-parallel group; 1)."""
-    return int(os.environ.get("WORLD_SIZE", 0)) or cfg.trainer.sequence_parallel_size
+    """The trainer ranks a config is checked and rendered for when none are given: the launch's ranks
+    ($WORLD_SIZE, which the launcher sets; `dist.LAUNCH_WORLD` once the rollout ranks split off) less
+    `trainer.rollout_ranks`, else the fewest the run takes (its sequence-parallel group; 1)."""
+    launched = int(os.environ.get("VERL_DS_LAUNCH_WORLD") or os.environ.get("WORLD_SIZE", 0))
+    return max(launched - cfg.trainer.rollout_ranks, 0) or cfg.trainer.sequence_parallel_size
 
 
 def dp_world(cfg: RunConfig, world: int) -> int:

@@ -34,11 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_s: float | None = None) -> None:
+def init_distributed(timeout_s: float | None = None, rollout_ranks: int = 0) -> None:
     """Idempotent. Outside a launcher, fills the env a 1-rank world needs (else DeepSpeed tries MPI).
     `timeout_s` bounds every collective and store wait (`trainer.collective_timeout_s`; None:
     DeepSpeed's default). On CPU, local rank 0 first removes the /dev/shm buffers of jobs that are
-    gone (its own job's ranks create theirs only once the group forms)."""
+    gone (its own job's ranks create theirs only once the group forms). `rollout_ranks` > 0: the last
+    ranks of the launch split off (`split_launch`): this process's group is then its kind's."""
     import deepspeed
     import torch.distributed as dist
 
@@ -48,6 +49,9 @@ def init_distributed(timeout_s: float | None = None) -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if rollout_ranks and split_launch(rollout_ranks, timeout_s or 600.0) == "rollout":
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s or 600.0))
+        return
     if on_gpu():  # one GPU per local rank, before NCCL picks cuda:0 for everyone
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     elif os.environ.get("LOCAL_RANK", "0") == "0":
@@ -61,6 +65,100 @@ def init_distributed(timeout_s: float | None = None) -> None:
         log.debug("deepspeed: %s", line)
     if not on_gpu():
         remove_deepspeed_shm_at_exit()  # DeepSpeed's CPU all-reduce buffer in /dev/shm
+
+
+# --------------------------------------------------------------- rollout ranks apart
+_SPLIT: dict = {}  # "kind": trainer | rollout, "bridge": the Bridge over every rank of the launch
+
+
+def split_launch(rollout_ranks: int, timeout_s: float) -> str:
+    """Split the launch's ranks into trainer ranks (the first ones) and `rollout_ranks` rollout ranks (the
+    last): each kind gets a process group of its own, with the env its libraries read (RANK, WORLD_SIZE,
+    LOCAL_SIZE; the rollout ranks' group on MASTER_PORT + 1), so every collective of a kind stays within
+    it; every rank of the launch joins one `Bridge` (MASTER_PORT + 2) that carries rows and weights
+    between them. -> this process's kind. One node for now (LOCAL_SIZE is split as the world is)."""
+    launch_rank, launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    trainers = launched - rollout_ranks
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    os.environ["VERL_DS_LAUNCH_WORLD"] = str(launched)
+    kind = "trainer" if launch_rank < trainers else "rollout"
+    if kind == "trainer":
+        os.environ.update(WORLD_SIZE=str(trainers), LOCAL_SIZE=str(trainers))
+    else:
+        me = launch_rank - trainers
+        os.environ.update(
+            RANK=str(me), LOCAL_RANK=str(me), WORLD_SIZE=str(rollout_ranks), LOCAL_SIZE=str(rollout_ranks)
+        )
+        os.environ["MASTER_PORT"] = str(port + 1)
+    _SPLIT.update(kind=kind, bridge=Bridge(launch_rank, launched, trainers, addr, port + 2, timeout_s))
+    return kind
+
+
+def is_rollout_rank() -> bool:
+    """This process is a rollout rank (`split_launch`)."""
+    return _SPLIT.get("kind") == "rollout"
+
+
+def bridge() -> Bridge | None:
+    """The launch's bridge between trainer and rollout ranks (`split_launch`); None when colocated."""
+    return _SPLIT.get("bridge")
+
+
+class Bridge:
+    """Messages between the two kinds of rank: a process group of its own over every rank of the
+    launch (gloo, built from its own store, so neither kind's group knows of it). A message is plain data
+    (dicts, lists, numbers, strings, tensors), saved with `torch.save` and loaded `weights_only`, sent as
+    its length, then its bytes; `isend` returns at once (the
+    weights go while the trainer ranks carry on), `wait` before the next."""
+
+    def __init__(self, launch_rank: int, launched: int, trainers: int, addr: str, port: int, timeout_s: float):
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=timeout_s)
+        self.rank, self.size, self.trainers = launch_rank, launched, trainers
+        self.store = dist.TCPStore(addr, port, launched, is_master=launch_rank == 0, timeout=timeout)
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore("verl_ds/bridge", self.store), launch_rank, launched, timeout
+        )
+        self._pending: list = []
+        self.sent_bytes = 0
+
+    def rollout_rank_of(self, trainer: int) -> int:
+        """The launch rank of the rollout rank that serves trainer rank `trainer`."""
+        return self.trainers + trainer % (self.size - self.trainers)
+
+    def trainers_of(self, rollout: int) -> list[int]:
+        """The trainer ranks rollout rank `rollout` (its launch rank) serves."""
+        return [t for t in range(self.trainers) if self.rollout_rank_of(t) == rollout]
+
+    def isend(self, obj, dst: int) -> int:
+        """Send `obj` to launch rank `dst` without waiting; -> its bytes."""
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        payload = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self._pending += [(self.group.send([size], dst, 0), size), (self.group.send([payload], dst, 1), payload)]
+        self.sent_bytes += payload.numel()
+        return payload.numel()
+
+    def send(self, obj, dst: int) -> int:
+        n = self.isend(obj, dst)
+        self.wait()
+        return n
+
+    def wait(self) -> None:
+        """Every send made so far has been received."""
+        pending, self._pending = self._pending, []
+        for work, _buffer in pending:
+            work.wait()
+
+    def recv(self, src: int):
+        """The next object from launch rank `src` (tensors on the CPU)."""
+        size = torch.zeros(1, dtype=torch.int64)
+        self.group.recv([size], src, 0).wait()
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        self.group.recv([payload], src, 1).wait()
+        return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
 
 
 def peer_lost(exc: BaseException) -> bool:

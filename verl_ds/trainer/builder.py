@@ -18,6 +18,7 @@ from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import PromptSampler, tokenize_prompts
 from verl_ds.data.tasks import load_examples
 from verl_ds.data.tiny import load_tokenizer, prepare_model
+from verl_ds.dist import bridge
 from verl_ds.envs import parse_hermes_tool_calls, tool_schemas
 from verl_ds.errors import ConfigError
 from verl_ds.roles import (
@@ -37,6 +38,7 @@ from verl_ds.roles.lora import AdapterOffReference, apply_lora, tied_embedding_t
 from verl_ds.roles.sequence_parallel import SequenceParallel
 from verl_ds.rollout import make_rollout
 from verl_ds.rollout.agents import AgentEpisodes
+from verl_ds.rollout.engines.remote import RemoteRollout
 from verl_ds.rollout.engines.weights import eos_token_ids
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
 from verl_ds.rollout.partial import PartialLimits, PartialRollouts
@@ -76,9 +78,7 @@ def build(setup: RunSetup) -> RunParts:
     data = build_data(s, model_path)
     roles = build_roles(s, model_path)
     p = s.precision
-    rollout = make_rollout(
-        cfg.rollout, model_path, p.rollout, cfg.trainer.seed, cfg.model.trust_remote_code, p.lm_head_fp32
-    )
+    rollout = build_rollout(s, model_path, data)
     rewards = Rewards(cfg, s.reward_fn, roles.get("reward"), data.tokenizer, s.rank)
     probe = SyncProbe(data.prompts, cfg.trainer.seed, cfg.rollout.temperature, p.actor, p.rollout)
     step_metrics = StepMetrics(cfg.algorithm, roles, rollout, data.sampler)
@@ -138,6 +138,27 @@ def build_data(setup: RunSetup, model_path: str) -> RunData:
         tokenize_prompts(x, tokenizer, d.max_prompt_length, d.apply_chat_template, codec) for x in (train, val)
     )
     return RunData(tokenizer, codec, spec, prompts, val_prompts, sampler)
+
+
+def build_rollout(setup: RunSetup, model_path: str, data: RunData):
+    """This rank's rollout engine (`rollout.make_rollout`), or where rollout ranks run apart
+    (`trainer.rollout_ranks`) the stream from its rollout rank, told by trainer rank 0 what to serve."""
+    cfg, p = setup.cfg, setup.precision
+    if not cfg.trainer.rollout_ranks:
+        return make_rollout(
+            cfg.rollout, model_path, p.rollout, cfg.trainer.seed, cfg.model.trust_remote_code, p.lm_head_fp32
+        )
+    handshake = {
+        "model_path": model_path,
+        "engine": cfg.rollout.engine,
+        "enforce_eager": cfg.rollout.enforce_eager,
+        "rollout_dtype": p.rollout,
+        "actor_dtype": p.actor,
+        "lm_head_fp32": p.lm_head_fp32,
+        "prompts": data.prompts,
+        "trainers": setup.world,
+    }
+    return RemoteRollout(bridge(), setup.rank, data.tokenizer.pad_token_id).connect(handshake)
 
 
 def build_agents(setup: RunSetup, codec: ChatCodec, engine) -> AgentEpisodes | None:

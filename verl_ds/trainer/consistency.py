@@ -95,6 +95,11 @@ def resolve_gate(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str) -> Mism
     if mode != "off" and cfg.rollout.partial.enabled and cfg.rollout.partial.max_staleness > 0:
         log.info("mismatch gate: off (rollout.partial: stale tokens' ratios are not the pair's precision)")
         mode = "off"
+    elif mode != "off" and cfg.trainer.rollout_ranks:
+        log.info(
+            "mismatch gate: off (trainer.rollout_ranks: rows one step off-policy, their ratios are not the pair's)"
+        )
+        mode = "off"
     elif mode != "off":
         log.info("mismatch gate: %s past %.2g%% of tokens outside the clip band (%s)", mode, 100 * bound, pair)
     return MismatchGate(mode, bound, pair)
@@ -105,6 +110,8 @@ def resolve_sync_check(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str, s
     why = (
         "rollout.partial: a step's rows hold tokens older weights sampled"
         if cfg.rollout.partial.enabled and cfg.rollout.partial.max_staleness > 0
+        else "trainer.rollout_ranks: a step's rows were sampled by the weights before"
+        if cfg.trainer.rollout_ranks
         else f"a truncated sampling set on {trainer_dtype} vs {rollout_dtype}: its kept set comes from other logits"
         if sampled.truncates and trainer_dtype != rollout_dtype
         else ""

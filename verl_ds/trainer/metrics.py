@@ -52,7 +52,9 @@ class StepMetrics:
 
     def batch(self, batch: RolloutBatch, raw_scores, scores, old_lp, kl, step_s: float) -> dict[str, float]:
         mask, a = batch.loss_mask, self.algorithm
-        rollout_perf = {k: v for k, v in self.rollout.last_metrics.items() if k.startswith("perf/")}
+        # perf/*; where rollout ranks run apart, what the stream reports (the rows' policy lag, each side's wait)
+        apart = ("perf/", "rollout/", "rollout_rank/", "timing_s/rows_wait", "timing_s/rollout_idle")
+        rollout_perf = {k: v for k, v in self.rollout.last_metrics.items() if k.startswith(apart)}
         return {
             "reward/mean": raw_scores.mean().item(),
             "reward/normalized_mean": scores.mean().item(),

@@ -124,9 +124,10 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
 
 
 def start_process_group(cfg: RunConfig) -> None:
-    """The process group, and the log levels by rank: rank 0 logs at `logging.level`, the others only
-    warnings (so every start-up line after this is said once)."""
-    init_distributed(cfg.trainer.collective_timeout_s)
+    """The process group (this kind's, where rollout ranks run apart: `dist.split_launch`), and the log
+    levels by rank: rank 0 logs at `logging.level`, the others only warnings (so every start-up line
+    after this is said once)."""
+    init_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.rollout_ranks)
     me, gpu = rank(), on_gpu()
     logging.getLogger("verl_ds").setLevel(cfg.logging.level if me == 0 else logging.WARNING)
     if cfg.trainer.device == "cpu" and gpu:

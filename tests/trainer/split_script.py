@@ -1,0 +1,79 @@
+"""Rollout ranks apart, under the launcher with two ranks: rank 0 trains, rank 1 only generates
+(`trainer.rollout_ranks: 1`). Run by test_rollout_ranks.py. The trainer rank prints one `RESULT {json}`
+line: each step's policy lag, probe gap and bytes, and whether step 0's rows are, bit for bit, what a
+colocated engine samples for the same prompts and seeds. `stale`: the sync after step 0 holds q_proj
+back (a weight that did not land); the probe must stop the run at step 1, before its optimizer step."""
+
+import json
+import os
+import sys
+
+import verl_ds.trainer.rl_trainer as rl_trainer
+from tests.trainer.test_sync_probe import JOB
+from verl_ds.config import load_config
+from verl_ds.data.dataset import PromptSampler
+from verl_ds.diagnostics.observers import TrainerObserver
+from verl_ds.dist import bridge, init_distributed, is_rollout_rank
+from verl_ds.errors import RunFailure
+from verl_ds.rollout import make_rollout
+from verl_ds.rollout.engines.distributed import generate_distributed
+from verl_ds.trainer.rollout_rank import serve
+
+SPLIT = ["trainer.rollout_ranks=1", "algorithm.tis_cap=2.0", "trainer.steps=4", "checkpoint.every=0"]
+
+
+class Rows(TrainerObserver):
+    def __init__(self):
+        self.batches = []
+
+    def on_rollout(self, trainer, rollout, scores):
+        self.batches.append(rollout.batch)
+
+
+def main(run_dir: str, mode: str) -> None:
+    cfg = load_config(None, [*JOB, *SPLIT, f"trainer.run_dir={run_dir}"])
+    init_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.rollout_ranks)
+    if is_rollout_rank():
+        serve(cfg, bridge())
+        return
+    out = {"line": None, "steps": []}
+    with rl_trainer.RLTrainer(cfg) as trainer:
+        rows = Rows()
+        trainer.observers.append(rows)
+        out["steps"].append(trainer.step())
+        if mode == "stale":
+            real = rl_trainer.iter_full_params
+            initial = {n: t.clone() for n, t in real(trainer.actor.engine) if "q_proj" in n}
+            rl_trainer.iter_full_params = lambda e: ((n, initial.get(n, t)) for n, t in real(e))
+        # step 0's rows against a colocated engine on the same (initial) weights, prompts and seeds
+        s, r = trainer.setup, cfg.rollout
+        local = make_rollout(r, trainer.model_path, s.precision.rollout, cfg.trainer.seed)
+        sampler = PromptSampler(len(trainer.prompts), cfg.data.seed, cfg.data.shuffle)
+        ids = [trainer.prompts[i]["prompt_ids"] for i in sampler.draw(cfg.trainer.prompts_per_step, 0, 1)]
+        want = generate_distributed(local, ids, r.n, r.temperature, r.top_p, r.max_new_tokens, cfg.trainer.seed, 0)
+        got = rows.batches[0]
+        out["rows_equal"] = bool(
+            (got.input_ids == want.input_ids).all() and (got.rollout_logprobs == want.rollout_logprobs).all()
+        )
+        try:
+            for _ in range(cfg.trainer.steps - 1):
+                before = trainer.actor.engine.global_steps
+                out["steps"].append(trainer.step())
+        except RunFailure as e:
+            out["line"] = str(e)
+            out["optimizer_stepped"] = trainer.actor.engine.global_steps != before
+        keep = (
+            "rollout/policy_lag",
+            "rollout/sync_probe_gap",
+            "sync/bytes_full",
+            "sync/bytes_sent",
+            "timing_s/rows_wait",
+        )
+        out["steps"] = [{k: m[k] for k in keep if k in m} for m in out["steps"]]
+        print("RESULT " + json.dumps(out), flush=True)
+        if out["line"]:  # the rollout rank waits for weights that will not come: end here
+            os._exit(0)
+
+
+if __name__ == "__main__":
+    main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])  # DeepSpeed's launcher adds it

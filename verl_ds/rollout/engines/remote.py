@@ -1,0 +1,153 @@
+"""Rollout ranks apart (`trainer.rollout_ranks`): the trainer rank's side of the stream.
+
+`RemoteRollout` is the rollout engine the loop sees on a trainer rank. Its rows come from a rollout
+rank (`trainer/rollout_rank.py`) over the launch's `dist.Bridge`, in the order the loop asks for
+them: each step's batch, then the sync's probe. The rollout rank draws the same prompts and seeds the
+colocated rank would (the same sampler, `prompt_seeds` at this trainer rank's positions), so the loop
+runs unchanged; what it asks for is checked against what came (`asked`), so two samplers that part
+are one line, not a silent mismatch. The weights go the other way after every optimizer step, from
+trainer rank 0 to every rollout rank, without waiting (`Bridge.isend`): only the tensors' changed
+elements where that is fewer bytes than the tensor (`changed_elements`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+from verl_ds.errors import RunFailure
+
+from ..batch import RolloutBatch
+
+
+def as_message(batch: RolloutBatch) -> dict:
+    """A batch as plain data for the bridge."""
+    return dict(vars(batch))
+
+
+def changed_elements(now: torch.Tensor, before: torch.Tensor | None) -> torch.Tensor | dict:
+    """What a rollout rank that holds `before` needs to hold `now`: the indices and values of the
+    elements whose bits changed, or `now` itself where that is fewer bytes (or nothing was held)."""
+    if before is None or before.shape != now.shape or before.dtype != now.dtype:
+        return now
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[now.element_size()]
+    idx = (now.view(bits) != before.view(bits)).flatten().nonzero().flatten()
+    idx = idx.to(torch.int32) if now.numel() < 2**31 else idx  # 4 bytes an index where they fit
+    if idx.numel() * (idx.element_size() + now.element_size()) >= now.numel() * now.element_size():
+        return now
+    return {"idx": idx, "val": now.flatten()[idx]}
+
+
+def apply_changes(held: torch.Tensor | None, part: torch.Tensor | dict) -> torch.Tensor:
+    """`changed_elements` undone: the tensor the sender holds."""
+    if isinstance(part, torch.Tensor):
+        return part
+    out = held.clone()
+    out.view(-1)[part["idx"].long()] = part["val"]
+    return out
+
+
+def part_bytes(part: torch.Tensor | dict) -> int:
+    if isinstance(part, torch.Tensor):
+        return part.numel() * part.element_size()
+    return sum(t.numel() * t.element_size() for t in part.values())
+
+
+class RemoteRollout:
+    """A trainer rank's rollout engine when rollout ranks run apart (the `RolloutEngine` members the loop
+    uses): `generate` takes the next rows its rollout rank sent, `sync_weights` sends the step's weights
+    (trainer rank 0; the others take part in the gathers only)."""
+
+    tp = 1  # the rollout rank's engine serves this rank alone, as far as this rank can tell
+    start_s = 0.0
+
+    def __init__(self, bridge, trainer_rank: int, pad_id: int):
+        self.bridge, self.rank = bridge, trainer_rank
+        self.server = bridge.rollout_rank_of(trainer_rank)
+        self.sender = trainer_rank == 0
+        self.pad_id = pad_id
+        self.last_metrics: dict[str, float] = {}
+        self._held: dict[str, torch.Tensor] = {}  # what the rollout ranks hold, as last sent (trainer rank 0)
+        self.version = 0
+
+    def connect(self, handshake: dict) -> RemoteRollout:
+        """Trainer rank 0 tells every rollout rank what to serve (`handshake`: the model, its dtype and
+        engine, the prompts); every trainer rank then waits for rows."""
+        if self.sender:
+            for r in range(self.bridge.trainers, self.bridge.size):
+                self.bridge.send(handshake, r)
+        return self
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 16,
+        seeds: list[int] | None = None,
+        top_k: int = 0,
+    ) -> RolloutBatch:
+        t0 = time.perf_counter()
+        msg = self.bridge.recv(self.server)
+        asked = dict(
+            prompts=[list(p) for p in prompt_token_ids],
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            seeds=list(seeds or []),
+            top_k=top_k,
+        )
+        if msg["asked"] != asked:
+            differ = sorted(k for k in asked if msg["asked"].get(k) != asked[k])
+            raise RunFailure(
+                f"rollout rank {self.server} sent rows for other requests than trainer rank {self.rank} asks "
+                f"for ({', '.join(differ)} differ): the two sides' samplers parted"
+            )
+        if msg["metrics"]:  # a step's rows (the probe's carry none: the step's stay)
+            self.last_metrics = {**msg["metrics"], "timing_s/rows_wait": time.perf_counter() - t0}
+        return RolloutBatch(**msg["batch"])
+
+    def stream(self, temperature: float, top_p: float, chunk_tokens: int, top_k: int = 0):
+        raise NotImplementedError("rollout ranks apart stream whole steps (config refuses rollout.partial)")
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Trainer rank 0: the step's weights to every rollout rank, each tensor's changed elements where
+        fewer bytes, sent without waiting (the previous step's taken first); the other trainer ranks
+        drain the iterator (its gathers are collective)."""
+        t0 = time.perf_counter()
+        if not self.sender:
+            for _ in named_tensors:
+                pass
+            return {}
+        self.bridge.wait()  # the previous weights reached every rollout rank
+        wait_s = time.perf_counter() - t0
+        parts, full, sent = {}, 0, 0
+        for name, tensor in named_tensors:
+            now = tensor.detach().to("cpu", copy=True)
+            parts[name] = changed_elements(now, self._held.get(name))
+            self._held[name] = now
+            full += now.numel() * now.element_size()
+            sent += part_bytes(parts[name])
+        self.version += 1
+        for r in range(self.bridge.trainers, self.bridge.size):
+            self.bridge.isend({"version": self.version, "tensors": parts}, r)
+        return {
+            "timing_s/update_weights": time.perf_counter() - t0,
+            "timing_s/weights_wait": wait_s,
+            "sync/bytes_full": float(full),
+            "sync/bytes_sent": float(sent),
+        }
+
+    def sleep(self, level: int) -> None:  # the engine is on another rank
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def shutdown(self, release: bool = True) -> None:
+        if self.sender:
+            self.bridge.wait()  # the last weights reach the rollout ranks, which end on them

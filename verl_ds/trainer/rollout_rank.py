@@ -1,0 +1,92 @@
+"""A rollout rank (`trainer.rollout_ranks` > 0): a rollout engine and nothing else, generating each
+step's rows for the trainer ranks it serves while they train the step before.
+
+The schedule is fixed, so a run is the same however fast either side is: the rows of step s are
+sampled on the weights of step s - 1 (step 0 and 1 on the initial ones), one step off-policy. At step
+s >= 2 the rank first takes the weights trainer rank 0 sent after its step s - 2 (in place, checked by
+the engine's read-back), samples the sync's probe on them for the trainer ranks to score on the same
+weights before their next optimizer step (`SyncProbe`: a weight that did not land stops the run
+there), then generates step s. The trainers' own loop asks for exactly these rows, in this order
+(`rollout.engines.remote.RemoteRollout`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from verl_ds.config import RunConfig
+from verl_ds.data.dataset import PromptSampler
+from verl_ds.dist import peer_lost
+from verl_ds.rollout import make_rollout
+from verl_ds.rollout.engines.remote import apply_changes, as_message
+from verl_ds.rollout.seeding import prompt_seeds
+from verl_ds.trainer.probe import SyncProbe
+
+log = logging.getLogger(__name__)
+
+
+def serve(cfg: RunConfig, bridge) -> None:
+    """Serve `cfg.trainer.steps` steps of rows to this rollout rank's trainer ranks (`Bridge.trainers_of`),
+    then take the last weights and end; the trainer ranks gone first (one failed) ends it in one line."""
+    try:
+        _serve(cfg, bridge)
+    except Exception as e:
+        if not peer_lost(e):
+            raise
+        log.warning("rollout rank %d: the trainer ranks are gone (%s); ending", bridge.rank, type(e).__name__)
+
+
+def _serve(cfg: RunConfig, bridge) -> None:
+    hs = bridge.recv(0)  # trainer rank 0's handshake, once its model and prompts exist
+    r, t = cfg.rollout, cfg.trainer
+    rollout_cfg = replace(r, engine=hs["engine"], enforce_eager=hs["enforce_eager"])
+    engine = make_rollout(
+        rollout_cfg, hs["model_path"], hs["rollout_dtype"], t.seed, cfg.model.trust_remote_code, hs["lm_head_fp32"]
+    )
+    prompts, trainers = hs["prompts"], hs["trainers"]
+    mine = bridge.trainers_of(bridge.rank)
+    sampler = PromptSampler(len(prompts), cfg.data.seed, cfg.data.shuffle)
+    probe = SyncProbe(prompts, t.seed, r.temperature, hs["actor_dtype"], hs["rollout_dtype"])
+    held: dict = {}
+    version, idle, synced = 0, 0.0, {}
+    log.info("rollout rank %d: serving trainer ranks %s on %s", bridge.rank, mine, hs["engine"])
+    for s in range(t.steps + 2):
+        if s >= 2:  # the weights of step s - 1, in place, then the probe the trainers check them by
+            t0 = time.perf_counter()
+            msg = bridge.recv(0)
+            idle += time.perf_counter() - t0
+            for name, part in msg["tensors"].items():
+                held[name] = apply_changes(held.get(name), part)
+            synced = engine.sync_weights(iter(held.items()))
+            version = msg["version"]
+            if s <= t.steps:
+                got = probe.sample(engine)
+                args = dict(n=1, temperature=probe.temperature, top_p=1.0, max_new_tokens=probe.TOKENS, top_k=0)
+                for trainer in mine:
+                    idle += _send(bridge, trainer, probe.prompts, probe.seeds, args, got.batch, {})
+        if s < t.steps:
+            picked = sampler.next(t.prompts_per_step)
+            args = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, top_k=r.top_k)
+            for trainer in mine:
+                ids = [prompts[i]["prompt_ids"] for i in picked[trainer::trainers]]
+                seeds = prompt_seeds(t.seed, s, range(trainer * len(ids), (trainer + 1) * len(ids)))
+                batch = engine.generate(ids, **args, seeds=seeds)
+                metrics = {
+                    **engine.last_metrics,
+                    **{f"rollout_rank/{k.split('/')[-1]}": v for k, v in synced.items()},
+                    "rollout/policy_lag": float(s - version),
+                    "timing_s/rollout_idle": idle,
+                }
+                idle = _send(bridge, trainer, ids, seeds, args, batch, metrics)
+    engine.shutdown()
+
+
+def _send(bridge, trainer: int, prompts, seeds, args: dict, batch, metrics: dict) -> float:
+    """Rows to `trainer`, with what they answer (`asked`); -> the seconds this rank waited for it to take them."""
+    t0 = time.perf_counter()
+    asked = dict(prompts=[list(p) for p in prompts], **args, seeds=list(seeds))
+    asked = {k: asked[k] for k in ("prompts", "n", "temperature", "top_p", "max_new_tokens", "seeds", "top_k")}
+    bridge.send({"asked": asked, "batch": as_message(batch), "metrics": metrics}, trainer)
+    return time.perf_counter() - t0
