@@ -81,12 +81,15 @@ def test_grad_checkpointing_takes_effect_in_eval_mode_and_bounds_the_update_memo
             _ready(a, vocab)
         peak_on, grads_on = update_peak(on, batch)
         peak_off, grads_off = update_peak(off, batch)
+        # the checkpointed update again, after the plain one: the first full-length update can hold one-off
+        # buffers the short warm-up did not size (a BLAS's packing for these shapes), so the lower peak counts
+        peak_on = min(peak_on, update_peak(on, batch)[0])
     assert_same_gradients(grads_on, grads_off)  # recomputation is exact
     # what the backward keeps, fp32: every layer's activations (`debug memory`'s model: ~10h + 4 kv +
     # 5 ffn values a token) against one input per layer plus one layer's recomputed set
     per_layer = ROWS * T * (14 * HIDDEN + 5 * FFN) * 4
     assert peak_off > 0.6 * LAYERS * per_layer, (peak_off, per_layer)
-    assert peak_on < 1.5 * (LAYERS * ROWS * T * HIDDEN * 4 + per_layer), (peak_on, per_layer)
+    assert peak_on < 1.5 * (LAYERS * ROWS * T * HIDDEN * 4 + per_layer), (peak_on, peak_off, per_layer)
     assert peak_on < 0.35 * peak_off, (peak_on / 2**20, peak_off / 2**20)
 
 

@@ -106,12 +106,19 @@ def resolve_gate(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str) -> Mism
 
 
 def resolve_sync_check(cfg: RunConfig, trainer_dtype: str, rollout_dtype: str, sampled: algos.TokenDist) -> str:
-    """How each sync is verified, said in one line: "rows" (the step's own rows, free) or "probe"."""
+    """How each sync is verified, said in one line: "rows" (the step's own rows, free), "probe" (a fixed
+    probe the engine samples before the roles wake), or "stream" (rollout ranks apart: the probe their
+    rollout rank samples on the weights it took, taken once the step's scoring has run, as it arrives
+    meanwhile, and checked before the update)."""
+    if cfg.trainer.rollout_ranks:
+        log.info(
+            "sync check: a fixed probe the rollout rank samples on each step's weights (trainer.rollout_ranks: a "
+            "step's rows were sampled by the weights before), checked before the update"
+        )
+        return "stream"
     why = (
         "rollout.partial: a step's rows hold tokens older weights sampled"
         if cfg.rollout.partial.enabled and cfg.rollout.partial.max_staleness > 0
-        else "trainer.rollout_ranks: a step's rows were sampled by the weights before"
-        if cfg.trainer.rollout_ranks
         else f"a truncated sampling set on {trainer_dtype} vs {rollout_dtype}: its kept set comes from other logits"
         if sampled.truncates and trainer_dtype != rollout_dtype
         else ""

@@ -112,6 +112,9 @@ class RLTrainer:
             # 4. old, reference and teacher logprobs and values, stored in the buffer dtype
             n_minis = self._mini_batches(len(got.batch))
             stored, old_lp = self._score_pass(got.batch, timer, on_policy=self._first_is_old(n_minis))
+            if self.global_step and self.setup.sync_check == "stream":  # the rollout rank's probe on the
+                # weights it took: it came while these scored; a weight that did not land stops the run here
+                probe_metrics = self.probe.check(self.probe.sample(self.rollout), self.actor, self.global_step)
             # or the sync checked on the actor's first scoring of these rows, before any optimizer step:
             # the old policy's pass, or (on-policy) the update's first forward
             check = self._row_check(got.batch, probe_metrics)

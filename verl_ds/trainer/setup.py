@@ -49,7 +49,7 @@ class RunSetup:
     share_min_tokens: int  # ... where that saves at least this many tokens a row (`prefix.min_saved_tokens`)
     sampled: TokenDist  # what the rollout samples each token from, and every pass scores it under (`resolve_sampled`)
     gate: MismatchGate  # the bound on the rollout-vs-trainer mismatch (`consistency.resolve_gate`)
-    sync_check: str  # rows (the step's first scoring, free) | probe (`consistency.resolve_sync_check`)
+    sync_check: str  # rows (the step's first scoring, free) | probe | stream (`consistency.resolve_sync_check`)
     tools: tuple[Callable, ...]  # `data.tools`
     env_factory: Callable | None  # `rollout.multi_turn.env`; None: no environment
     agent: Callable | None  # `rollout.multi_turn.agent`; None: not an agent job
