@@ -2,7 +2,9 @@
 (`trainer.rollout_ranks: 1`). Run by test_rollout_ranks.py. The trainer rank prints one `RESULT {json}`
 line: each step's policy lag, probe gap and bytes, and whether step 0's rows are, bit for bit, what a
 colocated engine samples for the same prompts and seeds. `stale`: the sync after step 0 holds q_proj
-back (a weight that did not land); the probe must stop the run at step 1, before its optimizer step."""
+back (a weight that did not land); the probe must stop the run at step 1, before its optimizer step.
+`run` ends as `fit` does (the final checkpoint, the export); `fit`: the run's own loop, with the config
+overrides that follow."""
 
 import json
 import os
@@ -30,11 +32,16 @@ class Rows(TrainerObserver):
         self.batches.append(rollout.batch)
 
 
-def main(run_dir: str, mode: str) -> None:
-    cfg = load_config(None, [*JOB, *SPLIT, f"trainer.run_dir={run_dir}"])
+def main(run_dir: str, mode: str, *overrides: str) -> None:
+    cfg = load_config(None, [*JOB, *SPLIT, f"trainer.run_dir={run_dir}", *overrides])
     init_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.rollout_ranks)
     if is_rollout_rank():
         serve(cfg, bridge())
+        return
+    if mode == "fit":
+        with rl_trainer.RLTrainer(cfg) as trainer:
+            trainer.fit()
+        print("RESULT {}", flush=True)
         return
     out = {"line": None, "steps": []}
     with rl_trainer.RLTrainer(cfg) as trainer:
@@ -70,6 +77,9 @@ def main(run_dir: str, mode: str) -> None:
             "timing_s/rows_wait",
         )
         out["steps"] = [{k: m[k] for k in keep if k in m} for m in out["steps"]]
+        if out["line"] is None:  # as `fit` ends: the final checkpoint and the exported model
+            trainer.save()
+            trainer.export(trainer.run_dir / "final_model", cfg.checkpoint.export_dtype)
         print("RESULT " + json.dumps(out), flush=True)
         if out["line"]:  # the rollout rank waits for weights that will not come: end here
             os._exit(0)

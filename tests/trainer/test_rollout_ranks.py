@@ -15,26 +15,34 @@ from verl_ds.config import load_config
 from verl_ds.dist import _free_port
 from verl_ds.errors import ConfigError, ConfigErrors
 from verl_ds.rollout.engines.remote import apply_changes, changed_elements, part_bytes
+from verl_ds.trainer.checkpoint import check_placement, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(run_dir: Path, mode: str) -> tuple[subprocess.CompletedProcess, dict]:
+def _launch(run_dir: Path, mode: str, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
     cmd = [sys.executable, "-m", "verl_ds.launcher", "--num_ranks", "2", "--master_port", str(_free_port()), "--"]
-    cmd += ["--module", "tests.trainer.split_script", str(run_dir), mode]
+    cmd += ["--module", "tests.trainer.split_script", str(run_dir), mode, *overrides]
     out = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, out.stdout[-3000:] + out.stderr[-3000:]
     return out, json.loads(lines[-1][len("RESULT ") :])
 
 
-def test_rollout_ranks_stream_one_step_ahead_and_every_sync_is_probed(tmp_path):
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("split") / "run"
+    out, res = _launch(run_dir, "run")
+    return out, res, run_dir
+
+
+def test_rollout_ranks_stream_one_step_ahead_and_every_sync_is_probed(whole_run):
     """1 trainer + 1 rollout rank, 4 steps (fp32): step 0's rows are, bit for bit, what a colocated engine
     samples for the same prompts and seeds on the same weights; every later step trains rows the weights of
     the step before sampled (policy lag 1), and the weights each step sent, landed in the rollout rank's
     engine, are checked by the probe on them (gap within fp32's rounding); bytes sent never exceed the
     tensors'."""
-    out, res = _launch(tmp_path / "run", "run")
+    out, res, _ = whole_run
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert res["line"] is None and res["rows_equal"]
     steps = res["steps"]
@@ -49,6 +57,28 @@ def test_a_weight_that_did_not_reach_the_rollout_rank_stops_the_run_before_it_tr
     _, res = _launch(tmp_path / "run", "stale")
     assert res["line"] is not None and "sync" in res["line"]
     assert res["optimizer_stepped"] is False
+
+
+def test_a_run_resumed_apart_trains_what_the_uninterrupted_run_trains(whole_run, tmp_path):
+    """4 steps in one run against 2 steps, then the same run resumed to 4 from its final checkpoint: the
+    checkpoint holds step 2's rows (sampled on step 1's weights), the rollout rank starts at step 3 on the
+    weights the resume sends, and steps 3-4 and the exported model are bitwise the uninterrupted run's.
+    A checkpoint written apart is refused colocated, in one line."""
+    whole, cut = whole_run[2], tmp_path / "cut"
+    for run_dir, steps, resume in ((cut, 2, "none"), (cut, 4, "auto")):
+        out, _ = _launch(run_dir, "fit", f"trainer.steps={steps}", f"trainer.resume={resume}")
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (whole, cut)]
+    assert [m["step"] for m in rows[1]] == [1, 2, 3, 4]
+    for a, b in zip(rows[0], rows[1]):
+        seconds = ("timing_s/", "rollout_rank/update_weights", "rollout_rank/sync_check", "perf/", "memory/")
+        same = [k for k in a if not k.startswith(seconds)]
+        assert {k: a[k] for k in same} == {k: b.get(k) for k in same}, a["step"]
+    assert rows[1][2]["rollout/policy_lag"] == 1.0  # step 3: the checkpoint's rows, sampled a step behind
+    model = [(d / "final_model" / "model.safetensors").read_bytes() for d in (whole, cut)]
+    assert model[0] == model[1]
+    with pytest.raises(ConfigError, match="rollout_ranks 1 and this run has 0"):
+        check_placement(list_checkpoints(cut / "checkpoints")[-1], 1, 1, 0)
 
 
 @pytest.mark.parametrize("changed", [0, 3, 40])

@@ -43,7 +43,7 @@ from verl_ds.rollout.engines.weights import eos_token_ids
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
 from verl_ds.rollout.partial import PartialLimits, PartialRollouts
 from verl_ds.rollout.partial.agents import PartialAgents
-from verl_ds.trainer.checkpoint import LoopState
+from verl_ds.trainer.checkpoint import LoopState, resumed_step
 from verl_ds.trainer.metrics import StepMetrics
 from verl_ds.trainer.probe import SyncProbe
 from verl_ds.trainer.rewards import Rewards
@@ -91,8 +91,9 @@ def build(setup: RunSetup) -> RunParts:
         if a.kl_target
         else algos.FixedKLController(a.kl_coef)
     )
-    placement = {"world": s.world, "sequence_parallel_size": cfg.trainer.sequence_parallel_size}
-    state = LoopState(data.sampler, kl_ctl, rewards.stats, partial, placement)
+    t = cfg.trainer
+    placement = {"world": s.world, "sequence_parallel_size": t.sequence_parallel_size, "rollout_ranks": t.rollout_ranks}
+    state = LoopState(data.sampler, kl_ctl, rewards.stats, partial, placement, rollout if t.rollout_ranks else None)
     return RunParts(model_path, data, roles, rollout, rewards, probe, step_metrics, agents, partial, state)
 
 
@@ -157,8 +158,10 @@ def build_rollout(setup: RunSetup, model_path: str, data: RunData):
         "lm_head_fp32": p.lm_head_fp32,
         "prompts": data.prompts,
         "trainers": setup.world,
+        # a resumed run's stream starts after the checkpoint's step (its rows are in the checkpoint)
+        "start": resumed_step(setup.resume_from) if setup.resume_from is not None else 0,
     }
-    return RemoteRollout(bridge(), setup.rank, data.tokenizer.pad_token_id).connect(handshake)
+    return RemoteRollout(bridge(), setup.rank, data.tokenizer.pad_token_id, cfg.trainer.steps).connect(handshake)
 
 
 def build_agents(setup: RunSetup, codec: ChatCodec, engine) -> AgentEpisodes | None:

@@ -119,7 +119,9 @@ def probe_writable(path: Path, key: str) -> None:
         raise ConfigError(key, f"{path} is not writable ({e.strerror or e})") from None
 
 
-def pick_resume(root: Path, resume: str, roles: list[str], ranks: int, sp: int = 1) -> Path | None:
+def pick_resume(
+    root: Path, resume: str, roles: list[str], ranks: int, sp: int = 1, rollout_ranks: int = 0
+) -> Path | None:
     """`trainer.resume` resolved and checked before any engine is built: `none` -> None; `auto` -> the
     newest intact checkpoint under `root` (a damaged newer one is passed over in one log line) or
     None; a path -> that checkpoint, a ConfigError naming what is wrong with it. A checkpoint another
@@ -130,12 +132,12 @@ def pick_resume(root: Path, resume: str, roles: list[str], ranks: int, sp: int =
         path = Path(resume)
         if not path.is_dir():
             raise ConfigError("trainer.resume", f"checkpoint directory not found: {path}")
-        check_placement(path, ranks, sp)
+        check_placement(path, ranks, sp, rollout_ranks)
         if problem := damage(path, roles, ranks):
             raise ConfigError("trainer.resume", f"{path} is not a usable verl-ds checkpoint: {problem}")
         return path
     for path in reversed(list_checkpoints(root)):
-        check_placement(path, ranks, sp)
+        check_placement(path, ranks, sp, rollout_ranks)
         problem = damage(path, roles, ranks)
         if problem is None:
             return path
@@ -144,12 +146,20 @@ def pick_resume(root: Path, resume: str, roles: list[str], ranks: int, sp: int =
     return None
 
 
-def check_placement(path: Path, ranks: int, sp: int) -> None:
+def check_placement(path: Path, ranks: int, sp: int, rollout_ranks: int = 0) -> None:
     """A checkpoint resumes on the number of ranks that wrote it (ZeRO's partitions, each rank's RNG and
-    partial rollouts are per rank): another world is one line. The sequence-parallel size may differ: a
-    group's ranks partition the parameters over the whole world either way, so the checkpoint is the same
-    (docs/GUIDE.md, "Resuming")."""
+    partial rollouts are per rank): another world is one line, and so is another number of rollout ranks
+    (apart, a checkpoint holds the next step's rows, sampled a step behind; colocated, none). The
+    sequence-parallel size may differ: a group's ranks partition the parameters over the whole world
+    either way, so the checkpoint is the same (docs/GUIDE.md, "Resuming")."""
     written = _placement(path)
+    apart = written.get("rollout_ranks", 0)
+    if apart != rollout_ranks:
+        raise ConfigError(
+            "trainer.rollout_ranks",
+            f"{path} was written with trainer.rollout_ranks {apart} and this run has {rollout_ranks}: apart, a "
+            f"checkpoint holds the next step's rows, sampled on the weights before; resume it with {apart}",
+        )
     world = written.get("world") or len(list(path.glob("rng_rank*.pt")))  # before placements were recorded
     if world and world != ranks:
         raise ConfigError(
@@ -163,6 +173,11 @@ def check_placement(path: Path, ranks: int, sp: int) -> None:
             "checkpoint (ZeRO partitions every rank's share of the parameters either way)",
             *(path, written["sequence_parallel_size"], sp),
         )
+
+
+def resumed_step(path: Path) -> int:
+    """The step checkpoint `path` was written after (`pick_resume` checked its files)."""
+    return int(json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))["step"])
 
 
 def _placement(path: Path) -> dict:
@@ -199,7 +214,8 @@ class LoopState:
     kl_ctl: Any
     reward_stats: Any
     partial: Any = None
-    placement: dict = field(default_factory=dict)  # {"world", "sequence_parallel_size"}: `check_placement`
+    placement: dict = field(default_factory=dict)  # {"world", "sequence_parallel_size", "rollout_ranks"}
+    stream: Any = None  # rollout ranks apart: this trainer rank's stream (`RemoteRollout`), its next rows
 
     def save(self, root: Path, step: int, roles: dict, keep_last: int) -> Path:
         state = {
@@ -208,10 +224,12 @@ class LoopState:
             "kl_ctl": self.kl_ctl.state_dict(),
             "reward_stats": self.reward_stats.state_dict(),
         }
-        own = None
+        own = {}
         if self.partial is not None:
             own = {"partial": self.partial.state_dict(), "sampler": self.sampler.state_dict()}
-        return save_checkpoint(root, step, roles, state, keep_last, rank_state=own)
+        if self.stream is not None:
+            own["stream"] = self.stream.state_dict()
+        return save_checkpoint(root, step, roles, state, keep_last, rank_state=own or None)
 
     def load(self, path: Path, roles: dict) -> int:
         """The roles, this rank's RNG and the loop's state from checkpoint `path`; -> its step."""
@@ -225,6 +243,8 @@ class LoopState:
             else:
                 self.partial.load_state_dict(state["rank"]["partial"])
                 self.sampler.load_state_dict(state["rank"]["sampler"])
+        if self.stream is not None:  # the placement check made sure the checkpoint was written apart too
+            self.stream.load_state_dict(state["rank"]["stream"])
         return int(state["step"])
 
 

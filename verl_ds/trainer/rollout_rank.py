@@ -7,7 +7,12 @@ s >= 2 the rank first takes the weights trainer rank 0 sent after its step s - 2
 the engine's read-back), samples the sync's probe on them for the trainer ranks to score on the same
 weights before their next optimizer step (`SyncProbe`: a weight that did not land stops the run
 there), then generates step s. The trainers' own loop asks for exactly these rows, in this order
-(`rollout.engines.remote.RemoteRollout`).
+(`rollout.engines.remote.RemoteRollout`). The rank samples one step past the last (its engine would idle
+through the last step anyway): the run's final checkpoint holds them, so training on from it is exact.
+
+A run resumed from the checkpoint after step k (`start` = k) already holds the rows of step k; the rank
+skips the prompts drawn up to them and starts at step k + 1, on the checkpoint's weights that the
+trainers' resume sends (in full: the rank holds none of them yet).
 """
 
 from __future__ import annotations
@@ -51,8 +56,11 @@ def _serve(cfg: RunConfig, bridge) -> None:
     probe = SyncProbe(prompts, t.seed, r.temperature, hs["actor_dtype"], hs["rollout_dtype"])
     held: dict = {}
     version, idle, synced = 0, 0.0, {}
-    log.info("rollout rank %d: serving trainer ranks %s on %s", bridge.rank, mine, hs["engine"])
-    for s in range(t.steps + 2):
+    first = hs["start"] + 1 if hs["start"] else 0
+    for _ in range(first):  # the steps the checkpoint's run drew its prompts for
+        sampler.next(t.prompts_per_step)
+    log.info("rollout rank %d: serving trainer ranks %s on %s from step %d", bridge.rank, mine, hs["engine"], first)
+    for s in range(first, t.steps + 2):
         if s >= 2:  # the weights of step s - 1, in place, then the probe the trainers check them by
             t0 = time.perf_counter()
             msg = bridge.recv(0)
@@ -66,7 +74,7 @@ def _serve(cfg: RunConfig, bridge) -> None:
                 args = dict(n=1, temperature=probe.temperature, top_p=1.0, max_new_tokens=probe.TOKENS, top_k=0)
                 for trainer in mine:
                     idle += _send(bridge, trainer, probe.prompts, probe.seeds, args, got.batch, {})
-        if s < t.steps:
+        if s <= t.steps:
             picked = sampler.next(t.prompts_per_step)
             args = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, top_k=r.top_k)
             for trainer in mine:

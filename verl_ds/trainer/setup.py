@@ -90,7 +90,8 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     sync_check = consistency.resolve_sync_check(cfg, precision.actor, precision.rollout, sampling.dist)
     checkpoints = Path(cfg.trainer.run_dir) / "checkpoints"
     probe_writable(checkpoints, "trainer.run_dir")
-    resume_from = pick_resume(checkpoints, cfg.trainer.resume, trained, world, cfg.trainer.sequence_parallel_size)
+    t = cfg.trainer
+    resume_from = pick_resume(checkpoints, t.resume, trained, world, t.sequence_parallel_size, t.rollout_ranks)
     # how the policy's passes attend, and whether they share prefixes (from how many tokens: the actor's dtype)
     attention, packing = attn.resolve(cfg.model.attn_implementation, cfg.model.packing, gpu)
     share_prefixes, share_min_tokens = prefix.resolve_sharing(cfg, attention, precision.actor)

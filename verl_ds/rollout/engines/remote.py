@@ -8,6 +8,10 @@ runs unchanged; what it asks for is checked against what came (`asked`), so two 
 are one line, not a silent mismatch. The weights go the other way after every optimizer step, from
 trainer rank 0 to every rollout rank, without waiting (`Bridge.isend`): only the tensors' changed
 elements where that is fewer bytes than the tensor (`changed_elements`).
+
+A checkpoint after step k holds the rows of step k its rollout rank already sampled on the weights of
+step k - 1 (`state_dict` takes them off the stream; the rollout rank samples one step past the last, so a
+finished run's final checkpoint has them too): a resume trains exactly the rows the run would have.
 """
 
 from __future__ import annotations
@@ -63,14 +67,16 @@ class RemoteRollout:
     tp = 1  # the rollout rank's engine serves this rank alone, as far as this rank can tell
     start_s = 0.0
 
-    def __init__(self, bridge, trainer_rank: int, pad_id: int):
+    def __init__(self, bridge, trainer_rank: int, pad_id: int, steps: int):
         self.bridge, self.rank = bridge, trainer_rank
         self.server = bridge.rollout_rank_of(trainer_rank)
         self.sender = trainer_rank == 0
-        self.pad_id = pad_id
+        self.pad_id, self.steps = pad_id, steps
         self.last_metrics: dict[str, float] = {}
         self._held: dict[str, torch.Tensor] = {}  # what the rollout ranks hold, as last sent (trainer rank 0)
-        self.version = 0
+        self.version = 0  # the weights last sent: the optimizer steps they have taken
+        self.taken = 0  # steps' rows taken off the stream
+        self._next: dict | None = None  # a step's rows taken ahead (a checkpoint's), not yet trained
 
     def connect(self, handshake: dict) -> RemoteRollout:
         """Trainer rank 0 tells every rollout rank what to serve (`handshake`: the model, its dtype and
@@ -91,7 +97,8 @@ class RemoteRollout:
         top_k: int = 0,
     ) -> RolloutBatch:
         t0 = time.perf_counter()
-        msg = self.bridge.recv(self.server)
+        held, self._next = self._next, None
+        msg = held or self.bridge.recv(self.server)
         asked = dict(
             prompts=[list(p) for p in prompt_token_ids],
             n=n,
@@ -109,7 +116,29 @@ class RemoteRollout:
             )
         if msg["metrics"]:  # a step's rows (the probe's carry none: the step's stay)
             self.last_metrics = {**msg["metrics"], "timing_s/rows_wait": time.perf_counter() - t0}
+            self.taken += held is None
         return RolloutBatch(**msg["batch"])
+
+    def _take_next(self) -> dict:
+        """The next step's rows off the stream, kept for its `generate`."""
+        if self._next is None:
+            self._next = self.bridge.recv(self.server)
+            self.taken += 1
+        return self._next
+
+    def state_dict(self) -> dict:
+        """The next step's rows (already sampled: taken off the stream now) and the weights' version, as JSON
+        (float32 logprobs round-trip exactly through their Python floats)."""
+        msg = self._take_next()
+        batch = {k: _plain(v) for k, v in msg["batch"].items()}
+        return {"next": {**msg, "batch": batch}, "version": self.version, "taken": self.taken}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's next rows, trained at the next step; the resume's sync then re-sends the
+        checkpoint's weights under their own version (the rollout rank starts from the model's)."""
+        msg = state["next"]
+        self._next = {**msg, "batch": {k: _tensor(v) for k, v in msg["batch"].items()}}
+        self.version, self.taken = state["version"] - 1, state["taken"]
 
     def stream(self, temperature: float, top_p: float, chunk_tokens: int, top_k: int = 0):
         raise NotImplementedError("rollout ranks apart stream whole steps (config refuses rollout.partial)")
@@ -149,5 +178,20 @@ class RemoteRollout:
         pass
 
     def shutdown(self, release: bool = True) -> None:
+        if self.taken == self.steps:  # the run ended without a final checkpoint: the rows sampled past the
+            self._take_next()  # last step still come (their send waits for a receiver)
         if self.sender:
             self.bridge.wait()  # the last weights reach the rollout ranks, which end on them
+
+
+def _plain(value):
+    """A batch field as JSON: a tensor as its dtype, shape and values."""
+    if isinstance(value, torch.Tensor):
+        return {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape), "values": value.tolist()}
+    return value
+
+
+def _tensor(value):
+    if isinstance(value, dict) and set(value) == {"dtype", "shape", "values"}:
+        return torch.tensor(value["values"], dtype=getattr(torch, value["dtype"])).reshape(value["shape"])
+    return value
