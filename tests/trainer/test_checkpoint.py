@@ -99,6 +99,7 @@ def test_a_damaged_checkpoint_is_named_and_auto_resumes_from_the_newest_intact_o
     assert json.loads((step2 / "trainer_state.json").read_text())["placement"] == {
         "world": 1,
         "sequence_parallel_size": 1,
+        "rollout_ranks": 0,
     }
     for resume in ("auto", str(step2)):
         with pytest.raises(ConfigError, match=r"was written by 1 ranks and this run has 2: .* resume it on 1 ranks"):
