@@ -1,8 +1,8 @@
 """Rollout ranks apart, under the launcher with two ranks: rank 0 trains, rank 1 only generates
 (`trainer.rollout_ranks: 1`). Run by test_rollout_ranks.py. The trainer rank prints one `RESULT {json}`
 line: each step's policy lag, probe gap and bytes, and whether step 0's rows are, bit for bit, what a
-colocated engine samples for the same prompts and seeds. `stale`: the sync after step 0 holds q_proj
-back (a weight that did not land); the probe must stop the run at step 1, before its optimizer step.
+colocated engine samples for the same prompts and seeds. `stale`: the syncs after step 0 hold q_proj
+back (a weight that did not land); the probe must stop the run at the next step, before its optimizer step.
 `run` ends as `fit` does (the final checkpoint, the export); `fit`: the run's own loop, with the config
 overrides that follow."""
 

@@ -52,9 +52,10 @@ def test_rollout_ranks_stream_one_step_ahead_and_every_sync_is_probed(whole_run)
 
 
 def test_a_weight_that_did_not_reach_the_rollout_rank_stops_the_run_before_it_trains(tmp_path):
-    """The sync after step 0 holds q_proj back: the probe the rollout rank samples on what landed differs
-    from the trainer's scoring of it, and step 1 stops in one line before its optimizer step."""
-    _, res = _launch(tmp_path / "run", "stale")
+    """A vLLM engine on the rollout rank; the syncs after step 0 hold q_proj back at its initial value: the
+    probe the rollout rank samples on what landed differs from the trainer's scoring of it, and the next
+    step stops in one line before its optimizer step."""
+    _, res = _launch(tmp_path / "run", "stale", "rollout.engine=vllm", "rollout.block_size=32")
     assert res["line"] is not None and "sync" in res["line"]
     assert res["optimizer_stepped"] is False
 
