@@ -1,7 +1,7 @@
 """Rollout ranks apart against colocated ranks on the same job, the same launch size, in one interleaved
-run; prints a Markdown table and the apart / colocated ratios.
+run (one round per seed); prints a Markdown table, the apart / colocated ratios and the seeds' spread.
 
-    source launch/env.sh && python benchmarks/rollout_ranks.py [--rounds 2] [--steps 120] [--config ...]
+    source launch/env.sh && python benchmarks/rollout_ranks.py [--seeds 1 2 3] [--steps 120] [--config ...]
 
 Cells: `colocated` (2 ranks, each generating its prompts then training) and `apart` (the same 2 ranks: 1
 trainer + 1 rollout rank, `trainer.rollout_ranks=1`). Both use the truncated importance weight
@@ -70,7 +70,7 @@ def summary(rows: list[dict], prompts: int, n: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="examples/grpo_cpu_tiny.yaml")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="one interleaved round each")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=16)
@@ -80,24 +80,28 @@ def main() -> None:
     out = Path(args.out)
     shape = [f"trainer.steps={args.steps}", f"trainer.prompts_per_step={args.prompts}", f"rollout.n={args.n}"]
     results: dict[str, list[dict]] = {c: [] for c in CELLS}
-    for k in range(args.rounds):
+    for seed in args.seeds:
         for cell, extra in CELLS.items():  # alternating within a round: this host's speed drifts
-            rows = run_cell(args.config, out / f"{cell}_{k}", [*COMMON, *shape, *extra, *args.overrides])
-            results[cell].append(summary(rows, args.prompts, args.n))
+            run = [*COMMON, *shape, f"trainer.seed={seed}", *extra, *args.overrides]
+            results[cell].append(summary(run_cell(args.config, out / f"{cell}_{seed}", run), args.prompts, args.n))
     (out / "results.json").write_text(json.dumps(results, indent=1))
     keys = list(results["colocated"][0])
     print("| cell | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for cell, runs in results.items():
-        for k, r in enumerate(runs):
-            print(f"| {cell} {k} | " + " | ".join(f"{r[key]:.4g}" for key in keys) + " |")
-    for k in range(args.rounds):
+        for seed, r in zip(args.seeds, runs):
+            print(f"| {cell} {seed} | " + " | ".join(f"{r[key]:.4g}" for key in keys) + " |")
+    for k, seed in enumerate(args.seeds):
         a, c = results["apart"][k], results["colocated"][k]
         print(
-            f"round {k}: apart / colocated step {a['step_s'] / c['step_s']:.2f}x, tokens/s "
+            f"seed {seed}: apart / colocated step {a['step_s'] / c['step_s']:.2f}x, tokens/s "
             f"{a['tokens_per_s'] / c['tokens_per_s']:.2f}x, reward last 10 {a['reward_last10']:.3f} vs "
             f"{c['reward_last10']:.3f}, bytes sent / full {a['bytes_sent'] / max(a['bytes_full'], 1):.3f}"
         )
+    for cell, runs in results.items():  # learning at equal samples, against the seeds' spread
+        last = [r["reward_last10"] for r in runs]
+        spread = f"seeds {min(last):.3f}-{max(last):.3f}"
+        print(f"{cell}: reward over the last 10 steps {statistics.mean(last):.3f} ({spread})")
 
 
 if __name__ == "__main__":
