@@ -199,6 +199,11 @@ def lost_ranks(wait_s: float = 5.0) -> list[int]:
         return [0]
 
 
+def failure_text(exc: BaseException) -> str:
+    """A failed collective's first sentence without gloo's source path."""
+    return str(exc).split("] ", 1)[-1].split(". ")[0].splitlines()[0]
+
+
 def lost_peer_line(exc: BaseException) -> str | None:
     """One line for a rank whose collective failed because peers went away (`peer_lost`): the ranks
     gone (`lost_ranks`) and the failure's first sentence without gloo's source path; None for any
@@ -206,7 +211,7 @@ def lost_peer_line(exc: BaseException) -> str | None:
     if not peer_lost(exc):
         return None
     gone = lost_ranks()
-    what = str(exc).split("] ", 1)[-1].split(". ")[0].splitlines()[0]
+    what = failure_text(exc)
     if not gone:  # every rank answered the roll call: a timeout between live ranks
         who = "no rank is"
     else:

@@ -21,6 +21,7 @@ from typing import Iterable
 
 import torch
 
+from verl_ds.dist import failure_text, peer_lost
 from verl_ds.errors import RunFailure
 
 from ..batch import RolloutBatch
@@ -98,7 +99,7 @@ class RemoteRollout:
     ) -> RolloutBatch:
         t0 = time.perf_counter()
         held, self._next = self._next, None
-        msg = held or self.bridge.recv(self.server)
+        msg = held or self._recv()
         asked = dict(
             prompts=[list(p) for p in prompt_token_ids],
             n=n,
@@ -122,9 +123,25 @@ class RemoteRollout:
     def _take_next(self) -> dict:
         """The next step's rows off the stream, kept for its `generate`."""
         if self._next is None:
-            self._next = self.bridge.recv(self.server)
+            self._next = self._recv()
             self.taken += 1
         return self._next
+
+    def _recv(self) -> dict:
+        return self._over_bridge(self.bridge.recv, self.server)
+
+    def _over_bridge(self, op, *args):
+        """A bridge operation; the rollout rank gone (a rank the trainers' roll call cannot see) is
+        one line naming it."""
+        try:
+            return op(*args)
+        except Exception as e:
+            if not peer_lost(e):
+                raise
+            raise RunFailure(
+                f"rollout rank {self.server} is gone: trainer rank {self.rank} lost the stream "
+                f"({type(e).__name__}: {failure_text(e)})"
+            ) from None
 
     def state_dict(self) -> dict:
         """The next step's rows (already sampled: taken off the stream now) and the weights' version, as JSON
@@ -152,7 +169,7 @@ class RemoteRollout:
             for _ in named_tensors:
                 pass
             return {}
-        self.bridge.wait()  # the previous weights reached every rollout rank
+        self._over_bridge(self.bridge.wait)  # the previous weights reached every rollout rank
         wait_s = time.perf_counter() - t0
         parts, full, sent = {}, 0, 0
         for name, tensor in named_tensors:
@@ -163,7 +180,7 @@ class RemoteRollout:
             sent += part_bytes(parts[name])
         self.version += 1
         for r in range(self.bridge.trainers, self.bridge.size):
-            self.bridge.isend({"version": self.version, "tensors": parts}, r)
+            self._over_bridge(self.bridge.isend, {"version": self.version, "tensors": parts}, r)
         return {
             "timing_s/update_weights": time.perf_counter() - t0,
             "timing_s/weights_wait": wait_s,
@@ -181,7 +198,7 @@ class RemoteRollout:
         if self.taken == self.steps:  # the run ended without a final checkpoint: the rows sampled past the
             self._take_next()  # last step still come (their send waits for a receiver)
         if self.sender:
-            self.bridge.wait()  # the last weights reach the rollout ranks, which end on them
+            self._over_bridge(self.bridge.wait)  # the last weights reach the rollout ranks, which end on them
 
 
 def _plain(value):
