@@ -11,7 +11,7 @@ import os
 import sys
 
 import verl_ds.trainer.rl_trainer as rl_trainer
-from tests.trainer.test_sync_probe import JOB
+from tests.trainer.test_sync_probe import JOB, VLLM_JOB
 from verl_ds.config import load_config
 from verl_ds.data.dataset import PromptSampler
 from verl_ds.diagnostics.observers import TrainerObserver
@@ -33,9 +33,7 @@ class Rows(TrainerObserver):
 
 
 def main(run_dir: str, mode: str, *overrides: str) -> None:
-    job = JOB
-    if "rollout.engine=vllm" in overrides:  # vLLM's CPU attention takes the default head size
-        job = [o for o in JOB if not o.startswith("model.tiny.")]
+    job = VLLM_JOB if "rollout.engine=vllm" in overrides else JOB
     cfg = load_config(None, [*job, *SPLIT, f"trainer.run_dir={run_dir}", *overrides])
     init_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.rollout_ranks)
     if is_rollout_rank():

@@ -6,14 +6,13 @@ import json
 import sys
 
 import verl_ds.trainer.rl_trainer as rl_trainer
-from tests.trainer.test_sync_probe import JOB
+from tests.trainer.test_sync_probe import VLLM_JOB
 from verl_ds.config import load_config
 from verl_ds.errors import RunFailure
 
 
 def main(run_dir: str, part: str) -> None:
-    job = [o for o in JOB if not o.startswith("model.tiny.")]  # vLLM's CPU attention takes the default head size
-    cfg = load_config(None, [*job, "rollout.engine=vllm", "rollout.block_size=32", f"trainer.run_dir={run_dir}"])
+    cfg = load_config(None, [*VLLM_JOB, "rollout.engine=vllm", "rollout.block_size=32", f"trainer.run_dir={run_dir}"])
     out = {"line": None}
     with rl_trainer.RLTrainer(cfg) as trainer:
         real = rl_trainer.iter_full_params

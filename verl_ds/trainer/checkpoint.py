@@ -91,7 +91,7 @@ def damage(path: Path, roles: list[str], ranks: int) -> str | None:
     if missing:
         return f"missing {', '.join(missing)}"
     try:
-        json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        _trainer_state(path)
     except (ValueError, UnicodeDecodeError) as e:
         return f"trainer_state.json does not parse ({e})"
     for f in sorted(path.rglob("*.pt")):
@@ -175,15 +175,20 @@ def check_placement(path: Path, ranks: int, sp: int, rollout_ranks: int = 0) -> 
         )
 
 
+def _trainer_state(path: Path) -> dict:
+    """Checkpoint `path`'s trainer_state.json (rank 0's state, the step, the placement), parsed."""
+    return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+
+
 def resumed_step(path: Path) -> int:
     """The step checkpoint `path` was written after (`pick_resume` checked its files)."""
-    return int(json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))["step"])
+    return int(_trainer_state(path)["step"])
 
 
 def _placement(path: Path) -> dict:
     """The ranks a checkpoint was written by, as `LoopState.save` records them ({} where it did not)."""
     try:
-        placement = json.loads((path / "trainer_state.json").read_text(encoding="utf-8")).get("placement")
+        placement = _trainer_state(path).get("placement")
     except (OSError, ValueError, UnicodeDecodeError, AttributeError):
         return {}  # `damage` names what is wrong with the file
     return placement if isinstance(placement, dict) else {}
@@ -198,7 +203,7 @@ def load_checkpoint(path: Path, roles: dict) -> dict:
     rng = torch.load(path / f"rng_rank{rank()}.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate((3, tuple(rng["python"]), rng["python_pos"]))
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = _trainer_state(path)
     own = path / f"rank{rank()}_state.json"
     state["rank"] = json.loads(own.read_text()) if own.exists() else None
     return state

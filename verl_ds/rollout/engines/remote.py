@@ -144,17 +144,18 @@ class RemoteRollout:
             ) from None
 
     def state_dict(self) -> dict:
-        """The next step's rows (already sampled: taken off the stream now) and the weights' version, as JSON
-        (float32 logprobs round-trip exactly through their Python floats)."""
+        """The next step's rows (already sampled: taken off the stream now) as `RolloutBatch.to_lists` JSON
+        (float32 logprobs round-trip exactly through their Python floats), and the weights' version."""
         msg = self._take_next()
-        batch = {k: _plain(v) for k, v in msg["batch"].items()}
-        return {"next": {**msg, "batch": batch}, "version": self.version, "taken": self.taken}
+        batch = RolloutBatch(**msg["batch"])
+        rows = {**batch.to_lists(), "pad_id": batch.pad_id}
+        return {"next": {**msg, "batch": rows}, "version": self.version, "taken": self.taken}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's next rows, trained at the next step; the resume's sync then re-sends the
         checkpoint's weights under their own version (the rollout rank starts from the model's)."""
         msg = state["next"]
-        self._next = {**msg, "batch": {k: _tensor(v) for k, v in msg["batch"].items()}}
+        self._next = {**msg, "batch": as_message(RolloutBatch.from_lists(**msg["batch"]))}
         self.version, self.taken = state["version"] - 1, state["taken"]
 
     def stream(self, temperature: float, top_p: float, chunk_tokens: int, top_k: int = 0):
@@ -199,16 +200,3 @@ class RemoteRollout:
             self._take_next()  # last step still come (their send waits for a receiver)
         if self.sender:
             self._over_bridge(self.bridge.wait)  # the last weights reach the rollout ranks, which end on them
-
-
-def _plain(value):
-    """A batch field as JSON: a tensor as its dtype, shape and values."""
-    if isinstance(value, torch.Tensor):
-        return {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape), "values": value.tolist()}
-    return value
-
-
-def _tensor(value):
-    if isinstance(value, dict) and set(value) == {"dtype", "shape", "values"}:
-        return torch.tensor(value["values"], dtype=getattr(torch, value["dtype"])).reshape(value["shape"])
-    return value
