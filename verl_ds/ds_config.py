@@ -19,6 +19,7 @@ from verl_ds.precision import (
     LossScaling,
     ResolvedPrecision,
     detect_hardware,
+    json_dtypes,
     resolve_precision,
 )
 
@@ -150,24 +151,11 @@ def _fill_batch_sizes(ds: dict, micro: int, total: int, world: int) -> None:
         ds["gradient_accumulation_steps"] = total // (ds["train_micro_batch_size_per_gpu"] * world)
 
 
-def ds_dtype(ds: dict) -> str:
-    """The compute dtype a rendered DeepSpeed config asks for."""
-    if ds.get("fp16", {}).get("enabled"):
-        return "fp16"
-    if ds.get("bf16", {}).get("enabled"):
-        return "bf16"
-    return "fp32"
-
-
-def json_dtypes(cfg, files: dict[str, dict] | None = None) -> dict[str, str]:
-    """The compute dtype each active role's JSON file asks for (`auto` defers to it)."""
-    return {role: ds_dtype(ds) for role, ds in (files or read_ds_files(cfg)).items()}
-
-
-def run_precision(cfg, hw: Hardware | None = None, files: dict[str, dict] | None = None) -> ResolvedPrecision:
-    """The run's precision, resolved once against this machine's (or the injected) hardware."""
-    dtypes = json_dtypes(cfg, files)
-    return resolve_precision(cfg.precision, hw or detect_hardware(cfg.trainer.device), dtypes)
+def run_precision(cfg, hw: Hardware | None = None) -> ResolvedPrecision:
+    """A config's precision alone (`config render`, `debug memory`, the benchmarks), resolved as a run's
+    setup resolves it (`precision.resolve_precision` on the roles' JSON files), against this machine's
+    (or the injected) hardware."""
+    return resolve_precision(cfg.precision, hw or detect_hardware(cfg.trainer.device), json_dtypes(read_ds_files(cfg)))
 
 
 def render_ds_configs(
@@ -180,7 +168,7 @@ def render_ds_configs(
     """`render_roles` for a config alone: on `world_size` ranks (default: `config.default_world`), the
     precision and the JSON files resolved and read here unless given (`config render`, `debug memory`)."""
     files = files or read_ds_files(cfg)
-    precision = precision or run_precision(cfg, files=files)
+    precision = precision or resolve_precision(cfg.precision, detect_hardware(cfg.trainer.device), json_dtypes(files))
     return render_roles(cfg, batches(cfg, world_size or default_world(cfg)), precision, zero_stages, files)
 
 

@@ -258,6 +258,20 @@ def mismatch_warning(actor: str, rollout: str) -> str | None:
     )
 
 
+def ds_dtype(ds: dict) -> str:
+    """The compute dtype a DeepSpeed config (a role's JSON file, or as rendered) asks for."""
+    if ds.get("fp16", {}).get("enabled"):
+        return "fp16"
+    if ds.get("bf16", {}).get("enabled"):
+        return "bf16"
+    return "fp32"
+
+
+def json_dtypes(files: dict[str, dict]) -> dict[str, str]:
+    """The compute dtype each active role's JSON file (`config.read_ds_files`) asks for (`auto` defers to it)."""
+    return {role: ds_dtype(ds) for role, ds in files.items()}
+
+
 def resolve_precision(
     p: PrecisionConfig, hw: Hardware, json_dtypes: dict[str, str] | None = None, log_choice: bool = True
 ) -> ResolvedPrecision:

@@ -24,15 +24,22 @@ from pathlib import Path
 import torch
 
 from verl_ds.algos import FP32LMHead
-from verl_ds.config import load_config
+from verl_ds.config import load_config, read_ds_files
 from verl_ds.diagnostics import precision_report as R
 from verl_ds.diagnostics.memory import estimate_memory, load_shape, role_shapes
 from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.diagnostics.precision_report import EXP_BINS, EXP_OFFSET
 from verl_ds.dist import rank
-from verl_ds.ds_config import json_dtypes, render_ds_configs
+from verl_ds.ds_config import render_ds_configs
 from verl_ds.errors import ConfigError
-from verl_ds.precision import COMPUTE_DTYPES, POLICY_ROLES, TORCH_DTYPES, detect_hardware, resolve_precision
+from verl_ds.precision import (
+    COMPUTE_DTYPES,
+    POLICY_ROLES,
+    TORCH_DTYPES,
+    detect_hardware,
+    json_dtypes,
+    resolve_precision,
+)
 from verl_ds.programs.bench_precision import _finite
 from verl_ds.roles import iter_full_params, load_causal_lm, load_reward_model
 from verl_ds.roles.base import RoleObserver
@@ -257,7 +264,7 @@ def weight_memory(cfg, role: str, shape, world: int, hw, shapes: dict | None = N
     for dt in COMPUTE_DTYPES:
         c = copy.deepcopy(cfg)
         setattr(c.precision, f"{role}_dtype", dt)
-        p = resolve_precision(c.precision, hw, json_dtypes(c), log_choice=False)
+        p = resolve_precision(c.precision, hw, json_dtypes(read_ds_files(c)), log_choice=False)
         est = estimate_memory(c, shape, render_ds_configs(c, world, p), world, p.rollout, role_shapes=shapes)
         out[dt] = sum(v for k, v in est["update"][role].items() if k.startswith("weights_"))
     return out

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_ds.dist import BucketAllReduce, all_reduce_max, all_reduce_sum, init_distributed, on_gpu
-from verl_ds.ds_config import ds_dtype
-from verl_ds.precision import TORCH_DTYPES
+from verl_ds.precision import TORCH_DTYPES, ds_dtype
 from verl_ds.roles import ds_internals as dsi
 from verl_ds.roles import prefix
 from verl_ds.roles.batch import TrainBatch

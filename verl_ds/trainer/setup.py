@@ -15,9 +15,8 @@ from verl_ds.algos import TokenDist
 from verl_ds.config import RunConfig, batches, read_ds_files, resolve_names, validate_paths
 from verl_ds.diagnostics.memory.budget import fit_memory
 from verl_ds.dist import init_distributed, on_gpu, rank, world_size
-from verl_ds.ds_config import run_precision
 from verl_ds.errors import raise_all
-from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision
+from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision, detect_hardware, json_dtypes, resolve_precision
 from verl_ds.preflight import preflight
 from verl_ds.process import allocator
 from verl_ds.roles import attention as attn
@@ -83,7 +82,8 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     names, errors = resolve_names(cfg)  # validation resolved them too: a cfg not from load_config
     raise_all(errors)
     trained = tuple(r for r in files if r in TRAINED_ROLES)
-    precision = run_precision(cfg, files=files)  # the one place `auto` meets the hardware
+    # the one place `auto` meets the hardware (and the roles' JSON files' fp16/bf16 blocks)
+    precision = resolve_precision(cfg.precision, detect_hardware(cfg.trainer.device), json_dtypes(files))
     # the consistency contract (the mismatch gate's bound, how each sync is checked); the run's directory
     # writable and the checkpoint to resume from checked whole (nothing made: a refused run leaves none)
     gate = consistency.resolve_gate(cfg, precision.actor, precision.rollout)

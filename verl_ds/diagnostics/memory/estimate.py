@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from verl_ds.config import longest_row, offload_stages
-from verl_ds.ds_config import ds_dtype
-from verl_ds.precision import INT8_ROLES, TORCH_DTYPES, TRAINED_ROLES
+from verl_ds.precision import INT8_ROLES, TORCH_DTYPES, TRAINED_ROLES, ds_dtype
 from verl_ds.roles import attention, prefix
 from verl_ds.rollout.engines.distributed import choose_engine
 
