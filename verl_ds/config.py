@@ -711,7 +711,8 @@ class TrainerConfig:
         "others train. 0: every rank does both, in turn (colocated). Apart, generation never waits for training: "
         "the rollout ranks sample step t+1 on the weights of step t while the trainer ranks train step t (one "
         "step off-policy, corrected by algorithm.tis_cap), and take each step's weights over the wire, checked "
-        'by the sync\'s probe (docs/GUIDE.md, "Rollout ranks apart")',
+        "by the sync's probe; validation generates there too, on the weights of the step it follows "
+        '(docs/GUIDE.md, "Rollout ranks apart")',
         ge=0,
     )
     collective_timeout_s: float = opt(
@@ -1006,8 +1007,8 @@ def _between_sections(cfg: RunConfig) -> list[ConfigError]:
 
 
 def _rollout_ranks_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
-    """What `trainer.rollout_ranks` > 0 runs today: single-turn episodes streamed one step ahead, no
-    validation on the rollout ranks' engines, every row trained once (no partial rollouts, no dynamic
+    """What `trainer.rollout_ranks` > 0 runs today: single-turn episodes streamed one step ahead (validation
+    too, on the rollout ranks' engines), every row trained once (no partial rollouts, no dynamic
     sampling), one sequence-parallel-free trainer group; the off-policy step corrected by TIS."""
     k, a, r, t = cfg.trainer.rollout_ranks, cfg.algorithm, cfg.rollout, cfg.trainer
     if k == 0:
@@ -1028,11 +1029,6 @@ def _rollout_ranks_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
         (r.partial.enabled, "rollout.partial.enabled", f"{why}: the rollout ranks stream whole steps (false)"),
         (r.multi_turn.enabled, "rollout.multi_turn.enabled", f"{why}: single-turn episodes only, for now"),
         (a.filter_groups.enabled, "algorithm.filter_groups.enabled", f"{why}: one round a step (false)"),
-        (
-            t.val_every > 0 or bool(t.val_before_train),
-            "trainer.val_every",
-            f"{why}: validation generates on the rollout ranks' engines, not yet (0, and val_before_train: false)",
-        ),
         (t.sequence_parallel_size > 1, "trainer.sequence_parallel_size", f"{why}: with 1 only, for now"),
         (r.tensor_parallel_size > 1, "rollout.tensor_parallel_size", f"{why}: with 1 only, for now"),
     ]

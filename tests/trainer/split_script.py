@@ -1,10 +1,10 @@
 """Rollout ranks apart, under the launcher with two ranks: rank 0 trains, rank 1 only generates
 (`trainer.rollout_ranks: 1`). Run by test_rollout_ranks.py. The trainer rank prints one `RESULT {json}`
-line: each step's policy lag, probe gap and bytes, and whether step 0's rows are, bit for bit, what a
-colocated engine samples for the same prompts and seeds. `stale`: the syncs after step 0 hold q_proj
-back (a weight that did not land); the probe must stop the run at the next step, before its optimizer step.
-`run` ends as `fit` does (the final checkpoint, the export); `fit`: the run's own loop, with the config
-overrides that follow."""
+line: each step's policy lag, probe gap and bytes, and whether step 0's rows and the validation before
+it are, bit for bit, what a colocated engine samples (and scores) for the same prompts and seeds.
+`stale`: the syncs after step 0 hold q_proj back (a weight that did not land); the probe must stop the
+run at the next step, before its optimizer step. `run` ends as `fit` does (the final checkpoint, the
+export); `fit`: the run's own loop, with the config overrides that follow."""
 
 import json
 import os
@@ -17,11 +17,15 @@ from verl_ds.data.dataset import PromptSampler
 from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.dist import bridge, init_distributed, is_rollout_rank
 from verl_ds.errors import RunFailure
-from verl_ds.rollout import make_rollout
+from verl_ds.rollout import episodes, make_rollout
 from verl_ds.rollout.engines.distributed import generate_distributed
+from verl_ds.trainer import validation
 from verl_ds.trainer.rollout_rank import serve
 
 SPLIT = ["trainer.rollout_ranks=1", "algorithm.tis_cap=2.0", "trainer.steps=4", "checkpoint.every=0"]
+# validation before the first step and after every second one: 8 held-out prompts, 2 samples each
+VAL = ["data.arithmetic.size=64", "data.val_fraction=0.125", "trainer.val_n=2", "trainer.val_every=2"]
+VAL += ["trainer.val_before_train=true"]
 
 
 class Rows(TrainerObserver):
@@ -34,7 +38,8 @@ class Rows(TrainerObserver):
 
 def main(run_dir: str, mode: str, *overrides: str) -> None:
     job = VLLM_JOB if "rollout.engine=vllm" in overrides else JOB
-    cfg = load_config(None, [*job, *SPLIT, f"trainer.run_dir={run_dir}", *overrides])
+    val = VAL if mode != "stale" else []
+    cfg = load_config(None, [*job, *SPLIT, *val, f"trainer.run_dir={run_dir}", *overrides])
     init_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.rollout_ranks)
     if is_rollout_rank():
         serve(cfg, bridge())
@@ -48,14 +53,23 @@ def main(run_dir: str, mode: str, *overrides: str) -> None:
     with rl_trainer.RLTrainer(cfg) as trainer:
         rows = Rows()
         trainer.observers.append(rows)
+        if mode != "stale":  # validation before step 1, as `fit` runs and logs it, against a colocated engine's
+            s, r = trainer.setup, cfg.rollout
+            local = make_rollout(r, trainer.model_path, s.precision.rollout, cfg.trainer.seed)
+            val = trainer.validate()
+            trainer.logger.log(val, 0)
+
+            def here(examples, sampling, seed):
+                return episodes.collect(local, examples, [e["prompt_ids"] for e in examples], sampling, seed)
+
+            want, _ = validation.validate(cfg, trainer.val_prompts, 0, here, trainer.rewards.score, local, None, False)
+            out["val_equal"] = bool(val == want and val)
         out["steps"].append(trainer.step())
         if mode == "stale":
             real = rl_trainer.iter_full_params
             initial = {n: t.clone() for n, t in real(trainer.actor.engine) if "q_proj" in n}
             rl_trainer.iter_full_params = lambda e: ((n, initial.get(n, t)) for n, t in real(e))
         else:  # step 0's rows against a colocated engine on the same (initial) weights, prompts and seeds
-            s, r = trainer.setup, cfg.rollout
-            local = make_rollout(r, trainer.model_path, s.precision.rollout, cfg.trainer.seed)
             sampler = PromptSampler(len(trainer.prompts), cfg.data.seed, cfg.data.shuffle)
             ids = [trainer.prompts[i]["prompt_ids"] for i in sampler.draw(cfg.trainer.prompts_per_step, 0, 1)]
             seed = cfg.trainer.seed

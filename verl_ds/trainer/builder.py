@@ -157,6 +157,7 @@ def build_rollout(setup: RunSetup, model_path: str, data: RunData):
         "actor_dtype": p.actor,
         "lm_head_fp32": p.lm_head_fp32,
         "prompts": data.prompts,
+        "val_prompts": data.val_prompts,
         "trainers": setup.world,
         # a resumed run's stream starts after the checkpoint's step (its rows are in the checkpoint)
         "start": resumed_step(setup.resume_from) if setup.resume_from is not None else 0,

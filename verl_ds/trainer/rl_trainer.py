@@ -29,13 +29,12 @@ from verl_ds.roles import forget_destroyed_world, iter_full_params
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch, episodes, sync_distributed
 from verl_ds.rollout.episodes import Sampling, SeedKey
-from verl_ds.trainer import advantages, builder, consistency
+from verl_ds.trainer import advantages, builder, consistency, validation
 from verl_ds.trainer.checkpoint import export_actor
 from verl_ds.trainer.groups import Collected, collect_varied, join_sequence_group, scoring_inputs
 from verl_ds.trainer.samples import sample_rows
 from verl_ds.trainer.setup import resolve_setup
 from verl_ds.trainer.update import mini_batches, ppo_update
-from verl_ds.trainer.validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +143,7 @@ class RLTrainer:
         # 9. metrics (reduced over ranks; rank 0 writes them); the adaptive KL controller takes this step's KL
         kl = self._kl_update(stored)
         metrics = self.step_metrics(got, stored, scores, old_lp, kl, {**update_metrics, **sync_metrics}, timer)
-        if self.val_prompts and cfg.trainer.val_every and self.global_step % cfg.trainer.val_every == 0:
+        if validation.due(cfg, self.global_step, bool(self.val_prompts)):
             metrics.update(self.validate())
         self.logger.log(metrics, self.global_step)
         self.setup.gate.check(metrics, self.global_step)  # past its bound: one line, or the run's end
@@ -249,7 +248,7 @@ class RLTrainer:
         rank 0 logs a table of greedy samples. Collective: every rank calls it."""
         mine = self.val_prompts[self.rank :: self.world]
         with fp32_gemm(self.precision.fp32_gemm):
-            out, rows = validate(
+            out, rows = validation.validate(
                 self.cfg,
                 mine,
                 self.global_step,
@@ -346,9 +345,8 @@ class RLTrainer:
         cfg = self.cfg
         metrics: dict[str, float] = {}
         bar = tqdm(total=cfg.trainer.steps, initial=self.global_step, disable=self.rank != 0, desc="train")
-        before = cfg.trainer.val_before_train
         try:  # the bar ends its line whatever ends the loop: an error's one line starts a line of its own
-            if self.val_prompts and self.global_step == 0 and (before is None or before):
+            if self.global_step == 0 and validation.due(cfg, 0, bool(self.val_prompts)):
                 self.logger.log(self.validate(), 0)
             while self.global_step < cfg.trainer.steps:
                 metrics = self.step()

@@ -10,9 +10,14 @@ there), then generates step s. The trainers' own loop asks for exactly these row
 (`rollout.engines.remote.RemoteRollout`). The rank samples one step past the last (its engine would idle
 through the last step anyway): the run's final checkpoint holds them, so training on from it is exact.
 
-A run resumed from the checkpoint after step k (`start` = k) already holds the rows of step k; the rank
-skips the prompts drawn up to them and starts at step k + 1, on the checkpoint's weights that the
-trainers' resume sends (in full: the rank holds none of them yet).
+Validation after step v (`validation.due`; v = 0: before the first step) runs on the weights of step v,
+so the rank generates it as soon as they land: at step 0 before any rows, else right after the probe of
+step v + 1 and before its rows. The trainer ranks ask for it after step v, before the rows of step v + 1
+they already have in the stream (`RemoteRollout` holds those until asked).
+
+A run resumed from the checkpoint after step k (`start` = k) already holds the rows of step k (and has
+validated step k); the rank skips the prompts drawn up to them and starts at step k + 1, on the
+checkpoint's weights that the trainers' resume sends (in full: the rank holds none of them yet).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from verl_ds.config import RunConfig
 from verl_ds.data.dataset import PromptSampler
 from verl_ds.dist import peer_lost
 from verl_ds.rollout import make_rollout
+from verl_ds.rollout.engines.distributed import prompt_positions
 from verl_ds.rollout.engines.remote import apply_changes, as_message
 from verl_ds.rollout.seeding import prompt_seeds
+from verl_ds.trainer import validation
 from verl_ds.trainer.probe import SyncProbe
 
 log = logging.getLogger(__name__)
@@ -50,13 +57,13 @@ def _serve(cfg: RunConfig, bridge) -> None:
     engine = make_rollout(
         rollout_cfg, hs["model_path"], hs["rollout_dtype"], t.seed, cfg.model.trust_remote_code, hs["lm_head_fp32"]
     )
-    prompts, trainers = hs["prompts"], hs["trainers"]
+    prompts, val_prompts, trainers, start = hs["prompts"], hs["val_prompts"], hs["trainers"], hs["start"]
     mine = bridge.trainers_of(bridge.rank)
     sampler = PromptSampler(len(prompts), cfg.data.seed, cfg.data.shuffle)
     probe = SyncProbe(prompts, t.seed, r.temperature, hs["actor_dtype"], hs["rollout_dtype"])
     held: dict = {}
     version, idle, synced = 0, 0.0, {}
-    first = hs["start"] + 1 if hs["start"] else 0
+    first = start + 1 if start else 0
     for _ in range(first):  # the steps the checkpoint's run drew its prompts for
         sampler.next(t.prompts_per_step)
     log.info("rollout rank %d: serving trainer ranks %s on %s from step %d", bridge.rank, mine, hs["engine"], first)
@@ -73,13 +80,17 @@ def _serve(cfg: RunConfig, bridge) -> None:
                 got = probe.sample(engine)
                 args = dict(n=1, temperature=probe.temperature, top_p=1.0, max_new_tokens=probe.TOKENS, top_k=0)
                 for trainer in mine:
-                    idle += _send(bridge, trainer, probe.prompts, probe.seeds, args, got.batch, {})
+                    idle += _send(bridge, trainer, probe.prompts, probe.seeds, args, got.batch, {}, "probe")
+        v = s - 1 if s >= 2 else 0 if s == 0 else -1  # the step whose weights the engine holds first now
+        if v >= 0 and (v > start or not start) and validation.due(cfg, v, bool(val_prompts)):
+            for trainer in mine:
+                idle += _validate(engine, bridge, cfg, v, val_prompts[trainer::trainers], trainer, trainers)
         if s <= t.steps:
             picked = sampler.next(t.prompts_per_step)
             args = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, top_k=r.top_k)
             for trainer in mine:
                 ids = [prompts[i]["prompt_ids"] for i in picked[trainer::trainers]]
-                seeds = prompt_seeds(t.seed, s, range(trainer * len(ids), (trainer + 1) * len(ids)))
+                seeds = prompt_seeds(t.seed, s, prompt_positions(len(ids), 0, trainer, trainers))
                 batch = engine.generate(ids, **args, seeds=seeds)
                 metrics = {
                     **engine.last_metrics,
@@ -87,14 +98,33 @@ def _serve(cfg: RunConfig, bridge) -> None:
                     "rollout/policy_lag": float(s - version),
                     "timing_s/rollout_idle": idle,
                 }
-                idle = _send(bridge, trainer, ids, seeds, args, batch, metrics)
+                idle = _send(bridge, trainer, ids, seeds, args, batch, metrics, "rows")
     engine.shutdown()
 
 
-def _send(bridge, trainer: int, prompts, seeds, args: dict, batch, metrics: dict) -> float:
-    """Rows to `trainer`, with what they answer (`asked`); -> the seconds this rank waited for it to take them."""
+def _validate(engine, bridge, cfg: RunConfig, step: int, examples: list[dict], trainer: int, trainers: int) -> float:
+    """Validation after `step` for `trainer` on its share `examples` of the held-out prompts: the requests
+    `validation.validate` makes there, seeded as its `generate_distributed` seeds them; -> seconds waited."""
+    ids, waited = [e["prompt_ids"] for e in examples], 0.0
+    for sampling, key in validation.requests(cfg, step):
+        seeds = prompt_seeds(key.run_seed, key.step, prompt_positions(len(ids), key.round_, trainer, trainers))
+        args = dict(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_new_tokens=sampling.max_new_tokens,
+            top_k=sampling.top_k,
+        )
+        batch = engine.generate(ids, **args, seeds=seeds)
+        waited += _send(bridge, trainer, ids, seeds, args, batch, {}, "val")
+    return waited
+
+
+def _send(bridge, trainer: int, prompts, seeds, args: dict, batch, metrics: dict, kind: str) -> float:
+    """Rows to `trainer`, with what they answer (`asked`) and what they are (`kind`: rows | probe | val);
+    -> the seconds this rank waited for it to take them."""
     t0 = time.perf_counter()
     asked = dict(prompts=[list(p) for p in prompts], **args, seeds=list(seeds))
     asked = {k: asked[k] for k in ("prompts", "n", "temperature", "top_p", "max_new_tokens", "seeds", "top_k")}
-    bridge.send({"asked": asked, "batch": as_message(batch), "metrics": metrics}, trainer)
+    bridge.send({"kind": kind, "asked": asked, "batch": as_message(batch), "metrics": metrics}, trainer)
     return time.perf_counter() - t0

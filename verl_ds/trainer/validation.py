@@ -25,6 +25,28 @@ def per_episode(row_scores: torch.Tensor, episode: torch.Tensor) -> torch.Tensor
     return torch.zeros(n, dtype=row_scores.dtype).scatter_(0, episode, row_scores)
 
 
+def requests(cfg: RunConfig, step: int) -> tuple[tuple[Sampling, SeedKey], tuple[Sampling, SeedKey]]:
+    """What validation at `step` generates, in order: one greedy sample per prompt, then `trainer.val_n`
+    at the rollout's temperature (a rollout rank apart generates exactly these, `trainer/rollout_rank.py`)."""
+    r, t = cfg.rollout, cfg.trainer
+    tag = f"val{step}"  # seeds apart from every training step's
+    return (
+        (Sampling(1, 0.0, 1.0, r.max_new_tokens), SeedKey(t.seed, tag)),
+        (Sampling(t.val_n, r.temperature, r.top_p, r.max_new_tokens, r.top_k), SeedKey(t.seed, tag, 1)),
+    )
+
+
+def due(cfg: RunConfig, step: int, has_prompts: bool) -> bool:
+    """Validation runs after `step` (0: before the first step): `trainer.val_before_train` (null: yes) and
+    every `trainer.val_every` steps, where there are held-out prompts."""
+    t = cfg.trainer
+    if not has_prompts:
+        return False
+    if step == 0:
+        return t.val_before_train is None or t.val_before_train
+    return bool(t.val_every) and step % t.val_every == 0
+
+
 def validate(
     cfg: RunConfig,
     mine: list[dict],
@@ -37,13 +59,10 @@ def validate(
 ) -> tuple[dict[str, float], list[tuple[str, str, float]]]:
     """This rank's held-out prompts `mine` at `step` -> (the metrics over every rank, and with `samples`
     (the rank that logs them) this rank's sample rows: prompt, greedy response, its score)."""
-    r = cfg.rollout
     k, name = cfg.trainer.val_n, cfg.data.task
-    tag = f"val{step}"  # seeds apart from every training step's
-    greedy = episodes(mine, Sampling(1, 0.0, 1.0, r.max_new_tokens), SeedKey(cfg.trainer.seed, tag))
-    sampled = episodes(
-        mine, Sampling(k, r.temperature, r.top_p, r.max_new_tokens, r.top_k), SeedKey(cfg.trainer.seed, tag, 1)
-    )
+    (greedy_sampling, greedy_seed), (k_sampling, k_seed) = requests(cfg, step)
+    greedy = episodes(mine, greedy_sampling, greedy_seed)
+    sampled = episodes(mine, k_sampling, k_seed)
     # the next generation comes without a sync (the weights stay, on the host) and a checkpoint or
     # the export may wake the roles first
     rollout.sleep(level=1)

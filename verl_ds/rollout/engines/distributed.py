@@ -107,10 +107,13 @@ def make_rollout(
     )
 
 
-def prompt_positions(n_local: int, round_: int = 0) -> range:
+def prompt_positions(n_local: int, round_: int = 0, rank: int | None = None, world: int | None = None) -> range:
     """Global positions of this rank's `n_local` prompts: prompt i of rank r in generation round k
-    of a step (dynamic sampling may need several) sits at (k * world + r) * n_local + i."""
-    start = (round_ * vdist.world_size() + vdist.rank()) * n_local
+    of a step (dynamic sampling may need several) sits at (k * world + r) * n_local + i. `rank`,
+    `world`: another rank's (a rollout rank apart generates for its trainer ranks); default this one's."""
+    rank = vdist.rank() if rank is None else rank
+    world = vdist.world_size() if world is None else world
+    start = (round_ * world + rank) * n_local
     return range(start, start + n_local)
 
 

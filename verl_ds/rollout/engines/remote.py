@@ -9,6 +9,10 @@ are one line, not a silent mismatch. The weights go the other way after every op
 trainer rank 0 to every rollout rank, without waiting (`Bridge.isend`): only the tensors' changed
 elements where that is fewer bytes than the tensor (`changed_elements`).
 
+Messages come in the rollout rank's order, and the loop may ask out of it: validation after step k asks
+for rows the rollout rank samples once the weights of step k land, behind the rows of step k + 1 and
+the next probe it already sent; those are held until asked for.
+
 A checkpoint after step k holds the rows of step k its rollout rank already sampled on the weights of
 step k - 1 (`state_dict` takes them off the stream; the rollout rank samples one step past the last, so a
 finished run's final checkpoint has them too): a resume trains exactly the rows the run would have.
@@ -17,6 +21,7 @@ finished run's final checkpoint has them too): a resume trains exactly the rows 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Iterable
 
 import torch
@@ -74,10 +79,10 @@ class RemoteRollout:
         self.sender = trainer_rank == 0
         self.pad_id, self.steps = pad_id, steps
         self.last_metrics: dict[str, float] = {}
-        self._held: dict[str, torch.Tensor] = {}  # what the rollout ranks hold, as last sent (trainer rank 0)
+        self._sent: dict[str, torch.Tensor] = {}  # what the rollout ranks hold, as last sent (trainer rank 0)
         self.version = 0  # the weights last sent: the optimizer steps they have taken
         self.taken = 0  # steps' rows taken off the stream
-        self._next: dict | None = None  # a step's rows taken ahead (a checkpoint's), not yet trained
+        self._held: deque[dict] = deque()  # messages taken off the stream ahead of their ask, in order
 
     def connect(self, handshake: dict) -> RemoteRollout:
         """Trainer rank 0 tells every rollout rank what to serve (`handshake`: the model, its dtype and
@@ -98,8 +103,6 @@ class RemoteRollout:
         top_k: int = 0,
     ) -> RolloutBatch:
         t0 = time.perf_counter()
-        held, self._next = self._next, None
-        msg = held or self._recv()
         asked = dict(
             prompts=[list(p) for p in prompt_token_ids],
             n=n,
@@ -109,26 +112,45 @@ class RemoteRollout:
             seeds=list(seeds or []),
             top_k=top_k,
         )
-        if msg["asked"] != asked:
-            differ = sorted(k for k in asked if msg["asked"].get(k) != asked[k])
-            raise RunFailure(
-                f"rollout rank {self.server} sent rows for other requests than trainer rank {self.rank} asks "
-                f"for ({', '.join(differ)} differ): the two sides' samplers parted"
-            )
-        if msg["metrics"]:  # a step's rows (the probe's carry none: the step's stay)
+        msg = self._take(lambda m: m["asked"] == asked, asked)
+        if msg["kind"] == "rows":  # a step's rows (the probe's and validation's carry none: the step's stay)
             self.last_metrics = {**msg["metrics"], "timing_s/rows_wait": time.perf_counter() - t0}
-            self.taken += held is None
         return RolloutBatch(**msg["batch"])
 
-    def _take_next(self) -> dict:
-        """The next step's rows off the stream, kept for its `generate`."""
-        if self._next is None:
-            self._next = self._recv()
-            self.taken += 1
-        return self._next
+    def _take(self, wanted, asked: dict | None = None, keep: bool = False) -> dict:
+        """The first message `wanted` picks, held or off the stream (those before it held, in order);
+        `keep`: it stays held (a checkpoint's look at the next rows). Only a step's rows and probe wait for
+        an ask that comes later (validation's): the rollout rank sends up to the rows of the step after the
+        last weights sent, then waits for the next weights, so a message not among those never comes. Either
+        way the two sides parted: one line, not a wait until the collective timeout."""
+        for i, msg in enumerate(self._held):
+            if wanted(msg):
+                if not keep:
+                    del self._held[i]
+                return msg
+        while self.taken < self.version + 2:  # rows 0 .. version + 1 can come without new weights
+            msg = self._recv()
+            if wanted(msg):
+                if keep:
+                    self._held.append(msg)
+                return msg
+            if msg["kind"] == "val":
+                self._parted(msg, asked)
+            self._held.append(msg)
+        self._parted(self._held[0] if self._held else None, asked)
+
+    def _parted(self, msg: dict | None, asked: dict | None):
+        got = msg["asked"] if msg else {}
+        differ = sorted(k for k in asked if got.get(k) != asked[k]) if asked else ["no step's rows"]
+        raise RunFailure(
+            f"rollout rank {self.server} sent {msg['kind'] if msg else 'nothing'} for other requests than trainer "
+            f"rank {self.rank} asks for ({', '.join(differ)} differ): the two sides' samplers parted"
+        )
 
     def _recv(self) -> dict:
-        return self._over_bridge(self.bridge.recv, self.server)
+        msg = self._over_bridge(self.bridge.recv, self.server)
+        self.taken += msg["kind"] == "rows"
+        return msg
 
     def _over_bridge(self, op, *args):
         """A bridge operation; the rollout rank gone (a rank the trainers' roll call cannot see) is
@@ -146,7 +168,7 @@ class RemoteRollout:
     def state_dict(self) -> dict:
         """The next step's rows (already sampled: taken off the stream now) as `RolloutBatch.to_lists` JSON
         (float32 logprobs round-trip exactly through their Python floats), and the weights' version."""
-        msg = self._take_next()
+        msg = self._take(lambda m: m["kind"] == "rows", keep=True)
         batch = RolloutBatch(**msg["batch"])
         rows = {**batch.to_lists(), "pad_id": batch.pad_id}
         return {"next": {**msg, "batch": rows}, "version": self.version, "taken": self.taken}
@@ -155,7 +177,7 @@ class RemoteRollout:
         """A checkpoint's next rows, trained at the next step; the resume's sync then re-sends the
         checkpoint's weights under their own version (the rollout rank starts from the model's)."""
         msg = state["next"]
-        self._next = {**msg, "batch": as_message(RolloutBatch.from_lists(**msg["batch"]))}
+        self._held = deque([{**msg, "kind": "rows", "batch": as_message(RolloutBatch.from_lists(**msg["batch"]))}])
         self.version, self.taken = state["version"] - 1, state["taken"]
 
     def stream(self, temperature: float, top_p: float, chunk_tokens: int, top_k: int = 0):
@@ -166,6 +188,7 @@ class RemoteRollout:
         fewer bytes, sent without waiting (the previous step's taken first); the other trainer ranks
         drain the iterator (its gathers are collective)."""
         t0 = time.perf_counter()
+        self.version += 1  # every trainer rank counts them: what its rollout rank can send before the next
         if not self.sender:
             for _ in named_tensors:
                 pass
@@ -175,11 +198,10 @@ class RemoteRollout:
         parts, full, sent = {}, 0, 0
         for name, tensor in named_tensors:
             now = tensor.detach().to("cpu", copy=True)
-            parts[name] = changed_elements(now, self._held.get(name))
-            self._held[name] = now
+            parts[name] = changed_elements(now, self._sent.get(name))
+            self._sent[name] = now
             full += now.numel() * now.element_size()
             sent += part_bytes(parts[name])
-        self.version += 1
         for r in range(self.bridge.trainers, self.bridge.size):
             self._over_bridge(self.bridge.isend, {"version": self.version, "tensors": parts}, r)
         return {
@@ -196,7 +218,9 @@ class RemoteRollout:
         pass
 
     def shutdown(self, release: bool = True) -> None:
+        if self.taken < self.steps:  # ended early (a failure): the rollout rank is blocked sending rows this
+            return  # rank will not take, and waits for weights that will not come; the launcher ends it
         if self.taken == self.steps:  # the run ended without a final checkpoint: the rows sampled past the
-            self._take_next()  # last step still come (their send waits for a receiver)
+            self._take(lambda m: m["kind"] == "rows", keep=True)  # last step still come (their send waits)
         if self.sender:
             self._over_bridge(self.bridge.wait)  # the last weights reach the rollout ranks, which end on them
