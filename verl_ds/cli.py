@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--host-memory-gb", type=POS_FLOAT, default=None, help="--plan: host memory per node")
     mem.add_argument("--top", type=POS_INT, default=8, help="--plan: plans printed")
     mem.add_argument(
+        "--generation-share",
+        type=float,
+        default=None,
+        help="--plan: the share of a colocated step spent generating (timing_s/rollout over timing_s/step), "
+        "to weigh rollout ranks apart against colocated",
+    )
+    mem.add_argument(
         "--row-tokens",
         type=POS_INT,
         default=None,
@@ -313,10 +320,24 @@ def _debug_memory_plan(args, world: int) -> int:
     shapes = {"actor": actor, "reference": actor, "critic": memory.load_shape(args.critic_config or args.model_config)}
     if args.reward_config:
         shapes["reward"] = memory.load_shape(args.reward_config)
-    plans = plan.search(
-        cfg, shapes, render_ds_configs(cfg, world, run_precision(cfg)), world, args.gpu_memory_gb, args.host_memory_gb
-    )
-    print(plan.render_plans(plans, args.top, world, args.gpu_memory_gb, args.host_memory_gb))
+    g = args.generation_share
+    if g is not None and not 0 < g < 1:
+        raise ConfigError("--generation-share", f"{g} is not a share of the step: between 0 and 1")
+    precision = run_precision(cfg)
+
+    def render(c, ranks: int) -> dict:
+        return render_ds_configs(c, ranks, precision)
+
+    gpu, host = args.gpu_memory_gb, args.host_memory_gb
+    plans = plan.search(cfg, shapes, render(cfg, world), world, gpu, host)
+    print(plan.render_plans(plans, args.top, world, gpu, host))
+    if world > 1 and not cfg.trainer.rollout_ranks and g is not None:  # against splitting the same GPUs
+        print("\n" + plan.render_apart(plan.weigh_apart(cfg, shapes, render, world, gpu, host, g), world, g))
+    elif world > 1 and not cfg.trainer.rollout_ranks:
+        print(
+            "\nRollout ranks apart (`trainer.rollout_ranks`) are weighed against these with --generation-share "
+            "(a colocated run's timing_s/rollout over timing_s/step)."
+        )
     return 0
 
 

@@ -918,7 +918,7 @@ def validate(cfg: RunConfig, world_size: int | None = None, errors: list[ConfigE
         errors += part.check()
     errors += _between_sections(cfg)
     errors += resolve_names(cfg)[1]
-    errors += _batch_geometry(cfg, world)
+    errors += batch_geometry(cfg, world)
     errors += _ds_file_errors(cfg, dp_world(cfg, world), mini_batch(cfg))
     raise_all(errors)
 
@@ -1095,7 +1095,7 @@ def _heads(cfg: RunConfig, path: str) -> tuple[int, int] | None:
         return None
 
 
-def _batch_geometry(cfg: RunConfig, world: int) -> list[ConfigError]:
+def batch_geometry(cfg: RunConfig, world: int) -> list[ConfigError]:
     """The batch over `world` ranks: tensor-parallel groups, mini-batches and prompts split evenly."""
     r, t = cfg.rollout, cfg.trainer
     batch, mini = t.prompts_per_step * r.n, mini_batch(cfg)

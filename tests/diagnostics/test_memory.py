@@ -349,3 +349,47 @@ def test_a_shared_prompt_counts_once_in_a_micro_batchs_pass():
     acts = [roles_memory(c, shape, ds, 1)["actor"]["update"]["activations"] for c in (shared, plain)]
     logits = 8 * 512 * shape.vocab * 4 * 3  # the responses' saved fp32 logits: every row's, either way
     assert acts[0] - logits == pytest.approx((acts[1] - logits) * 5120 / 8192)  # the checkpointed layer inputs
+
+
+def test_a_trainer_rank_apart_holds_no_engine_and_shares_the_node_with_the_rollout_ranks(monkeypatch, capsys):
+    """`trainer.rollout_ranks`: a trainer rank's estimate holds no rollout engine (on a GPU its device keeps only
+    the sync's gathered module; on a CPU trainer rank 0 also keeps the weights it last sent, in the actor's
+    dtype, and the sync's message); `debug memory` names a rollout rank's engine apart; a CPU rank's budget
+    is the node's memory over every rank on it, the rollout ranks included."""
+    from verl_ds.diagnostics.memory import budget
+
+    both = ["precision.actor_dtype=bf16", "precision.reference_dtype=bf16", "precision.rollout_dtype=bf16"]
+    colocated = load_config("examples/grpo_cpu_tiny.yaml", both)
+    apart = load_config("examples/grpo_cpu_tiny.yaml", [*both, "trainer.rollout_ranks=1", "algorithm.tis_cap=2.0"])
+    shape = M.load_shape(str(LLAMA_8B))
+    ds = render_ds_configs(apart, 1)
+    gpu = {name: M.estimate_memory(c, shape, ds, 1, "bf16", 80) for name, c in (("co", colocated), ("apart", apart))}
+    engine = {name: {s: est[s]["rollout"] for s in M.STAGES} for name, est in gpu.items()}
+    assert "kv_cache" in engine["co"]["rollout"]  # vLLM's pool on the rank that also trains
+    assert all(not part for s, part in engine["apart"].items() if s != "sync")
+    assert set(engine["apart"]["sync"]) == {"other"} and engine["apart"]["sync"]["other"] < 2 * 2**30
+    cpu = M.estimate_memory(apart, shape, ds, 1, "bf16")
+    assert cpu["update"]["rollout"] == {"weights_sent": shape.params("lm") * 2}
+    monkeypatch.setattr(budget, "_cgroup_limit", lambda: float(2**30))  # below any machine's RAM
+    monkeypatch.setenv("LOCAL_SIZE", "1")
+    assert budget.rank_budget(colocated, 1, False) == 2**30 and budget.rank_budget(apart, 1, False) == 2**29
+    assert (
+        cli.main(
+            [
+                "debug",
+                "memory",
+                "--config",
+                "examples/grpo_cpu_tiny.yaml",
+                "--model-config",
+                str(LLAMA_8B),
+                "--gpu-memory-gb",
+                "80",
+                *both,
+                "trainer.rollout_ranks=1",
+                "algorithm.tis_cap=2.0",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "a rollout rank holds its vllm engine alone" in out and "kv_cache" in out

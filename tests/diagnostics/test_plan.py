@@ -128,3 +128,28 @@ def test_sequence_parallel_sizes_follow_deepspeeds_head_rule_in_every_model():
     with_rm = load_config("examples/ppo_cpu_tiny.yaml", [*PPO_8B, "model.reward_path=x"])
     assert P.sp_sizes(with_rm, {"actor": llama}, world=8, per_node=8) == [1, 2, 4, 8]  # a reward model splits too
     assert P.sp_sizes(with_rm, {"actor": llama, "reward": smol}, world=8, per_node=8) == [1]  # its heads count
+
+
+def test_rollout_ranks_apart_are_weighed_against_colocated_and_the_best_split_renders(tmp_path, capsys):
+    """Qwen2-7B GRPO on 4 x 80 GB, half of a colocated step generating: the plan weighs 1, 2 and 3 rollout
+    ranks (the trainer ranks' cheapest placement, their GPUs without an engine; the step from the
+    overlap), says why 3 trainer ranks cannot run 8 prompts a step, and the best split (2 + 2: both sides
+    busy) prints a block that renders."""
+    overrides = ["data.train_files=[]", "data.task=arithmetic", "trainer.prompts_per_step=8"]
+    overrides += ["trainer.mini_batch_size=0"]
+    out, _ = _plan(capsys, "examples/grpo_gpu_qwen05b.yaml", QWEN_7B, 4, "--generation-share", "0.5", *overrides)
+    apart = out[out.index("## Apart") :]
+    rows = {int(r[0]): r for r in parse_md_tables(apart)[0][1:]}
+    assert set(rows) == {1, 2, 3}
+    assert rows[1][5] == "2.00x" and rows[2][5] == "1.00x" and rows[3][5] == "2.00x"
+    assert "prompts_per_step" in rows[1][2] and rows[1][3] == "-"  # 3 trainer ranks do not split 8 prompts
+    assert rows[3][3] != "-"  # 1 trainer rank: a placement
+    block = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", apart, re.S)[-1])
+    assert block["trainer"] == {"rollout_ranks": 2} and block["algorithm"] == {"tis_cap": 2.0}
+    assert not any(r.get("sleep") for r in block["roles"].values())  # no engine to hand the GPU to
+    assert block["rollout"]["sleep"] is False
+    cfg = _renders(tmp_path, "examples/grpo_gpu_qwen05b.yaml", overrides, block, 2)
+    assert cfg.trainer.rollout_ranks == 2
+    args = ["debug", "memory", "--plan", "--config", "examples/grpo_gpu_qwen05b.yaml", "--model-config", str(QWEN_7B)]
+    assert cli.main([*args, "--world-size", "4", "--gpu-memory-gb", "80", "--generation-share", "1.5"]) == 2
+    assert "error: --generation-share" in capsys.readouterr().err

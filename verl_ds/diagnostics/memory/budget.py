@@ -79,20 +79,23 @@ def _say_no_ops(cfg: RunConfig, files: dict, gpu: bool) -> None:
 
 def rank_budget(cfg: RunConfig, world: int, gpu: bool) -> float:
     """The bytes one rank may use: `trainer.rank_memory_gb`, or its GPU (less vLLM's share when vLLM
-    keeps it while the roles train), or this node's RAM (its cgroup's limit, where lower) over the
-    ranks on it."""
+    keeps it while the roles train; apart, `trainer.rollout_ranks`, a trainer rank's GPU holds no engine),
+    or this node's RAM (its cgroup's limit, where lower) over the ranks on it (apart, the rollout ranks
+    too: one node)."""
     if cfg.trainer.rank_memory_gb != "auto":
         return float(cfg.trainer.rank_memory_gb) * 2**30
+    apart = cfg.trainer.rollout_ranks
     if gpu:
         import torch
 
         budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        if not cfg.rollout.sleep and cfg.rollout.engine == "vllm":
+        if not apart and not cfg.rollout.sleep and cfg.rollout.engine == "vllm":
             budget *= 1 - cfg.rollout.gpu_memory_utilization  # vLLM keeps its share while training
         return budget
     import psutil
 
-    return min(psutil.virtual_memory().total, _cgroup_limit()) / int(os.environ.get("LOCAL_SIZE", world))
+    ranks = int(os.environ.get("LOCAL_SIZE", world)) + apart  # a split launch's LOCAL_SIZE counts one kind
+    return min(psutil.virtual_memory().total, _cgroup_limit()) / ranks
 
 
 def _cgroup_limit() -> float:

@@ -384,6 +384,19 @@ def rollout_memory(
     return stages
 
 
+def sender_memory(shape: ModelShape, actor_ds: dict, gpu_gib: float | None) -> dict[str, dict[str, float]]:
+    """A trainer rank's part of the weights' way to the rollout ranks apart (`trainer.rollout_ranks`,
+    `RemoteRollout.sync_weights`): the sync gathers one module at a time to the device; trainer rank 0 keeps
+    on the host a copy of what it last sent, in the actor's dtype (what the next sync's changed elements are
+    found against), and serializes the sync's message (the changed elements, at most the weights) whole. On
+    a CPU the host is the device: both count; on a GPU they are host memory, off the estimate."""
+    weights = float(shape.params("lm") * BYTES[ds_dtype(actor_ds)]) if actor_ds else 0.0
+    on_host = 0.0 if gpu_gib else weights
+    stages = {s: ({"weights_sent": on_host} if on_host else {}) for s in STAGES}
+    stages["sync"]["other"] = on_host + shape.largest_module() * 4
+    return stages
+
+
 HEADS = {"actor": "lm", "reference": "lm", "critic": "value", "reward": "score", "teacher": "lm"}
 
 
@@ -461,7 +474,8 @@ def estimate_memory(
     roles_part: dict | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{stage: {role: {component: bytes}}} per GPU: one rank's roles and its colocated rollout engine
-    (every rank owns one; a tensor-parallel group shares one, split over its ranks). `role_shapes`:
+    (every rank owns one; a tensor-parallel group shares one, split over its ranks; apart, a trainer
+    rank's part of the weights' way to the rollout ranks instead, `sender_memory`). `role_shapes`:
     the roles whose model is not the policy's (a reward model, a larger teacher). `roles_part`: the
     roles' `roles_memory` for these arguments, where a caller varies only the engine's settings."""
     if cfg.rollout.engine == "auto":  # the engine the trainer would pick for this model and device
@@ -470,9 +484,12 @@ def estimate_memory(
     w = workload(cfg, world)
     per_role = dict(roles_part or roles_memory(cfg, shape, ds_configs, world, gpu_gib, role_shapes))
     rdt = rollout_dtype
-    per_role["rollout"] = rollout_memory(
-        shape, cfg.rollout, rdt, w, shape.largest_module() * 4, gpu_gib, shape.params("lm") * BYTES[rdt]
-    )
+    if cfg.trainer.rollout_ranks:  # apart: the engine is on a rollout rank (`rollout_memory` is its memory)
+        per_role["rollout"] = sender_memory(shape, ds_configs.get("actor", {}), gpu_gib)
+    else:
+        per_role["rollout"] = rollout_memory(
+            shape, cfg.rollout, rdt, w, shape.largest_module() * 4, gpu_gib, shape.params("lm") * BYTES[rdt]
+        )
     if gpu_gib:
         per_role["process"] = {s: {"other": GPU_OVERHEAD_GIB * GIB} for s in STAGES}
     return {s: {role: per_role[role][s] for role in per_role} for s in STAGES}

@@ -30,6 +30,14 @@ The cost model (seconds per step, from bytes moved and work added; constants bel
   over PCIe and back.
 Ties go to the larger vLLM share (a larger KV pool batches more sequences), then to the simpler
 placement (lower ZeRO stages, fewer offloads and sleeps), then the lower peak.
+
+Apart (`trainer.rollout_ranks`, `weigh_apart`): k of the N GPUs each run a rollout engine alone and the
+other N - k train. The trainer ranks' placements are searched as above on N - k ranks whose GPUs hold no
+engine (the vLLM share they print is a rollout rank's, of its own GPU); the step against the colocated
+one, from the share g of the colocated step spent generating (`--generation-share`, a colocated run's
+`timing_s/rollout` over `timing_s/step`): the two sides overlap, so about max(g N / k, (1 - g) N / (N - k))
+of it, before what splitting saves besides (no engine sleep and wake, no vLLM share beside the roles, the
+long tail hidden behind training) and what it costs (rows one step off-policy).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import copy
 import itertools
 from dataclasses import dataclass, field, replace
 
-from verl_ds.config import active_roles, offload_stages
+from verl_ds.config import active_roles, batch_geometry, offload_stages
 from verl_ds.diagnostics.memory.estimate import (
     BYTES,
     GIB,
@@ -87,6 +95,7 @@ class Plan:
     host: float = 0.0  # host bytes per node
     cost_s: float = 0.0
     costs: dict[str, float] = field(default_factory=dict)
+    rollout_ranks: int = 0  # trainer.rollout_ranks: the plan is the trainer ranks' (`weigh_apart`)
 
     def yaml(self) -> str:
         """A `roles:` / `precision:` / `rollout:` block `config render` accepts."""
@@ -105,9 +114,13 @@ class Plan:
         dtypes = ", ".join(f"{r}_dtype: {p.dtype}" for r, p in self.roles.items())
         ckpt = str(self.grad_checkpointing).lower()
         lines.append(f"precision: {{{dtypes}, rollout_dtype: bf16, enable_grad_checkpointing: {ckpt}}}")
-        lines.append(f"rollout: {{engine: vllm, sleep: true, gpu_memory_utilization: {self.vllm_share}}}")
+        sleep = str(not self.rollout_ranks).lower()  # apart, nothing else wants a rollout rank's GPU
+        lines.append(f"rollout: {{engine: vllm, sleep: {sleep}, gpu_memory_utilization: {self.vllm_share}}}")
         if self.sp > 1:
             lines.append(f"trainer: {{sequence_parallel_size: {self.sp}}}")
+        if self.rollout_ranks:
+            lines.append(f"trainer: {{rollout_ranks: {self.rollout_ranks}}}")
+            lines.append("algorithm: {tis_cap: 2.0}  # rows one step off-policy")
         return "\n".join(lines)
 
 
@@ -290,6 +303,79 @@ def search(
     # ties: the larger vLLM share, then the simpler placement (lower stages, fewer offloads), the lower peak
     plans.sort(key=lambda p: (round(p.cost_s, 4), -p.vllm_share, _complexity(p), p.peak))
     return plans
+
+
+@dataclass
+class Apart:
+    """The trainer ranks' cheapest placement with `rollout_ranks` of the world's GPUs generating apart."""
+
+    rollout_ranks: int
+    trainers: int
+    best: Plan | None  # None: nothing fits the trainer ranks (or `why`)
+    step: float  # the step against the colocated one, from `--generation-share`
+    why: str = ""  # what keeps this split from running the config's batch
+
+
+def weigh_apart(
+    cfg,
+    shapes: dict[str, ModelShape],
+    render,
+    world: int,
+    gpu_gib: float,
+    host_gib: float | None,
+    generation_share: float,
+    gpus_per_node: int = 8,
+) -> list[Apart]:
+    """Every split of `world` GPUs into k rollout ranks and world - k trainer ranks worth weighing (k about
+    1/8 .. 3/4 of them), each with the trainer ranks' cheapest placement (`search` on their world, no engine
+    on their GPUs) and the step the module's model gives; `render(cfg, world)`: the roles' DeepSpeed configs."""
+    out = []
+    for k in sorted({max(1, round(world * f)) for f in (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)} - {world}):
+        trainers = world - k
+        c = replace(cfg, trainer=replace(cfg.trainer, rollout_ranks=k, sequence_parallel_size=1))
+        g = generation_share
+        step = max(g * world / k, (1 - g) * world / trainers)
+        errors = batch_geometry(c, trainers)  # the config's batch over the trainer ranks
+        if errors:
+            out.append(Apart(k, trainers, None, step, f"{errors[0].where}: {errors[0].message}"))
+            continue
+        ds = render(c, trainers)
+        plans = [replace(p, rollout_ranks=k) for p in search(c, shapes, ds, trainers, gpu_gib, host_gib, gpus_per_node)]
+        out.append(Apart(k, trainers, plans[0] if plans else None, step, "" if plans else "no placement fits"))
+    return out
+
+
+def render_apart(options: list[Apart], world: int, generation_share: float) -> str:
+    """The `--plan` section that weighs rollout ranks apart against the colocated plans above."""
+    g = f"generation share {generation_share:g}"
+    rows = [
+        "| rollout ranks | trainer ranks | the trainer ranks' best placement | peak GiB | s/step "
+        f"| step vs colocated ({g}) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for a in options:
+        step = f"{a.step:.2f}x"
+        if a.best is None:
+            rows.append(f"| {a.rollout_ranks} | {a.trainers} | {a.why} | - | - | {step} |")
+            continue
+        b = a.best
+        cells = ", ".join(f"{r} {_short(p)}" for r, p in b.roles.items())
+        cells += f", ckpt {'on' if b.grad_checkpointing else 'off'}"
+        cells += f", {_long_rows(b)}" if _long_rows(b) != "-" else ""
+        rows.append(f"| {a.rollout_ranks} | {a.trainers} | {cells} | {b.peak / GIB:.1f} | {b.cost_s:.2f} | {step} |")
+    text = (
+        f"## Apart: k of the {world} GPUs generating (`trainer.rollout_ranks`), the others training\n\n"
+        + "\n".join(rows)
+        + "\n\nA rollout rank holds its engine alone (the block's `gpu_memory_utilization` is of its own GPU); "
+        "the step column is the two sides overlapping, max(g N / k, (1 - g) N / (N - k)), before what splitting "
+        "saves besides (no sleep and wake, no vLLM share beside the roles) and what it costs (rows one step "
+        "off-policy, `algorithm.tis_cap`)."
+    )
+    ok = [a for a in options if a.best is not None]
+    if ok:
+        best = min(ok, key=lambda a: (a.step, a.best.cost_s))
+        text += f"\n\nThe best split as a run-config block:\n\n```yaml\n{best.best.yaml()}\n```"
+    return text
 
 
 def _complexity(p: Plan) -> int:

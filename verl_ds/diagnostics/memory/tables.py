@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from verl_ds.config import read_json_object
 from verl_ds.diagnostics.memory.estimate import (
+    BYTES,
     COMPONENTS,
     GIB,
     GPU_OVERHEAD_GIB,
@@ -15,11 +17,14 @@ from verl_ds.diagnostics.memory.estimate import (
     ModelShape,
     estimate_memory,
     host_memory,
+    rollout_memory,
     stage_totals,
     verdict,
+    workload,
 )
 from verl_ds.ds_config import render_ds_configs, run_precision
 from verl_ds.errors import ConfigError
+from verl_ds.rollout.engines.distributed import choose_engine
 
 
 def fmt_bytes(x: float | None) -> str:
@@ -146,6 +151,8 @@ def report(
     if host:  # offloaded model states (roles.<role>.offload), one rank's share
         parts = ", ".join(f"{r}: " + " + ".join(f"{k} {fmt_bytes(v)}" for k, v in c.items()) for r, c in host.items())
         text += f"\n\nHost memory per rank (offloaded): {parts}."
+    if cfg.trainer.rollout_ranks:
+        text += "\n\n" + rollout_rank_line(cfg, shape, world, precision.rollout, gpu_gib)
     if gpu_gib:
         ok, peak_stage, peak = verdict({s: est[s] for s in stages}, gpu_gib)
         text += (
@@ -154,3 +161,18 @@ def report(
             f"(includes {GPU_OVERHEAD_GIB:g} GiB CUDA context/allocator allowance)."
         )
     return text
+
+
+def rollout_rank_line(cfg, shape: ModelShape, world: int, dtype: str, gpu_gib: float | None) -> str:
+    """Apart (`trainer.rollout_ranks`): the tables above are a trainer rank's (no engine on it); a rollout
+    rank holds its engine alone, generating each of its trainer ranks' rows in turn."""
+    engine = choose_engine(cfg.rollout.engine, shape.params("lm"), bool(gpu_gib), 1)[0]
+    rcfg = replace(cfg.rollout, engine=engine, sleep=False)  # nothing else wants its memory
+    gen = rollout_memory(shape, rcfg, dtype, workload(cfg, world), 0.0, gpu_gib, shape.params("lm") * BYTES[dtype])[
+        "rollout"
+    ]
+    parts = " + ".join(f"{k} {fmt_bytes(v)}" for k, v in gen.items() if v)
+    return (
+        f"Apart (trainer.rollout_ranks {cfg.trainer.rollout_ranks}): the tables are a trainer rank's, which holds "
+        f"no engine; a rollout rank holds its {engine} engine alone: ~{fmt_bytes(sum(gen.values()))} ({parts})."
+    )
