@@ -178,7 +178,11 @@ class RemoteRollout:
         checkpoint's weights under their own version (the rollout rank starts from the model's)."""
         msg = state["next"]
         self._held = deque([{**msg, "kind": "rows", "batch": as_message(RolloutBatch.from_lists(**msg["batch"]))}])
-        self.version, self.taken = state["version"] - 1, state["taken"]
+        # a checkpoint after step k has taken rows 0 .. k and sent the weights of step k; the resume's sync
+        # sends them again, so it counts from one before (every trainer rank: checkpoints before they all
+        # counted saved 0 on the others)
+        self.taken = state["taken"]
+        self.version = self.taken - 2
 
     def stream(self, temperature: float, top_p: float, chunk_tokens: int, top_k: int = 0):
         raise NotImplementedError("rollout ranks apart stream whole steps (config refuses rollout.partial)")
