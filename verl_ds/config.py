@@ -1009,8 +1009,9 @@ def _between_sections(cfg: RunConfig) -> list[ConfigError]:
 def _rollout_ranks_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
     """What `trainer.rollout_ranks` > 0 runs today: single-turn episodes streamed one step ahead (validation
     too, on the rollout ranks' engines), every row trained once (no partial rollouts, no dynamic
-    sampling), one sequence-parallel-free trainer group; the off-policy step corrected by TIS."""
-    k, a, r, t = cfg.trainer.rollout_ranks, cfg.algorithm, cfg.rollout, cfg.trainer
+    sampling); the off-policy step corrected by TIS. The trainer ranks may split rows (sequence parallelism):
+    the rollout ranks generate whole rows for them as for any trainer rank."""
+    k, a, r = cfg.trainer.rollout_ranks, cfg.algorithm, cfg.rollout
     if k == 0:
         return []
     why = f"trainer.rollout_ranks {k}"
@@ -1029,7 +1030,6 @@ def _rollout_ranks_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
         (r.partial.enabled, "rollout.partial.enabled", f"{why}: the rollout ranks stream whole steps (false)"),
         (r.multi_turn.enabled, "rollout.multi_turn.enabled", f"{why}: single-turn episodes only, for now"),
         (a.filter_groups.enabled, "algorithm.filter_groups.enabled", f"{why}: one round a step (false)"),
-        (t.sequence_parallel_size > 1, "trainer.sequence_parallel_size", f"{why}: with 1 only, for now"),
         (r.tensor_parallel_size > 1, "rollout.tensor_parallel_size", f"{why}: with 1 only, for now"),
     ]
 
@@ -1065,7 +1065,7 @@ def _sequence_parallel_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
             if h
         ),
         (
-            cfg.rollout.engine == "hf",
+            cfg.rollout.engine == "hf" and not cfg.trainer.rollout_ranks,  # apart, a rollout rank's model is its own
             "rollout.engine",
             f"{why}: the HF engine generates with the actor's model, whose attention SP replaces; use vllm",
         ),

@@ -49,7 +49,9 @@ def preflight(cfg: RunConfig, gpu: bool) -> Sampling:
             errors.append(ConfigError(m.path, f"not a decoder config.json this estimate understands ({e})"))
     if shape is not None:
         try:
-            engine = resolve_engine(cfg.rollout, shape.params("lm"), gpu, cfg.trainer.sequence_parallel_size)
+            # SP splits the actor's attention; apart, the engine runs on a rollout rank with a model of its own
+            sp = 1 if cfg.trainer.rollout_ranks else cfg.trainer.sequence_parallel_size
+            engine = resolve_engine(cfg.rollout, shape.params("lm"), gpu, sp)
         except ConfigError as e:
             errors.append(e)
     if said := sequence_parallel_says(cfg):

@@ -47,7 +47,8 @@ def main(run_dir: str, mode: str, *overrides: str) -> None:
     if mode == "fit":
         with rl_trainer.RLTrainer(cfg) as trainer:
             trainer.fit()
-        print("RESULT {}", flush=True)
+            split = trainer.actor.sp is not None  # the actor's rows run split over a sequence-parallel group
+        print("RESULT " + json.dumps({"sequence_parallel": split}), flush=True)
         return
     out = {"line": None, "steps": []}
     with rl_trainer.RLTrainer(cfg) as trainer:

@@ -20,8 +20,9 @@ from verl_ds.trainer.checkpoint import check_placement, list_checkpoints
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _launch(run_dir: Path, mode: str, *overrides: str) -> tuple[subprocess.CompletedProcess, dict]:
-    cmd = [sys.executable, "-m", "verl_ds.launcher", "--num_ranks", "2", "--master_port", str(_free_port()), "--"]
+def _launch(run_dir: Path, mode: str, *overrides: str, ranks: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
+    cmd = [sys.executable, "-m", "verl_ds.launcher", "--num_ranks", str(ranks), "--master_port", str(_free_port())]
+    cmd += ["--"]
     cmd += ["--module", "tests.trainer.split_script", str(run_dir), mode, *overrides]
     out = subprocess.run(cmd, env=child_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -85,6 +86,22 @@ def test_a_run_resumed_apart_trains_what_the_uninterrupted_run_trains(whole_run,
         check_placement(list_checkpoints(cut / "checkpoints")[-1], 1, 1, 0)
 
 
+def test_trainer_ranks_that_split_rows_take_their_rows_from_a_rollout_rank(tmp_path):
+    """Sequence parallelism on the trainer side, apart: 2 trainer ranks in one SP group + 1 rollout rank
+    (its HF engine has a model of its own, so SP's refusal of the HF engine does not apply), 2 steps: SP
+    said on, the second step's rows a step behind, and the weights the SP group trained, landed on the
+    rollout rank, within fp32's rounding of the trainers' own scoring of the probe."""
+    run_dir = tmp_path / "run"
+    sp = ("trainer.sequence_parallel_size=2", "trainer.steps=2", "trainer.val_every=0")
+    sp += ("trainer.val_before_train=false",)
+    out, res = _launch(run_dir, "fit", *sp, "rollout.engine=hf", ranks=3)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert res["sequence_parallel"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/policy_lag"] for m in rows] == [0.0, 1.0]
+    assert rows[1]["rollout/sync_probe_gap"] <= 1e-5 and all(m["actor/grad_norm"] > 0 for m in rows)
+
+
 @pytest.mark.parametrize("changed", [0, 3, 40])
 def test_changed_elements_rebuild_the_tensor_in_fewer_bytes_where_few_changed(changed):
     g = torch.Generator().manual_seed(0)
@@ -107,6 +124,13 @@ def test_what_rollout_ranks_do_not_run_yet_is_refused_in_one_pass(monkeypatch):
         )
     keys = {err.where for err in e.value.errors}
     assert {"algorithm.tis_cap", "rollout.partial.enabled", "algorithm.filter_groups.enabled"} <= keys
+    monkeypatch.setenv("WORLD_SIZE", "3")  # SP on the trainer ranks, the HF engine on the rollout rank: no refusal
+    load_config(None, ["trainer.rollout_ranks=1", "algorithm.tis_cap=2.0", "trainer.sequence_parallel_size=2"])
+    load_config(
+        None,
+        ["trainer.rollout_ranks=1", "algorithm.tis_cap=2.0", "trainer.sequence_parallel_size=2"]
+        + ["rollout.engine=hf"],
+    )
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError) as e:
         load_config(None, ["trainer.rollout_ranks=1", "algorithm.tis_cap=2.0"])
