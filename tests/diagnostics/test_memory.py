@@ -358,6 +358,8 @@ def test_a_trainer_rank_apart_holds_no_engine_and_shares_the_node_with_the_rollo
     is the node's memory over every rank on it, the rollout ranks included."""
     from verl_ds.diagnostics.memory import budget
 
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as the launcher sets it for 1 trainer + 1 rollout rank
+    monkeypatch.delenv("VERL_DS_LAUNCH_WORLD", raising=False)
     both = ["precision.actor_dtype=bf16", "precision.reference_dtype=bf16", "precision.rollout_dtype=bf16"]
     colocated = load_config("examples/grpo_cpu_tiny.yaml", both)
     apart = load_config("examples/grpo_cpu_tiny.yaml", [*both, "trainer.rollout_ranks=1", "algorithm.tis_cap=2.0"])

@@ -130,7 +130,7 @@ def test_sequence_parallel_sizes_follow_deepspeeds_head_rule_in_every_model():
     assert P.sp_sizes(with_rm, {"actor": llama, "reward": smol}, world=8, per_node=8) == [1]  # its heads count
 
 
-def test_rollout_ranks_apart_are_weighed_against_colocated_and_the_best_split_renders(tmp_path, capsys):
+def test_rollout_ranks_apart_are_weighed_against_colocated_and_the_best_split_renders(tmp_path, capsys, monkeypatch):
     """Qwen2-7B GRPO on 4 x 80 GB, half of a colocated step generating: the plan weighs 1, 2 and 3 rollout
     ranks (the trainer ranks' cheapest placement, their GPUs without an engine; the step from the
     overlap), says why 3 trainer ranks cannot run 8 prompts a step, and the best split (2 + 2: both sides
@@ -148,6 +148,8 @@ def test_rollout_ranks_apart_are_weighed_against_colocated_and_the_best_split_re
     assert block["trainer"] == {"rollout_ranks": 2} and block["algorithm"] == {"tis_cap": 2.0}
     assert not any(r.get("sleep") for r in block["roles"].values())  # no engine to hand the GPU to
     assert block["rollout"]["sleep"] is False
+    monkeypatch.setenv("WORLD_SIZE", "4")  # the launch the split runs on: 2 trainer + 2 rollout ranks
+    monkeypatch.delenv("VERL_DS_LAUNCH_WORLD", raising=False)
     cfg = _renders(tmp_path, "examples/grpo_gpu_qwen05b.yaml", overrides, block, 2)
     assert cfg.trainer.rollout_ranks == 2
     args = ["debug", "memory", "--plan", "--config", "examples/grpo_gpu_qwen05b.yaml", "--model-config", str(QWEN_7B)]
