@@ -331,13 +331,14 @@ def _debug_memory_plan(args, world: int) -> int:
     gpu, host = args.gpu_memory_gb, args.host_memory_gb
     plans = plan.search(cfg, shapes, render(cfg, world), world, gpu, host)
     print(plan.render_plans(plans, args.top, world, gpu, host))
-    if world > 1 and not cfg.trainer.rollout_ranks and g is not None:  # against splitting the same GPUs
-        print("\n" + plan.render_apart(plan.weigh_apart(cfg, shapes, render, world, gpu, host, g), world, g))
-    elif world > 1 and not cfg.trainer.rollout_ranks:
-        print(
-            "\nRollout ranks apart (`trainer.rollout_ranks`) are weighed against these with --generation-share "
-            "(a colocated run's timing_s/rollout over timing_s/step)."
-        )
+    if world > 1 and not cfg.trainer.rollout_ranks:  # against splitting the same GPUs
+        if g is None:
+            print(
+                "\nRollout ranks apart (`trainer.rollout_ranks`) are weighed against these with --generation-share "
+                "(a colocated run's timing_s/rollout over timing_s/step)."
+            )
+        else:
+            print("\n" + plan.render_apart(plan.weigh_apart(cfg, shapes, render, world, gpu, host, g), world, g))
     return 0
 
 

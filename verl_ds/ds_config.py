@@ -18,9 +18,7 @@ from verl_ds.precision import (
     Hardware,
     LossScaling,
     ResolvedPrecision,
-    detect_hardware,
-    json_dtypes,
-    resolve_precision,
+    resolve_for_files,
 )
 
 
@@ -151,11 +149,10 @@ def _fill_batch_sizes(ds: dict, micro: int, total: int, world: int) -> None:
         ds["gradient_accumulation_steps"] = total // (ds["train_micro_batch_size_per_gpu"] * world)
 
 
-def run_precision(cfg, hw: Hardware | None = None) -> ResolvedPrecision:
+def run_precision(cfg, hw: Hardware | None = None, files: dict[str, dict] | None = None) -> ResolvedPrecision:
     """A config's precision alone (`config render`, `debug memory`, the benchmarks), resolved as a run's
-    setup resolves it (`precision.resolve_precision` on the roles' JSON files), against this machine's
-    (or the injected) hardware."""
-    return resolve_precision(cfg.precision, hw or detect_hardware(cfg.trainer.device), json_dtypes(read_ds_files(cfg)))
+    setup resolves it (`precision.resolve_for_files`), the roles' JSON files read here unless given."""
+    return resolve_for_files(cfg.precision, cfg.trainer.device, files or read_ds_files(cfg), hw)
 
 
 def render_ds_configs(
@@ -168,7 +165,7 @@ def render_ds_configs(
     """`render_roles` for a config alone: on `world_size` ranks (default: `config.default_world`), the
     precision and the JSON files resolved and read here unless given (`config render`, `debug memory`)."""
     files = files or read_ds_files(cfg)
-    precision = precision or resolve_precision(cfg.precision, detect_hardware(cfg.trainer.device), json_dtypes(files))
+    precision = precision or run_precision(cfg, files=files)
     return render_roles(cfg, batches(cfg, world_size or default_world(cfg)), precision, zero_stages, files)
 
 

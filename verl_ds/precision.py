@@ -272,6 +272,14 @@ def json_dtypes(files: dict[str, dict]) -> dict[str, str]:
     return {role: ds_dtype(ds) for role, ds in files.items()}
 
 
+def resolve_for_files(
+    p: PrecisionConfig, device: str, files: dict[str, dict], hw: Hardware | None = None
+) -> ResolvedPrecision:
+    """`resolve_precision` on this machine (`trainer.device`; or the injected hardware) and the roles' JSON
+    files as `config.read_ds_files` read them: a run's setup and a config alone resolve it here."""
+    return resolve_precision(p, hw or detect_hardware(device), json_dtypes(files))
+
+
 def resolve_precision(
     p: PrecisionConfig, hw: Hardware, json_dtypes: dict[str, str] | None = None, log_choice: bool = True
 ) -> ResolvedPrecision:

@@ -102,20 +102,18 @@ def test_debug_memory_measured_report_is_markdown(tmp_path, capsys):
     assert rows[("actor", "optimizer")][3] != "n/a"  # measured column filled
 
 
+def _debug_memory_8b(*extra: str) -> int:
+    """`verl-ds debug memory` on the tiny example's run config for Llama-3-8B's shape, on 80 GB GPUs."""
+    args = ["debug", "memory", "--config", "examples/grpo_cpu_tiny.yaml", "--model-config", str(LLAMA_8B)]
+    return cli.main([*args, "--gpu-memory-gb", "80", *extra])
+
+
 @pytest.mark.parametrize("world,fits", [(1, False), (8, True)])
 def test_llama8b_zero3_verdict(world, fits, capsys):
     assert M.load_shape(str(LLAMA_8B)).params() == 8_030_261_248
     args = [
-        "debug",
-        "memory",
-        "--config",
-        "examples/grpo_cpu_tiny.yaml",
-        "--model-config",
-        str(LLAMA_8B),
         "--world-size",
         str(world),
-        "--gpu-memory-gb",
-        "80",
         "precision.actor_dtype=bf16",
         "precision.reference_dtype=bf16",
         "precision.rollout_dtype=bf16",
@@ -127,7 +125,7 @@ def test_llama8b_zero3_verdict(world, fits, capsys):
         "rollout.max_new_tokens=512",
         "rollout.max_model_len=1024",
     ]
-    assert cli.main(args) == 0
+    assert _debug_memory_8b(*args) == 0
     out = capsys.readouterr().out
     assert ("**Verdict: fits**" in out) == fits and "n/a" in out
     parse_md_tables(out)
@@ -375,23 +373,6 @@ def test_a_trainer_rank_apart_holds_no_engine_and_shares_the_node_with_the_rollo
     monkeypatch.setattr(budget, "_cgroup_limit", lambda: float(2**30))  # below any machine's RAM
     monkeypatch.setenv("LOCAL_SIZE", "1")
     assert budget.rank_budget(colocated, 1, False) == 2**30 and budget.rank_budget(apart, 1, False) == 2**29
-    assert (
-        cli.main(
-            [
-                "debug",
-                "memory",
-                "--config",
-                "examples/grpo_cpu_tiny.yaml",
-                "--model-config",
-                str(LLAMA_8B),
-                "--gpu-memory-gb",
-                "80",
-                *both,
-                "trainer.rollout_ranks=1",
-                "algorithm.tis_cap=2.0",
-            ]
-        )
-        == 0
-    )
+    assert _debug_memory_8b(*both, "trainer.rollout_ranks=1", "algorithm.tis_cap=2.0") == 0
     out = capsys.readouterr().out
     assert "a rollout rank holds its vllm engine alone" in out and "kv_cache" in out

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from verl_ds.config import RunConfig
 from verl_ds.data.dataset import PromptSampler
@@ -108,13 +108,7 @@ def _validate(engine, bridge, cfg: RunConfig, step: int, examples: list[dict], t
     ids, waited = [e["prompt_ids"] for e in examples], 0.0
     for sampling, key in validation.requests(cfg, step):
         seeds = prompt_seeds(key.run_seed, key.step, prompt_positions(len(ids), key.round_, trainer, trainers))
-        args = dict(
-            n=sampling.n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_new_tokens=sampling.max_new_tokens,
-            top_k=sampling.top_k,
-        )
+        args = asdict(sampling)  # n, temperature, top_p, max_new_tokens, top_k: `generate`'s own
         batch = engine.generate(ids, **args, seeds=seeds)
         waited += _send(bridge, trainer, ids, seeds, args, batch, {}, "val")
     return waited

@@ -16,7 +16,7 @@ from verl_ds.config import RunConfig, batches, read_ds_files, resolve_names, val
 from verl_ds.diagnostics.memory.budget import fit_memory
 from verl_ds.dist import init_distributed, on_gpu, rank, world_size
 from verl_ds.errors import raise_all
-from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision, detect_hardware, json_dtypes, resolve_precision
+from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision, resolve_for_files
 from verl_ds.preflight import preflight
 from verl_ds.process import allocator
 from verl_ds.roles import attention as attn
@@ -83,7 +83,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     raise_all(errors)
     trained = tuple(r for r in files if r in TRAINED_ROLES)
     # the one place `auto` meets the hardware (and the roles' JSON files' fp16/bf16 blocks)
-    precision = resolve_precision(cfg.precision, detect_hardware(cfg.trainer.device), json_dtypes(files))
+    precision = resolve_for_files(cfg.precision, cfg.trainer.device, files)
     # the consistency contract (the mismatch gate's bound, how each sync is checked); the run's directory
     # writable and the checkpoint to resume from checked whole (nothing made: a refused run leaves none)
     gate = consistency.resolve_gate(cfg, precision.actor, precision.rollout)

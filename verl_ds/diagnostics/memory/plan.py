@@ -333,8 +333,7 @@ def weigh_apart(
     for k in sorted({max(1, round(world * f)) for f in (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)} - {world}):
         trainers = world - k
         c = replace(cfg, trainer=replace(cfg.trainer, rollout_ranks=k, sequence_parallel_size=1))
-        g = generation_share
-        step = max(g * world / k, (1 - g) * world / trainers)
+        step = max(generation_share * world / k, (1 - generation_share) * world / trainers)
         errors = batch_geometry(c, trainers)  # the config's batch over the trainer ranks
         if errors:
             out.append(Apart(k, trainers, None, step, f"{errors[0].where}: {errors[0].message}"))
