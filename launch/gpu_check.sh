@@ -81,6 +81,15 @@ timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RAN
   > "$out/long_rows.log" 2>&1
 echo "exit $? after ${SECONDS}s"; grep -E "shared prefixes|memory estimate|token budget" "$out/long_rows.log" | head -n 4
 grep -vE "it/s|^\s*$" "$out/long_rows.log" | tail -n 4
+# precision.batch_invariant: vLLM's batch-invariant kernels in the process (gemm.batch_invariant_kernels), the
+# rollout engine and the roles alike; every step scores a few rows again, each alone (trainer_corr/), which these
+# kernels make bitwise equal to the step's own micro-batches
+echo "== batch-invariant kernels (bf16 actor and rollout, rollout $engine)"
+timeout 120 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RANDOM % 1000)) -- \
+  --module verl_ds.cli train --config examples/grpo_cpu_tiny.yaml "${common[@]}" "${eager[@]}" trainer.steps=3 \
+  precision.batch_invariant=true logging.consistency_every=1 precision.actor_dtype=bf16 precision.reference_dtype=bf16 \
+  trainer.run_dir=$out/batch_invariant > "$out/batch_invariant.log" 2>&1
+echo "exit $? after ${SECONDS}s"; grep -vE "it/s|^\s*$" "$out/batch_invariant.log" | tail -n 4
 echo "== bench step (bf16 actor, rollout $engine)"
 timeout 110 "$PY" -m verl_ds.cli bench step --config examples/grpo_cpu_tiny.yaml --steps 3 "${common[@]}" "${eager[@]}" \
   precision.actor_dtype=bf16 precision.reference_dtype=bf16 trainer.run_dir=$out/bench > "$out/bench.log" 2>&1
@@ -148,6 +157,11 @@ verdict("long rows, checkpointing, shared prefixes, TiledMLP", len(rows) > 0 and
         f"update s {last.get('timing_s/update_actor', float('nan')):.2f}, actor MiB update "
         f"{last.get('memory/update/actor/total_mib', float('nan')):.0f}, process peak MiB update "
         f"{last.get('memory/update/process/rss_peak_mib', float('nan')):.0f}")
+rows = rows_of("batch_invariant")  # the trainer against itself, and against the rollout, under batch-invariant kernels
+self_gap = [r.get("trainer_corr/logprob_abs_diff_max", float("nan")) for r in rows]
+verdict("batch-invariant kernels", len(rows) > 0 and all(g == 0.0 for g in self_gap),
+        f"{len(rows)} steps, trainer vs itself max |dlogprob| {self_gap} (0 expected), rollout vs trainer max "
+        f"{[round(r.get('rollout_corr/logprob_abs_diff_max', float('nan')), 6) for r in rows]}")
 for run in ("bf16", "fp16", "sleep", "int8_reward", "long_rows"):  # the sync probe: every sync's logprob gap
     probe = [r["rollout/sync_probe_gap"] for r in rows_of(run) if "rollout/sync_probe_gap" in r]
     verdict(f"sync probe ({run})", len(probe) > 0, f"gaps {[f'{g:.2e}' for g in probe]} (past algos.probe_bound the run stops)")

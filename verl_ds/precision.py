@@ -88,6 +88,13 @@ class PrecisionConfig:
     critic_comm_dtype: Optional[str] = opt(None, "the critic's gradient all-reduce dtype", choices=(None, *DTYPES))
     enable_grad_checkpointing: bool = opt(False, "recompute activations in backward (less memory, more time)")
     lm_head_fp32: bool = opt(False, "logits and log-softmax in fp32 (actor, reference, rollout)")
+    batch_invariant: bool = opt(
+        False,
+        "GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT: matmuls, softmax, log-softmax and means "
+        "whose result for a row does not depend on what it is batched with) in every rank's process, so the "
+        "rollout engine and the trainer's roles run them alike; slower; written, not yet run on a GPU by this "
+        "project. CPU: a no-op (the CPU kernels' compositions: tests/roles/test_composition.py)",
+    )
     cpu_gemm: str = opt(
         "auto",
         "bf16/fp16 matrix products on a CPU without kernels for them (verl_ds/gemm.py): fp32 (16-bit "
@@ -231,6 +238,7 @@ class ResolvedPrecision:
     auto_reason: str
     lm_head_fp32: bool = False
     fp32_gemm: tuple = ()  # 16-bit dtypes whose GEMMs run on fp32 copies here (verl_ds/gemm.py)
+    batch_invariant: bool = False  # vLLM's batch-invariant kernels in this process (`gemm.batch_invariant_kernels`)
 
     def role(self, name: str) -> str:
         return getattr(self, name)
@@ -311,6 +319,8 @@ def resolve_precision(
         log.info("precision 'auto' -> %s (%s)", auto, why)
     if log_choice and (msg := mismatch_warning(roles["actor"], rollout)):
         log.warning(msg)
+    if log_choice and p.batch_invariant and hw.device != "cuda":
+        log.info("precision.batch_invariant: a no-op on CPU (vLLM's batch-invariant kernels are GPU kernels)")
     activations = {
         "reward_activation": pick(p.reward_activation_dtype),
         "teacher_activation": pick(p.teacher_activation_dtype),
@@ -329,6 +339,7 @@ def resolve_precision(
         auto_reason=why,
         lm_head_fp32=p.lm_head_fp32,
         fp32_gemm=fp32_gemm_dtypes(p.cpu_gemm, hw, {*roles.values(), *activations.values(), rollout}),
+        batch_invariant=p.batch_invariant and hw.device == "cuda",
     )
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,18 @@ def test_auto_rule_every_branch_from_injected_hardware(hw, want):
     r = resolve_precision(PrecisionConfig(), hw)
     assert (r.actor, r.critic, r.reference, r.reward, r.rollout) == (want,) * 5
     assert r.actor_comm == ("fp32" if want == "fp16" else None)  # fp16 grads reduce in fp32
+
+
+def test_batch_invariant_kernels_resolve_on_a_gpu_only_and_say_the_cpu_no_op(caplog):
+    """`precision.batch_invariant` turns vLLM's batch-invariant kernels on in a GPU process (the builder and
+    a rollout rank call `gemm.batch_invariant_kernels` when the resolved flag is set); on a CPU it is
+    resolved off and said once, so nothing GPU-only is called there."""
+    asked = PrecisionConfig(batch_invariant=True)
+    assert resolve_precision(asked, A100).batch_invariant
+    assert not resolve_precision(PrecisionConfig(), A100).batch_invariant
+    with caplog.at_level(logging.INFO, logger="verl_ds.precision"):
+        assert not resolve_precision(asked, AVX512_BF16).batch_invariant
+    assert "precision.batch_invariant: a no-op on CPU" in caplog.text
 
 
 def test_forced_avx2_kernels_resolve_auto_as_an_avx2_host():

@@ -21,6 +21,7 @@ from verl_ds.data.tiny import load_tokenizer, prepare_model
 from verl_ds.dist import bridge
 from verl_ds.envs import parse_hermes_tool_calls, tool_schemas
 from verl_ds.errors import ConfigError
+from verl_ds.gemm import batch_invariant_kernels
 from verl_ds.roles import (
     Actor,
     Critic,
@@ -74,6 +75,8 @@ def build(setup: RunSetup) -> RunParts:
     first), the roles' engines, then the rollout engine (on a GPU vLLM sizes its cache from the memory
     the roles left)."""
     s, cfg = setup, setup.cfg
+    if s.precision.batch_invariant:  # the process's kernels, before any model runs (`precision.batch_invariant`)
+        batch_invariant_kernels()
     model_path = prepare_model(cfg.model, cfg.trainer.run_dir)
     data = build_data(s, model_path)
     roles = build_roles(s, model_path)
@@ -156,6 +159,7 @@ def build_rollout(setup: RunSetup, model_path: str, data: RunData):
         "rollout_dtype": p.rollout,
         "actor_dtype": p.actor,
         "lm_head_fp32": p.lm_head_fp32,
+        "batch_invariant": p.batch_invariant,
         "prompts": data.prompts,
         "val_prompts": data.val_prompts,
         "trainers": setup.world,

@@ -29,6 +29,7 @@ from dataclasses import asdict, replace
 from verl_ds.config import RunConfig
 from verl_ds.data.dataset import PromptSampler
 from verl_ds.dist import peer_lost
+from verl_ds.gemm import batch_invariant_kernels
 from verl_ds.rollout import make_rollout
 from verl_ds.rollout.engines.distributed import prompt_positions
 from verl_ds.rollout.engines.remote import apply_changes, as_message
@@ -54,6 +55,8 @@ def _serve(cfg: RunConfig, bridge) -> None:
     hs = bridge.recv(0)  # trainer rank 0's handshake, once its model and prompts exist
     r, t = cfg.rollout, cfg.trainer
     rollout_cfg = replace(r, engine=hs["engine"], enforce_eager=hs["enforce_eager"])
+    if hs["batch_invariant"]:  # the trainer ranks run them too (builder.build)
+        batch_invariant_kernels()
     engine = make_rollout(
         rollout_cfg, hs["model_path"], hs["rollout_dtype"], t.seed, cfg.model.trust_remote_code, hs["lm_head_fp32"]
     )
