@@ -1007,10 +1007,11 @@ def _between_sections(cfg: RunConfig) -> list[ConfigError]:
 
 
 def _rollout_ranks_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
-    """What `trainer.rollout_ranks` > 0 runs today: single-turn episodes streamed one step ahead (validation
-    too, on the rollout ranks' engines), every row trained once (no partial rollouts, no dynamic
-    sampling); the off-policy step corrected by TIS. The trainer ranks may split rows (sequence parallelism):
-    the rollout ranks generate whole rows for them as for any trainer rank."""
+    """What `trainer.rollout_ranks` > 0 runs today: episodes (single-turn, or an environment's turns: run on
+    the rollout ranks) streamed one step ahead (validation too), every row trained once (no partial
+    rollouts, no dynamic sampling, no agent jobs); the off-policy step corrected by TIS. The trainer ranks
+    may split rows (sequence parallelism): the rollout ranks generate whole rows for them as for any
+    trainer rank."""
     k, a, r = cfg.trainer.rollout_ranks, cfg.algorithm, cfg.rollout
     if k == 0:
         return []
@@ -1028,7 +1029,11 @@ def _rollout_ranks_rules(cfg: RunConfig) -> list[tuple[bool, str, str]]:
             f"{why}: rows are sampled by the previous step's weights: set the importance-weight cap (e.g. 2.0)",
         ),
         (r.partial.enabled, "rollout.partial.enabled", f"{why}: the rollout ranks stream whole steps (false)"),
-        (r.multi_turn.enabled, "rollout.multi_turn.enabled", f"{why}: single-turn episodes only, for now"),
+        (
+            bool(r.multi_turn.agent),
+            "rollout.multi_turn.agent",
+            f"{why}: an agent job's episodes run colocated (its endpoint serves the trainer rank's engine), for now",
+        ),
         (a.filter_groups.enabled, "algorithm.filter_groups.enabled", f"{why}: one round a step (false)"),
         (r.tensor_parallel_size > 1, "rollout.tensor_parallel_size", f"{why}: with 1 only, for now"),
     ]

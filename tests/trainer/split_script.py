@@ -18,7 +18,7 @@ from verl_ds.diagnostics.observers import TrainerObserver
 from verl_ds.dist import bridge, init_distributed, is_rollout_rank
 from verl_ds.errors import RunFailure
 from verl_ds.rollout import episodes, make_rollout
-from verl_ds.rollout.engines.distributed import generate_distributed
+from verl_ds.rollout.episodes import Sampling, SeedKey
 from verl_ds.trainer import validation
 from verl_ds.trainer.rollout_rank import serve
 
@@ -33,7 +33,7 @@ class Rows(TrainerObserver):
         self.batches = []
 
     def on_rollout(self, trainer, rollout, scores):
-        self.batches.append(rollout.batch)
+        self.batches.append(rollout)
 
 
 def main(run_dir: str, mode: str, *overrides: str) -> None:
@@ -61,7 +61,8 @@ def main(run_dir: str, mode: str, *overrides: str) -> None:
             trainer.logger.log(val, 0)
 
             def here(examples, sampling, seed):
-                return episodes.collect(local, examples, [e["prompt_ids"] for e in examples], sampling, seed)
+                ids = [e["prompt_ids"] for e in examples]
+                return episodes.collect(local, examples, ids, sampling, seed, trainer.episode_spec)
 
             want, _ = validation.validate(cfg, trainer.val_prompts, 0, here, trainer.rewards.score, local, None, False)
             out["val_equal"] = bool(val == want and val)
@@ -70,14 +71,19 @@ def main(run_dir: str, mode: str, *overrides: str) -> None:
             real = rl_trainer.iter_full_params
             initial = {n: t.clone() for n, t in real(trainer.actor.engine) if "q_proj" in n}
             rl_trainer.iter_full_params = lambda e: ((n, initial.get(n, t)) for n, t in real(e))
-        else:  # step 0's rows against a colocated engine on the same (initial) weights, prompts and seeds
+        else:  # step 0's episodes against a colocated engine's on the same (initial) weights, prompts and seeds
             sampler = PromptSampler(len(trainer.prompts), cfg.data.seed, cfg.data.shuffle)
-            ids = [trainer.prompts[i]["prompt_ids"] for i in sampler.draw(cfg.trainer.prompts_per_step, 0, 1)]
-            seed = cfg.trainer.seed
-            want = generate_distributed(local, ids, r.n, r.temperature, r.top_p, r.max_new_tokens, seed, 0)
+            examples = [trainer.prompts[i] for i in sampler.draw(cfg.trainer.prompts_per_step, 0, 1)]
+            ids = [e["prompt_ids"] for e in examples]
+            sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens, r.top_k)
+            want = episodes.collect(local, examples, ids, sampling, SeedKey(cfg.trainer.seed, 0), trainer.episode_spec)
             got = rows.batches[0]
             out["rows_equal"] = bool(
-                (got.input_ids == want.input_ids).all() and (got.rollout_logprobs == want.rollout_logprobs).all()
+                (got.batch.input_ids == want.batch.input_ids).all()
+                and (got.batch.rollout_logprobs == want.batch.rollout_logprobs).all()
+                and (got.batch.loss_mask == want.batch.loss_mask).all()
+                and (got.env_rewards == want.env_rewards).all()
+                and got.final_ids == want.final_ids
             )
         try:
             for _ in range(cfg.trainer.steps - 1):
@@ -92,6 +98,7 @@ def main(run_dir: str, mode: str, *overrides: str) -> None:
             "sync/bytes_full",
             "sync/bytes_sent",
             "timing_s/rows_wait",
+            "multi_turn/turns/mean",
         )
         out["steps"] = [{k: m[k] for k in keep if k in m} for m in out["steps"]]
         if out["line"] is None:  # as `fit` ends: the final checkpoint and the exported model

@@ -102,6 +102,22 @@ def test_trainer_ranks_that_split_rows_take_their_rows_from_a_rollout_rank(tmp_p
     assert rows[1]["rollout/sync_probe_gap"] <= 1e-5 and all(m["actor/grad_norm"] > 0 for m in rows)
 
 
+def test_an_environments_turns_run_on_the_rollout_rank(tmp_path):
+    """A multi-turn job apart (the built-in retry environment: a wrong answer gets another turn): the rollout
+    rank runs the episodes, environment included, and the trainer rank trains them. Step 0's episodes (rows,
+    loss masks, logprobs, the environment's rewards, the final answers) and the validation before it are bit
+    for bit what the trainer rank's own loop runs on a colocated engine for the same prompts and seeds; later
+    steps a step behind, every sync probed."""
+    turns = ["rollout.multi_turn.env=retry", "rollout.max_model_len=200", "data.max_prompt_length=40"]
+    out, res = _launch(tmp_path / "run", "run", *turns, "rollout.max_new_tokens=3")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert res["line"] is None and res["rows_equal"] and res["val_equal"]
+    steps = res["steps"]
+    assert [m["rollout/policy_lag"] for m in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert all(m["rollout/sync_probe_gap"] <= 1e-5 for m in steps[1:])
+    assert max(m["multi_turn/turns/mean"] for m in steps) > 1.0  # episodes took more than one turn
+
+
 @pytest.mark.parametrize("changed", [0, 3, 40])
 def test_changed_elements_rebuild_the_tensor_in_fewer_bytes_where_few_changed(changed):
     g = torch.Generator().manual_seed(0)
@@ -124,6 +140,9 @@ def test_what_rollout_ranks_do_not_run_yet_is_refused_in_one_pass(monkeypatch):
         )
     keys = {err.where for err in e.value.errors}
     assert {"algorithm.tis_cap", "rollout.partial.enabled", "algorithm.filter_groups.enabled"} <= keys
+    with pytest.raises(ConfigError, match="an agent job's episodes run colocated"):
+        agent = ["rollout.multi_turn.agent=tests.e2e.agents:three_calls", "data.apply_chat_template=true"]
+        load_config(None, ["trainer.rollout_ranks=1", "algorithm.tis_cap=2.0", *agent])
     monkeypatch.setenv("WORLD_SIZE", "3")  # SP on the trainer ranks, the HF engine on the rollout rank: no refusal
     load_config(None, ["trainer.rollout_ranks=1", "algorithm.tis_cap=2.0", "trainer.sequence_parallel_size=2"])
     load_config(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_ds import algos
+from verl_ds.config import RunConfig
 from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import PromptSampler, tokenize_prompts
 from verl_ds.data.tasks import load_examples
@@ -113,27 +114,11 @@ class RunData:
 
 
 def build_data(setup: RunSetup, model_path: str) -> RunData:
-    """The student's tokenizer (a teacher's gives the same ids: the setup checked it); the codec: the
-    chat template with the `tools` of `data.tools` and `data.system_prompt`, or the tokenizer alone
-    (multi-turn runs check the template now); a multi-turn job's `EpisodeSpec` (the environment
-    factory, the codec, the limits, the tokenization check); the (train, validation) prompts and the
-    sampler over the first."""
-    cfg = setup.cfg
-    m, d, mt = cfg.model, cfg.data, cfg.rollout.multi_turn
-    eos_ids = eos_token_ids(model_path)
-    tokenizer = load_tokenizer(m.tokenizer_path or model_path, m.trust_remote_code)
-    schemas = tool_schemas(setup.tools) if setup.tools else None
-    codec = ChatCodec(
-        tokenizer, d.apply_chat_template, schemas, d.system_prompt, model=m.path, eos_ids=eos_ids, few_shot=d.few_shot
-    )
-    if mt.enabled:
-        codec.check_turns()
-    spec = None
-    if setup.env_factory is not None:
-        limits = TurnLimits(
-            mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len, mt.max_env_failure_fraction
-        )
-        spec = EpisodeSpec(setup.env_factory, codec, limits, strict=mt.tokenization_check == "strict")
+    """The student's tokenizer and codec (`build_codec`); a multi-turn job's `EpisodeSpec` (`episode_spec`);
+    the (train, validation) prompts and the sampler over the first."""
+    d = setup.cfg.data
+    tokenizer, codec = build_codec(setup.cfg, model_path, setup.tools)
+    spec = episode_spec(setup.cfg, codec, setup.env_factory)
     train, val = load_examples(d)
     if not train:
         raise ConfigError("data", "the prompt dataset is empty")
@@ -142,6 +127,35 @@ def build_data(setup: RunSetup, model_path: str) -> RunData:
         tokenize_prompts(x, tokenizer, d.max_prompt_length, d.apply_chat_template, codec) for x in (train, val)
     )
     return RunData(tokenizer, codec, spec, prompts, val_prompts, sampler)
+
+
+def build_codec(cfg: RunConfig, model_path: str, tools: tuple) -> tuple[Any, ChatCodec]:
+    """The student's tokenizer (a teacher's gives the same ids: the setup checked it) and the codec: the
+    chat template with the `tools` of `data.tools` and `data.system_prompt`, or the tokenizer alone
+    (multi-turn runs check the template now)."""
+    m, d = cfg.model, cfg.data
+    eos_ids = eos_token_ids(model_path)
+    tokenizer = load_tokenizer(m.tokenizer_path or model_path, m.trust_remote_code)
+    schemas = tool_schemas(tools) if tools else None
+    codec = ChatCodec(
+        tokenizer, d.apply_chat_template, schemas, d.system_prompt, model=m.path, eos_ids=eos_ids, few_shot=d.few_shot
+    )
+    if cfg.rollout.multi_turn.enabled:
+        codec.check_turns()
+    return tokenizer, codec
+
+
+def episode_spec(cfg: RunConfig, codec: ChatCodec, env_factory) -> EpisodeSpec | None:
+    """A multi-turn job's episodes (`rollout.multi_turn.env`: the environment factory, the codec, the turn
+    limits, the tokenization check); None: single-turn. Built where the episodes run: the trainer rank, or
+    a rollout rank apart (`trainer/rollout_rank.py`)."""
+    if env_factory is None:
+        return None
+    mt = cfg.rollout.multi_turn
+    limits = TurnLimits(
+        mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len, mt.max_env_failure_fraction
+    )
+    return EpisodeSpec(env_factory, codec, limits, strict=mt.tokenization_check == "strict")
 
 
 def build_rollout(setup: RunSetup, model_path: str, data: RunData):

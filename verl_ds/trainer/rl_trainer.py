@@ -268,9 +268,11 @@ class RLTrainer:
 
     def _episodes(self, examples: list[dict], sampling: Sampling, seed: SeedKey) -> episodes.Rollout:
         """This rank's episodes of `examples`: the user's agent against the endpoint, or the loop's
-        own (single-turn, or an environment's turns)."""
+        own (single-turn, or an environment's turns), here or, apart, on its rollout rank."""
         if self.agents is not None:
             return self.agents.collect(examples, sampling, seed)
+        if self.cfg.trainer.rollout_ranks:  # its rollout rank ran them (trainer/rollout_rank.py)
+            return self.rollout.episodes(examples, sampling, seed)
         ids = [e["prompt_ids"] for e in examples]
         return episodes.collect(self.rollout, examples, ids, sampling, seed, self.episode_spec)
 

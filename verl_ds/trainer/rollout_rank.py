@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
-from verl_ds.config import RunConfig
+from verl_ds.config import RunConfig, resolve_names
 from verl_ds.data.dataset import PromptSampler
 from verl_ds.dist import peer_lost
 from verl_ds.gemm import batch_invariant_kernels
-from verl_ds.rollout import make_rollout
-from verl_ds.rollout.engines.distributed import prompt_positions
-from verl_ds.rollout.engines.remote import apply_changes, as_message
-from verl_ds.rollout.seeding import prompt_seeds
+from verl_ds.rollout import episodes, make_rollout
+from verl_ds.rollout.engines.remote import apply_changes, as_message, episodes_asked, episodes_message
+from verl_ds.rollout.episodes import EpisodeSpec, Sampling, SeedKey
 from verl_ds.trainer import validation
+from verl_ds.trainer.builder import build_codec, episode_spec
 from verl_ds.trainer.probe import SyncProbe
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def _serve(cfg: RunConfig, bridge) -> None:
     engine = make_rollout(
         rollout_cfg, hs["model_path"], hs["rollout_dtype"], t.seed, cfg.model.trust_remote_code, hs["lm_head_fp32"]
     )
+    spec = _episode_spec(cfg, hs["model_path"])
     prompts, val_prompts, trainers, start = hs["prompts"], hs["val_prompts"], hs["trainers"], hs["start"]
     mine = bridge.trainers_of(bridge.rank)
     sampler = PromptSampler(len(prompts), cfg.data.seed, cfg.data.shuffle)
@@ -87,38 +88,62 @@ def _serve(cfg: RunConfig, bridge) -> None:
         v = s - 1 if s >= 2 else 0 if s == 0 else -1  # the step whose weights the engine holds first now
         if v >= 0 and (v > start or not start) and validation.due(cfg, v, bool(val_prompts)):
             for trainer in mine:
-                idle += _validate(engine, bridge, cfg, v, val_prompts[trainer::trainers], trainer, trainers)
+                idle += _validate(engine, bridge, cfg, v, val_prompts[trainer::trainers], spec, trainer, trainers)
         if s <= t.steps:
             picked = sampler.next(t.prompts_per_step)
-            args = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, top_k=r.top_k)
+            sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens, r.top_k)
             for trainer in mine:
-                ids = [prompts[i]["prompt_ids"] for i in picked[trainer::trainers]]
-                seeds = prompt_seeds(t.seed, s, prompt_positions(len(ids), 0, trainer, trainers))
-                batch = engine.generate(ids, **args, seeds=seeds)
+                examples = [prompts[i] for i in picked[trainer::trainers]]
+                ro = _episodes(engine, examples, sampling, SeedKey(t.seed, s, 0), spec, trainer, trainers)
                 metrics = {
                     **engine.last_metrics,
                     **{f"rollout_rank/{k.split('/')[-1]}": v for k, v in synced.items()},
                     "rollout/policy_lag": float(s - version),
                     "timing_s/rollout_idle": idle,
                 }
-                idle = _send(bridge, trainer, ids, seeds, args, batch, metrics, "rows")
+                idle = _send_episodes(bridge, trainer, examples, sampling, SeedKey(t.seed, s, 0), ro, metrics, "rows")
     engine.shutdown()
 
 
-def _validate(engine, bridge, cfg: RunConfig, step: int, examples: list[dict], trainer: int, trainers: int) -> float:
-    """Validation after `step` for `trainer` on its share `examples` of the held-out prompts: the requests
-    `validation.validate` makes there, seeded as its `generate_distributed` seeds them; -> seconds waited."""
-    ids, waited = [e["prompt_ids"] for e in examples], 0.0
+def _episode_spec(cfg: RunConfig, model_path: str) -> EpisodeSpec | None:
+    """A multi-turn job's episodes run on this rank: the environment, the codec and the turn limits the trainer
+    ranks' builder makes from the same config (its names resolved there first: a bad one was refused there)."""
+    if not cfg.rollout.multi_turn.enabled:
+        return None
+    names, _ = resolve_names(cfg)
+    return episode_spec(cfg, build_codec(cfg, model_path, names.tools)[1], names.env_factory)
+
+
+def _episodes(engine, examples: list[dict], sampling: Sampling, key: SeedKey, spec, trainer: int, trainers: int):
+    """`trainer`'s episodes of `examples` as its own loop would run them (`episodes.collect` at its prompt
+    positions): single-turn rows, or an environment's turns on this rank."""
+    ids = [e["prompt_ids"] for e in examples]
+    return episodes.collect(engine, examples, ids, sampling, key, spec, at=(trainer, trainers))
+
+
+def _validate(
+    engine, bridge, cfg: RunConfig, step: int, examples: list[dict], spec, trainer: int, trainers: int
+) -> float:
+    """Validation after `step` for `trainer` on its share `examples` of the held-out prompts: the episodes
+    `validation.validate` asks for there, run as its loop runs them; -> seconds waited."""
+    waited = 0.0
     for sampling, key in validation.requests(cfg, step):
-        seeds = prompt_seeds(key.run_seed, key.step, prompt_positions(len(ids), key.round_, trainer, trainers))
-        args = asdict(sampling)  # n, temperature, top_p, max_new_tokens, top_k: `generate`'s own
-        batch = engine.generate(ids, **args, seeds=seeds)
-        waited += _send(bridge, trainer, ids, seeds, args, batch, {}, "val")
+        ro = _episodes(engine, examples, sampling, key, spec, trainer, trainers)
+        waited += _send_episodes(bridge, trainer, examples, sampling, key, ro, {}, "val")
     return waited
 
 
+def _send_episodes(bridge, trainer: int, examples, sampling: Sampling, key: SeedKey, ro, metrics: dict, kind: str):
+    """Episodes to `trainer`, with what they answer (`episodes_asked`) and what they are (`kind`: rows | val);
+    -> the seconds this rank waited for it to take them."""
+    t0 = time.perf_counter()
+    asked = episodes_asked([e["prompt_ids"] for e in examples], sampling, key)
+    bridge.send({"kind": kind, "asked": asked, **episodes_message(ro), "metrics": metrics}, trainer)
+    return time.perf_counter() - t0
+
+
 def _send(bridge, trainer: int, prompts, seeds, args: dict, batch, metrics: dict, kind: str) -> float:
-    """Rows to `trainer`, with what they answer (`asked`) and what they are (`kind`: rows | probe | val);
+    """The sync probe's rows to `trainer`, with what they answer (`asked`, as `RemoteRollout.generate` asks);
     -> the seconds this rank waited for it to take them."""
     t0 = time.perf_counter()
     asked = dict(prompts=[list(p) for p in prompts], **args, seeds=list(seeds))

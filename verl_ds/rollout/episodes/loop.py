@@ -30,7 +30,7 @@ from verl_ds.errors import ConfigError, RunFailure
 from ..batch import RolloutBatch
 from ..engines.distributed import generate_distributed, prompt_positions
 from ..engines.engine import RolloutEngine
-from ..seeding import prompt_seed, turn_seed
+from ..seeding import prompt_seed, prompt_seeds, turn_seed
 from .environment import env_reset, env_step, observation_role
 from .episode import SINGLE_TURN, Episode, EpisodeSpec, Rollout, Sampling, SeedKey, Segment, TurnLimits
 
@@ -44,11 +44,15 @@ def collect(
     sampling: Sampling,
     seed: SeedKey,
     spec: EpisodeSpec | None = None,
+    at: tuple[int, int] | None = None,
 ) -> Rollout:
     """`sampling.n` episodes per prompt on this rank. Without a `spec` every episode is one turn: the
-    engine's batch is the rows, as it always was. Collective within a tensor-parallel group."""
+    engine's batch is the rows, as it always was. `at`: the (rank, world) whose prompts these are, where a
+    rollout rank apart runs them for a trainer rank (`trainer.rollout_ranks`); default this rank's.
+    Collective within a tensor-parallel group."""
     n, max_new_tokens = sampling.n, sampling.max_new_tokens
     run_seed, step, round_ = seed
+    positions = prompt_positions(len(prompt_ids), round_, *(at or ()))
     if spec is None:
         batch = generate_distributed(
             rollout,
@@ -60,11 +64,11 @@ def collect(
             run_seed,
             step,
             round_,
+            seeds=prompt_seeds(run_seed, step, positions),
             top_k=sampling.top_k,
         )
         final = [row[: int(k)] for row, k in zip(batch.response_ids.tolist(), batch.response_mask.sum(1).tolist())]
         return Rollout(batch, final, torch.zeros(len(batch)), torch.arange(len(batch)))
-    positions = prompt_positions(len(prompt_ids), round_)
     episodes, batched = start_episodes(examples, prompt_ids, n, spec, [(step, p) for p in positions])
     tp = rollout.tp
     if tp > 1:  # a tensor-parallel group's members must send the same kind of request
