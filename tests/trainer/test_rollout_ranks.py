@@ -3,6 +3,9 @@ real DeepSpeed engine on the trainer rank, a real rollout engine on the rollout 
 over the launch's bridge (`dist.Bridge`)."""
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.e2e.helpers import wait_for_step
 from tests.subprocess_env import child_env
 from verl_ds.config import load_config
 from verl_ds.dist import _free_port
@@ -84,6 +88,39 @@ def test_a_run_resumed_apart_trains_what_the_uninterrupted_run_trains(whole_run,
     assert model[0] == model[1]
     with pytest.raises(ConfigError, match="rollout_ranks 1 and this run has 0"):
         check_placement(list_checkpoints(cut / "checkpoints")[-1], 1, 1, 0)
+
+
+def test_a_run_killed_mid_stream_resumes_to_what_the_uninterrupted_run_trains(whole_run, tmp_path):
+    """kill -9 of the whole launch (both kinds of rank) once step 3 is logged, with a checkpoint every 2 steps
+    (the rollout rank a step ahead, rows in flight over the bridge), keep the checkpoints up to step 2, then
+    `trainer.resume=auto` to 4: steps 3-4, the validation after 4 and the exported model are bitwise the
+    uninterrupted run's (the killed run's logged step 3 replaced, not duplicated)."""
+    whole, killed = whole_run[2], tmp_path / "killed"
+    cmd = [sys.executable, "-m", "verl_ds.launcher", "--num_ranks", "2", "--master_port", str(_free_port()), "--"]
+    cmd += ["--module", "tests.trainer.split_script", str(killed), "fit", "trainer.steps=50", "checkpoint.every=2"]
+    proc = subprocess.Popen(
+        cmd, env=child_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        wait_for_step(proc, killed, 3, timeout=300)
+        assert proc.poll() is None, "the run ended before the kill"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not list((killed / "checkpoints").glob(".*.tmp"))  # the kill left no half-written checkpoint
+    for late in (killed / "checkpoints").glob("step_*"):
+        if int(late.name.split("_")[1]) > 2:
+            shutil.rmtree(late)
+    out, _ = _launch(killed, "fit", "trainer.steps=4", "trainer.resume=auto", "checkpoint.every=2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (whole, killed)]
+    assert [m["step"] for m in rows[1]] == [0, 1, 2, 3, 4]
+    for a, b in zip(rows[0], rows[1]):
+        seconds = ("timing_s/", "rollout_rank/update_weights", "rollout_rank/sync_check", "perf/", "memory/")
+        same = [k for k in a if not k.startswith(seconds)]
+        assert {k: a[k] for k in same} == {k: b.get(k) for k in same}, a["step"]
+    model = [(d / "final_model" / "model.safetensors").read_bytes() for d in (whole, killed)]
+    assert model[0] == model[1]
 
 
 def test_trainer_ranks_that_split_rows_take_their_rows_from_a_rollout_rank(tmp_path):
