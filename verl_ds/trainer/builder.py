@@ -114,11 +114,10 @@ class RunData:
 
 
 def build_data(setup: RunSetup, model_path: str) -> RunData:
-    """The student's tokenizer and codec (`build_codec`); a multi-turn job's `EpisodeSpec` (`episode_spec`);
-    the (train, validation) prompts and the sampler over the first."""
+    """The student's tokenizer, the codec and a multi-turn job's `EpisodeSpec` (`build_episodes`); the
+    (train, validation) prompts and the sampler over the first."""
     d = setup.cfg.data
-    tokenizer, codec = build_codec(setup.cfg, model_path, setup.tools)
-    spec = episode_spec(setup.cfg, codec, setup.env_factory)
+    tokenizer, codec, spec = build_episodes(setup.cfg, model_path, setup.tools, setup.env_factory)
     train, val = load_examples(d)
     if not train:
         raise ConfigError("data", "the prompt dataset is empty")
@@ -129,33 +128,30 @@ def build_data(setup: RunSetup, model_path: str) -> RunData:
     return RunData(tokenizer, codec, spec, prompts, val_prompts, sampler)
 
 
-def build_codec(cfg: RunConfig, model_path: str, tools: tuple) -> tuple[Any, ChatCodec]:
-    """The student's tokenizer (a teacher's gives the same ids: the setup checked it) and the codec: the
-    chat template with the `tools` of `data.tools` and `data.system_prompt`, or the tokenizer alone
-    (multi-turn runs check the template now)."""
-    m, d = cfg.model, cfg.data
+def build_episodes(
+    cfg: RunConfig, model_path: str, tools: tuple, env_factory
+) -> tuple[Any, ChatCodec, EpisodeSpec | None]:
+    """What episodes are run with, where they run (the trainer rank, or a rollout rank apart:
+    `trainer/rollout_rank.py`): the student's tokenizer (a teacher's gives the same ids: the setup checked it);
+    the codec: the chat template with the `tools` of `data.tools` and `data.system_prompt`, or the tokenizer
+    alone (multi-turn runs check the template now); a multi-turn job's `EpisodeSpec` (`rollout.multi_turn.env`:
+    the environment factory, the codec, the turn limits, the tokenization check), None: single-turn."""
+    m, d, mt = cfg.model, cfg.data, cfg.rollout.multi_turn
     eos_ids = eos_token_ids(model_path)
     tokenizer = load_tokenizer(m.tokenizer_path or model_path, m.trust_remote_code)
     schemas = tool_schemas(tools) if tools else None
     codec = ChatCodec(
         tokenizer, d.apply_chat_template, schemas, d.system_prompt, model=m.path, eos_ids=eos_ids, few_shot=d.few_shot
     )
-    if cfg.rollout.multi_turn.enabled:
+    if mt.enabled:
         codec.check_turns()
-    return tokenizer, codec
-
-
-def episode_spec(cfg: RunConfig, codec: ChatCodec, env_factory) -> EpisodeSpec | None:
-    """A multi-turn job's episodes (`rollout.multi_turn.env`: the environment factory, the codec, the turn
-    limits, the tokenization check); None: single-turn. Built where the episodes run: the trainer rank, or
-    a rollout rank apart (`trainer/rollout_rank.py`)."""
-    if env_factory is None:
-        return None
-    mt = cfg.rollout.multi_turn
-    limits = TurnLimits(
-        mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len, mt.max_env_failure_fraction
-    )
-    return EpisodeSpec(env_factory, codec, limits, strict=mt.tokenization_check == "strict")
+    spec = None
+    if env_factory is not None:
+        limits = TurnLimits(
+            mt.max_turns, mt.max_env_tokens, mt.max_total_tokens, cfg.rollout.max_model_len, mt.max_env_failure_fraction
+        )
+        spec = EpisodeSpec(env_factory, codec, limits, strict=mt.tokenization_check == "strict")
+    return tokenizer, codec, spec
 
 
 def build_rollout(setup: RunSetup, model_path: str, data: RunData):

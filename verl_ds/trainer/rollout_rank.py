@@ -34,7 +34,7 @@ from verl_ds.rollout import episodes, make_rollout
 from verl_ds.rollout.engines.remote import apply_changes, as_message, episodes_asked, episodes_message
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, SeedKey
 from verl_ds.trainer import validation
-from verl_ds.trainer.builder import build_codec, episode_spec
+from verl_ds.trainer.builder import build_episodes
 from verl_ds.trainer.probe import SyncProbe
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def _episode_spec(cfg: RunConfig, model_path: str) -> EpisodeSpec | None:
     if not cfg.rollout.multi_turn.enabled:
         return None
     names, _ = resolve_names(cfg)
-    return episode_spec(cfg, build_codec(cfg, model_path, names.tools)[1], names.env_factory)
+    return build_episodes(cfg, model_path, names.tools, names.env_factory)[2]
 
 
 def _episodes(engine, examples: list[dict], sampling: Sampling, key: SeedKey, spec, trainer: int, trainers: int):
