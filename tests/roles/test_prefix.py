@@ -3,6 +3,8 @@ Exact against the unshared pass (summation order: `assert_same_gradients`, 1e-5 
 and 3, with gradient checkpointing on and off, with LoRA, for rows of unequal length, rows that share
 nothing, an empty response and a multi-turn fork; each planted bug fails the same check."""
 
+import dataclasses
+
 import pytest
 import torch
 from deepspeed.utils import safe_get_full_grad
@@ -18,6 +20,7 @@ from verl_ds.roles import (
     load_value_model,
     prefix,
 )
+from verl_ds.roles.attention import register as register_attention
 from verl_ds.roles.batch import TrainBatch
 from verl_ds.roles.lora import apply_lora
 
@@ -123,16 +126,22 @@ def _actors(model_dir: str, stage: int, gc: bool, lora: bool = False, micro: int
                 if "lora_B" in name:
                     torch.nn.init.normal_(p, std=0.1)
         out.append(Actor(model, cfg, Cfg(entropy_coef=0.01)))
+        out[-1].attention = attn  # as the builder sets it
     return out
 
 
 @pytest.mark.numerics
 @pytest.mark.parametrize(("stage", "gc"), [(0, False), (0, True), (3, True)])
-def test_shared_actor_scores_and_trains_as_the_plain_actor(tiny_model_dir, stage, gc):
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa_cpu16"])
+def test_shared_actor_scores_and_trains_as_the_plain_actor(tiny_model_dir, stage, gc, attn):
     """One micro-batch of the tree batch: the shared pass runs its 34 distinct tokens in one `[1, 34]`
     sequence against 62 the rows hold; logprobs and entropies of every response token, and the accumulated
-    gradient (with an entropy bonus), equal the plain pass's; the token counts say what ran."""
-    plain, shared = _actors(tiny_model_dir, stage, gc)
+    gradient (with an entropy bonus), equal the plain pass's; the token counts say what ran. With SDPA over the
+    pack's mask, and with `sdpa_cpu16`, whose attention runs per row here (`prefix.by_path`: 10 rows of at
+    most 7 tokens against 34 places), checkpointed recomputes included."""
+    if attn == "sdpa_cpu16":
+        register_attention()
+    plain, shared = _actors(tiny_model_dir, stage, gc, attn=attn)
     shapes = _shared(shared)
     batch = tree_batch(plain.module.config.vocab_size)
     real = batch.loss_mask.bool()
@@ -242,23 +251,41 @@ def _restart_own_positions(pack_fn):
             if k == len(pos) or int(p.end[k]) != int(p.end[k - 1]) or int(pos[k]) != int(pos[k - 1]) + 1:
                 pos[start:k] -= int(pos[start])
                 start = k
-        return type(p)(p.input_ids, pos, p.end, p.index, p.pred, p.held)
+        return dataclasses.replace(p, position_ids=pos)
+
+    return planted
+
+
+def _causal_paths(pack_fn):
+    """Planted, per row (`prefix.by_path`): each row's path is every place up to its last (its siblings' too)."""
+
+    def planted(*args):
+        p = pack_fn(*args)
+        last = p.paths.max(1).values
+        width = int(last.max()) + 1
+        places = torch.arange(width)[None].expand(len(last), width)
+        return dataclasses.replace(p, paths=torch.where(places <= last[:, None], places, -1))
 
     return planted
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("attend", ["pack", "per_row"])
 @pytest.mark.parametrize("bug", ["sibling_attention", "restarted_positions", "prefix_gradient_from_one_row"])
-def test_each_planted_bug_fails_the_check(tiny_model_dir, monkeypatch, bug):
-    """The checks above catch: a row attending to its siblings' tokens (plain causal attention over the
-    pack), positions of a row's own tokens restarting at 0, a shared position's gradient taken from one
-    row only (the others read it detached)."""
-    plain, shared = _actors(tiny_model_dir, 0, False)
+def test_each_planted_bug_fails_the_check(tiny_model_dir, monkeypatch, bug, attend):
+    """The checks above catch, with the pack's attention over its mask and per row (`prefix.by_path`): a row
+    attending to its siblings' tokens (plain causal attention over the pack), positions of a row's own tokens
+    restarting at 0, a shared position's gradient taken from one row only (the others read it detached)."""
+    monkeypatch.setattr(prefix, "by_path", lambda _p: attend == "per_row")
+    register_attention()
+    plain, shared = _actors(tiny_model_dir, 0, False, attn="sdpa_cpu16")
     _shared(shared)
     batch = tree_batch(plain.module.config.vocab_size)
     real = batch.loss_mask.bool()
     lp = plain.logprobs(batch)
-    if bug == "sibling_attention":
+    if bug == "sibling_attention" and attend == "per_row":
+        monkeypatch.setattr(prefix, "pack", _causal_paths(prefix.pack))
+    elif bug == "sibling_attention":
         monkeypatch.setattr(prefix, "allowed", lambda end: torch.ones(len(end), len(end), dtype=torch.bool).tril())
     elif bug == "restarted_positions":
         monkeypatch.setattr(prefix, "pack", _restart_own_positions(prefix.pack))
@@ -315,3 +342,5 @@ def test_a_micro_batch_that_shares_too_little_runs_the_plain_pass(tiny_model_dir
     assert not prefix.pays(rows, take, hidden_size=64, min_saved=0)
     assert prefix.pays(rows, take, hidden_size=4096, min_saved=0)  # big projections: the tokens win
     assert not prefix.pays(rows, take, hidden_size=4096, min_saved=501)  # 1,000 saved: 500 a row
+    # attention per row (`sdpa_cpu16`, `prefix.by_path`) attends the plain pass's pairs: the saved tokens win
+    assert prefix.pays(rows, take, hidden_size=64, min_saved=0, per_row=True)

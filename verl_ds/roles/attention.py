@@ -48,6 +48,9 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     eager math's backward (`_SdpaMathBackward`); a model without an eager function runs plain SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    pack = getattr(attention_mask, "prefix_pack", None)
+    if pack is not None:  # a shared-prefix pack whose attention runs per row (`prefix.by_path`)
+        return by_path(module, query, key, value, pack, **kwargs), None
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     b, _, q, _ = query.shape
     k = key.shape[2]
@@ -56,6 +59,23 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         out = _SdpaMathBackward.apply(query, key, value, attention_mask, module, eager, kwargs)
         return out, None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def by_path(module, query, key, value, pack, **kwargs) -> torch.Tensor:
+    """A shared-prefix pack's attention (`[1, H, N, D]` query, keys and values of its `N` places), run per
+    distinct row: each row's path of places (`pack.paths`: its shared prefix and its own tokens, in order)
+    gathered into a right-padded row, all rows at once under the causal mask of a plain padded pass; each
+    place's output read from the row that lays it out (`pack.owner`, at its position). The same kernel on the
+    same layout as the plain pass: each row's outputs are the plain pass's bit for bit. Gradients reach a
+    shared place's keys and values from every row through the gather -> `[1, N, H, D]`."""
+    valid = pack.paths >= 0
+    idx = pack.paths.clamp(min=0)
+    rows = lambda t: t[0][:, idx].transpose(0, 1)  # [H, N, D] -> [U, H, L, D]  # noqa: E731
+    n = idx.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+    mask = (causal[None] & valid[:, None, :])[:, None]  # [U, 1, L, L]
+    out, _ = attention(module, rows(query), rows(key), rows(value), mask, **kwargs)  # [U, L, H, D]
+    return out[pack.owner, pack.position_ids][None]
 
 
 class _SdpaMathBackward(torch.autograd.Function):

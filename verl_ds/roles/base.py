@@ -378,7 +378,8 @@ class Role:
             # the packer counted each prompt once against the token budget: past it, share whatever it costs
             over = self.max_tokens and prefix.run_tokens(take)[0] > self.max_tokens
             # under SP a micro-batch of rows is one forward (as many on every rank): its pack, whatever it costs
-            if self.sp or over or prefix.pays(rows, take, self._hidden_size, self.share_min_tokens):
+            per_row = self.attention == prefix.SDPA_CPU16  # its attention can run per row (`prefix.by_path`)
+            if self.sp or over or prefix.pays(rows, take, self._hidden_size, self.share_min_tokens, per_row):
                 pack = prefix.pack(mb.input_ids, take, rows)
         self._last_pack = (mb, pack)
         return pack

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_ds.roles.attention import NAME as SDPA_CPU16
+
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
@@ -43,6 +45,8 @@ class PrefixPack:
     index: Tensor  # [B, T] long: each column's place in the pack (-1: a column the row does not hold)
     pred: Tensor  # [B, T] long: the place of the token before each column's (-1: none), which predicts it
     held: int  # tokens the rows hold, a shared prefix counted once per row
+    paths: Tensor  # [U, L] long: each distinct row's places in order (-1 past its end): what its tokens attend
+    owner: Tensor  # [N] long: the distinct row that lays each place out (the place sits at its position there)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -112,8 +116,9 @@ def pack(input_ids: Tensor, take: Tensor, rows: SortedRows | None = None) -> Pre
     own = rows.lengths - rows.common
     starts = (own.cumsum(0) - own).tolist()
     n = rows.distinct
-    ids, pos, end, places = [], [], [], []
+    ids, pos, end, places, owner = [], [], [], [], []
     for u, (length, c, start) in enumerate(zip(lengths, common, starts)):
+        owner.append(torch.full((length - c,), u, dtype=torch.long))
         ids.append(rows.tokens[u, c:length])
         depth = torch.arange(c, length)
         pos.append(depth)
@@ -131,6 +136,9 @@ def pack(input_ids: Tensor, take: Tensor, rows: SortedRows | None = None) -> Pre
         cols = take_h[i].nonzero()[:, 0]
         index[i, cols] = places[u]
         pred[i, cols[1:]] = places[u][:-1]
+    paths = torch.full((len(lengths), max(lengths, default=0)), -1, dtype=torch.long)
+    for u, p in enumerate(places):
+        paths[u, : len(p)] = p
     cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)  # noqa: E731
     return PrefixPack(
         cat(ids).to(dev),
@@ -139,6 +147,8 @@ def pack(input_ids: Tensor, take: Tensor, rows: SortedRows | None = None) -> Pre
         index.to(dev),
         pred.to(dev),
         int(take_h.sum()),
+        paths.to(dev),
+        cat(owner).to(dev),
     )
 
 
@@ -150,30 +160,47 @@ def run_tokens(take: Tensor) -> tuple[int, int]:
     return len(take) * width, len(take) * width * width
 
 
-def pays(rows: SortedRows, take: Tensor, hidden_size: int, min_saved: int) -> bool:
-    """Whether the shared pass over `rows` is cheaper than the plain pass over `take`'s rows (`cheaper`)."""
+def pays(rows: SortedRows, take: Tensor, hidden_size: int, min_saved: int, per_row: bool = False) -> bool:
+    """Whether the shared pass over `rows` is cheaper than the plain pass over `take`'s rows (`cheaper`);
+    `per_row`: its attention may run per row (`by_path`: the `sdpa_cpu16` implementation)."""
     tokens, pairs = run_tokens(take)
-    return cheaper(rows.distinct, tokens, pairs, len(take), hidden_size, min_saved)
+    u, longest = len(rows.lengths), int(rows.lengths.max()) if len(rows.lengths) else 0
+    per_row_pairs = u * longest * longest if per_row else None
+    return cheaper(rows.distinct, tokens, pairs, len(take), hidden_size, min_saved, per_row_pairs)
 
 
-def min_saved_tokens(setting, actor_dtype: str) -> int:
-    """`model.share_prefix_min_tokens` resolved: a number as given; `auto` by the actor's dtype (config.py's
-    help says why: fp32 shares from 6 tokens a row, a 16-bit actor (or one not yet resolved) from 16)."""
-    if setting != "auto":
-        return int(setting)
-    return 6 if actor_dtype == "fp32" else 16
+def by_path(pack_: PrefixPack) -> bool:
+    """Whether the pack's attention runs per distinct row (`attention.by_path`: each row's path of places
+    gathered into a padded row of its own, the plain pass's layout and kernel, so its outputs are the plain
+    pass's bit for bit in any dtype) rather than over the whole pack under its `[N, N]` mask: where that
+    is fewer attended pairs, `U x L^2 <= N^2` (short shared prefixes, as a prompt's n samples often are)."""
+    u, longest = pack_.paths.shape
+    return u * longest * longest <= len(pack_) ** 2
 
 
-def cheaper(shared: int, tokens: int, pairs: int, rows: int, hidden_size: int, min_saved: int) -> bool:
+AUTO_MIN_SAVED = 6  # tokens a row: below, the plain pass (config.py's help says why)
+
+
+def min_saved_tokens(setting) -> int:
+    """`model.share_prefix_min_tokens` resolved: a number as given, `auto` `AUTO_MIN_SAVED` in every dtype (a
+    short prefix's attention runs per row on a CPU, `by_path`: exact against the plain pass in 16 bits too)."""
+    return AUTO_MIN_SAVED if setting == "auto" else int(setting)
+
+
+def cheaper(
+    shared: int, tokens: int, pairs: int, rows: int, hidden_size: int, min_saved: int, by_path_pairs: int | None = None
+) -> bool:
     """Whether a shared pass of `shared` tokens beats a plain one of `rows` rows, `tokens` tokens and `pairs`
     attended pairs. It must save at least `min_saved` tokens a row: below that the trie, the mask and the
     gathers cost more than the tokens saved on a small model (`benchmarks/shared_prefix_threshold.py`); and
     it must cost fewer multiply-adds a layer: a token's projections and MLP ~ 6 x hidden x hidden (counted
     as 6 x hidden per unit of hidden), an attended pair ~ 1 x hidden (each masked pass's kernel visits
-    every pair of its square: the pack's `N^2`, the padded rows' `B x W^2`)."""
+    every pair of its square: the pack's `N^2`, the padded rows' `B x W^2`; or per distinct row,
+    `by_path_pairs` = `U x L^2`, where that is fewer: `by_path`)."""
     if tokens - shared < min_saved * rows:
         return False
-    return shared * 6 * hidden_size + shared * shared < tokens * 6 * hidden_size + pairs
+    shared_pairs = min(shared * shared, by_path_pairs if by_path_pairs is not None else shared * shared)
+    return shared * 6 * hidden_size + shared_pairs < tokens * 6 * hidden_size + pairs
 
 
 # ---------------------------------------------------------------- masks
@@ -201,13 +228,15 @@ def attention_mask(pack_: PrefixPack, implementation: str, dtype: torch.dtype):
     keep = allowed(end)[None, None]
     if implementation == "eager":
         return torch.zeros(keep.shape, dtype=dtype, device=end.device).masked_fill_(~keep, torch.finfo(dtype).min)
+    if implementation == SDPA_CPU16 and by_path(pack_):  # read by `attention.attention`, which runs it per row
+        keep.prefix_pack = pack_  # transformers hands a 4D mask to the attention as it is, recomputes included
     return keep
 
 
 SUPPORTED = ("sdpa", "sdpa_cpu16", "eager", "flex_attention")  # varlen flash-attention cannot express a prefix
 
 
-def resolve_sharing(cfg, attention_: str, actor_dtype: str) -> tuple[bool, int]:
+def resolve_sharing(cfg, attention_: str) -> tuple[bool, int]:
     """Whether the roles' passes share prefixes (`roles/prefix.py`), and from how many tokens saved a row
     (`prefix.min_saved_tokens`), said in one line: `model.share_prompt`, where the policy models' attention
     takes the prefix mask (varlen flash-attention cannot; under sequence parallelism the dense mask, which
@@ -222,14 +251,13 @@ def resolve_sharing(cfg, attention_: str, actor_dtype: str) -> tuple[bool, int]:
         if sp > 1 and attention_ == "flex_attention"
         else ""
     )
-    min_saved = min_saved_tokens(m.share_prefix_min_tokens, actor_dtype)
+    min_saved = min_saved_tokens(m.share_prefix_min_tokens)
     if why:
         log.info("shared prefixes: off (%s)", why)
         return False, min_saved
     log.info(
         "shared prefixes: on (a micro-batch's rows run each prefix they share once, in every role's passes, "
-        "where that saves at least %d tokens a row%s and its cost model says it pays)",
+        "where that saves at least %d tokens a row and its cost model says it pays)",
         min_saved,
-        f" ({actor_dtype} actor)" if m.share_prefix_min_tokens == "auto" else "",
     )
     return True, min_saved
