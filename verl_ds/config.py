@@ -173,10 +173,10 @@ class ModelConfig:
         "auto",
         "a micro-batch shares its prefixes only where that saves at least this many tokens a row (and a FLOP "
         "count of its projections and attention says the shared pass is cheaper): below, the plain pass. auto: "
-        "6 (a 2-layer 128-wide model's update breaks even at ~7, SmolLM2-135M gains from 7: "
-        "benchmarks/shared_prefix_threshold.py). On a CPU (sdpa_cpu16) a short prefix's attention runs per row, "
-        "the plain pass's kernel and layout: a matched 16-bit pair stays exact; a long one over the pack's mask, "
-        "which rounds differently (~2e-3 in bf16)",
+        "6 with an fp32 actor (a 2-layer 128-wide model's update breaks even at ~7, SmolLM2-135M gains from 7: "
+        "benchmarks/shared_prefix_threshold.py), 16 with a 16-bit one (short prompts keep the plain pass, whose "
+        "kernels match the rollout engine's: a matched 16-bit pair stays exact there; the shared pass rounds "
+        "differently, ~2e-3 in bf16)",
         ge=0,
         auto=True,
     )

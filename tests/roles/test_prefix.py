@@ -132,15 +132,17 @@ def _actors(model_dir: str, stage: int, gc: bool, lora: bool = False, micro: int
 
 @pytest.mark.numerics
 @pytest.mark.parametrize(("stage", "gc"), [(0, False), (0, True), (3, True)])
-@pytest.mark.parametrize("attn", ["sdpa", "sdpa_cpu16"])
-def test_shared_actor_scores_and_trains_as_the_plain_actor(tiny_model_dir, stage, gc, attn):
+@pytest.mark.parametrize("attn", ["sdpa", "per_row"])
+def test_shared_actor_scores_and_trains_as_the_plain_actor(tiny_model_dir, monkeypatch, stage, gc, attn):
     """One micro-batch of the tree batch: the shared pass runs its 34 distinct tokens in one `[1, 34]`
     sequence against 62 the rows hold; logprobs and entropies of every response token, and the accumulated
     gradient (with an entropy bonus), equal the plain pass's; the token counts say what ran. With SDPA over the
-    pack's mask, and with `sdpa_cpu16`, whose attention runs per row here (`prefix.by_path`: 10 rows of at
-    most 7 tokens against 34 places), checkpointed recomputes included."""
-    if attn == "sdpa_cpu16":
+    pack's mask, and per row (`sdpa_cpu16`'s route for 16-bit passes, taken here in fp32: `prefix.by_path`,
+    10 rows of at most 7 tokens against 34 places), checkpointed recomputes included."""
+    if attn == "per_row":
         register_attention()
+        monkeypatch.setattr(prefix, "runs_per_row", lambda implementation, _dtype: implementation == "sdpa_cpu16")
+        attn = "sdpa_cpu16"
     plain, shared = _actors(tiny_model_dir, stage, gc, attn=attn)
     shapes = _shared(shared)
     batch = tree_batch(plain.module.config.vocab_size)
@@ -277,6 +279,7 @@ def test_each_planted_bug_fails_the_check(tiny_model_dir, monkeypatch, bug, atte
     attending to its siblings' tokens (plain causal attention over the pack), positions of a row's own tokens
     restarting at 0, a shared position's gradient taken from one row only (the others read it detached)."""
     monkeypatch.setattr(prefix, "by_path", lambda _p: attend == "per_row")
+    monkeypatch.setattr(prefix, "runs_per_row", lambda implementation, _dtype: implementation == "sdpa_cpu16")
     register_attention()
     plain, shared = _actors(tiny_model_dir, 0, False, attn="sdpa_cpu16")
     _shared(shared)
@@ -315,6 +318,27 @@ def test_each_planted_bug_fails_the_check(tiny_model_dir, monkeypatch, bug, atte
             assert_same_gradients(accumulated_grads(shared, batch), accumulated_grads(plain, batch))
     else:
         assert float((got[real] - lp[real]).abs().max()) > 1e-3
+
+
+@pytest.mark.numerics
+def test_a_bf16_pass_sharing_short_prefixes_per_row_is_the_plain_pass_bit_for_bit(tiny_model_dir, monkeypatch):
+    """A bf16 reference on `sdpa_cpu16` (the CPU's default): the tree batch's short prefixes shared, the attention
+    run per row (`prefix.by_path`) gives the plain pass's logprobs bit for bit, as a matched 16-bit pair needs;
+    the same pack under its one `[N, N]` mask does not (another kernel shape: a rounding apart)."""
+    register_attention()
+    cfg = ds_config("reference", 0, "bf16", micro=10, total=10)
+    plain, shared = (Reference(load_causal_lm(tiny_model_dir, attn_implementation="sdpa_cpu16"), cfg) for _ in range(2))
+    for role in (plain, shared):
+        role.attention = "sdpa_cpu16"
+    shapes = _shared(shared)
+    batch = tree_batch(plain.module.config.vocab_size)
+    real = batch.loss_mask.bool()
+    lp = plain.logprobs(batch)
+    assert lp.dtype == torch.float32 and next(shared.module.parameters()).dtype == torch.bfloat16
+    assert torch.equal(shared.logprobs(batch)[real], lp[real]) and shapes == [(1, DISTINCT)]
+    monkeypatch.setattr(prefix, "by_path", lambda _p: False)
+    shared._last_pack = (None, None)
+    assert float((shared.logprobs(batch)[real] - lp[real]).abs().max()) > 0
 
 
 def test_a_micro_batch_that_shares_too_little_runs_the_plain_pass(tiny_model_dir):

@@ -378,7 +378,7 @@ class Role:
             # the packer counted each prompt once against the token budget: past it, share whatever it costs
             over = self.max_tokens and prefix.run_tokens(take)[0] > self.max_tokens
             # under SP a micro-batch of rows is one forward (as many on every rank): its pack, whatever it costs
-            per_row = self.attention == prefix.SDPA_CPU16  # its attention can run per row (`prefix.by_path`)
+            per_row = prefix.runs_per_row(self.attention, self._dtype)  # its attention may run per row
             if self.sp or over or prefix.pays(rows, take, self._hidden_size, self.share_min_tokens, per_row):
                 pack = prefix.pack(mb.input_ids, take, rows)
         self._last_pack = (mb, pack)
@@ -389,10 +389,13 @@ class Role:
         config = getattr(self.module, "config", None) or self.module.backbone.config
         return int(config.hidden_size)
 
+    @property
+    def _dtype(self) -> torch.dtype:
+        return next(p for p in self.module.parameters() if p.is_floating_point()).dtype
+
     def prefix_mask(self, pack: prefix.PrefixPack):
         """The 4D attention mask of `pack` as this role's attention implementation (`attention`) takes it."""
-        dtype = next(p for p in self.module.parameters() if p.is_floating_point()).dtype
-        return prefix.attention_mask(pack, self.attention, dtype)
+        return prefix.attention_mask(pack, self.attention, self._dtype)
 
     def packed(self, batch: TrainBatch) -> list[torch.Tensor]:
         """Under a token budget: `pack_by_tokens`, as many micro-batches on every rank (ZeRO-3 gathers

@@ -169,6 +169,13 @@ def pays(rows: SortedRows, take: Tensor, hidden_size: int, min_saved: int, per_r
     return cheaper(rows.distinct, tokens, pairs, len(take), hidden_size, min_saved, per_row_pairs)
 
 
+def runs_per_row(implementation: str, dtype: torch.dtype) -> bool:
+    """Whether a pack's attention may run per row (`by_path`): `sdpa_cpu16`'s 16-bit passes, where the pack's
+    one masked attention rounds differently from the plain pass (a matched 16-bit pair would lose its
+    exactness); in fp32 that attention agrees to rounding and costs less on small models (no gathers)."""
+    return implementation == SDPA_CPU16 and dtype in (torch.bfloat16, torch.float16)
+
+
 def by_path(pack_: PrefixPack) -> bool:
     """Whether the pack's attention runs per distinct row (`attention.by_path`: each row's path of places
     gathered into a padded row of its own, the plain pass's layout and kernel, so its outputs are the plain
@@ -178,13 +185,12 @@ def by_path(pack_: PrefixPack) -> bool:
     return u * longest * longest <= len(pack_) ** 2
 
 
-AUTO_MIN_SAVED = 6  # tokens a row: below, the plain pass (config.py's help says why)
-
-
-def min_saved_tokens(setting) -> int:
-    """`model.share_prefix_min_tokens` resolved: a number as given, `auto` `AUTO_MIN_SAVED` in every dtype (a
-    short prefix's attention runs per row on a CPU, `by_path`: exact against the plain pass in 16 bits too)."""
-    return AUTO_MIN_SAVED if setting == "auto" else int(setting)
+def min_saved_tokens(setting, actor_dtype: str) -> int:
+    """`model.share_prefix_min_tokens` resolved: a number as given; `auto` by the actor's dtype (config.py's
+    help says why: fp32 shares from 6 tokens a row, a 16-bit actor (or one not yet resolved) from 16)."""
+    if setting != "auto":
+        return int(setting)
+    return 6 if actor_dtype == "fp32" else 16
 
 
 def cheaper(
@@ -228,7 +234,7 @@ def attention_mask(pack_: PrefixPack, implementation: str, dtype: torch.dtype):
     keep = allowed(end)[None, None]
     if implementation == "eager":
         return torch.zeros(keep.shape, dtype=dtype, device=end.device).masked_fill_(~keep, torch.finfo(dtype).min)
-    if implementation == SDPA_CPU16 and by_path(pack_):  # read by `attention.attention`, which runs it per row
+    if runs_per_row(implementation, dtype) and by_path(pack_):  # read by `attention.attention`: per row
         keep.prefix_pack = pack_  # transformers hands a 4D mask to the attention as it is, recomputes included
     return keep
 
@@ -236,7 +242,7 @@ def attention_mask(pack_: PrefixPack, implementation: str, dtype: torch.dtype):
 SUPPORTED = ("sdpa", "sdpa_cpu16", "eager", "flex_attention")  # varlen flash-attention cannot express a prefix
 
 
-def resolve_sharing(cfg, attention_: str) -> tuple[bool, int]:
+def resolve_sharing(cfg, attention_: str, actor_dtype: str) -> tuple[bool, int]:
     """Whether the roles' passes share prefixes (`roles/prefix.py`), and from how many tokens saved a row
     (`prefix.min_saved_tokens`), said in one line: `model.share_prompt`, where the policy models' attention
     takes the prefix mask (varlen flash-attention cannot; under sequence parallelism the dense mask, which
@@ -251,13 +257,14 @@ def resolve_sharing(cfg, attention_: str) -> tuple[bool, int]:
         if sp > 1 and attention_ == "flex_attention"
         else ""
     )
-    min_saved = min_saved_tokens(m.share_prefix_min_tokens)
+    min_saved = min_saved_tokens(m.share_prefix_min_tokens, actor_dtype)
     if why:
         log.info("shared prefixes: off (%s)", why)
         return False, min_saved
     log.info(
         "shared prefixes: on (a micro-batch's rows run each prefix they share once, in every role's passes, "
-        "where that saves at least %d tokens a row and its cost model says it pays)",
+        "where that saves at least %d tokens a row%s and its cost model says it pays)",
         min_saved,
+        f" ({actor_dtype} actor)" if m.share_prefix_min_tokens == "auto" else "",
     )
     return True, min_saved

@@ -92,9 +92,9 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     probe_writable(checkpoints, "trainer.run_dir")
     t = cfg.trainer
     resume_from = pick_resume(checkpoints, t.resume, trained, world, t.sequence_parallel_size, t.rollout_ranks)
-    # how the policy's passes attend, and whether they share prefixes
+    # how the policy's passes attend, and whether they share prefixes (from how many tokens: the actor's dtype)
     attention, packing = attn.resolve(cfg.model.attn_implementation, cfg.model.packing, gpu)
-    share_prefixes, share_min_tokens = prefix.resolve_sharing(cfg, attention)
+    share_prefixes, share_min_tokens = prefix.resolve_sharing(cfg, attention, precision.actor)
     memory = fit_memory(cfg, sampling.shape, files, precision, world, gpu, batch, share_prefixes)
     return RunSetup(
         cfg=cfg,

@@ -138,7 +138,7 @@ def workload(cfg, world: int) -> Workload:
     sp = cfg.trainer.sequence_parallel_size  # a group's ranks hold its rows together, each split
     resp = max(1, t - cfg.data.max_prompt_length)
     share = shares_prefixes(cfg) and cfg.rollout.n > 1
-    min_saved = prefix.min_saved_tokens(cfg.model.share_prefix_min_tokens)
+    min_saved = prefix.min_saved_tokens(cfg.model.share_prefix_min_tokens, cfg.precision.actor_dtype)
     return Workload(gen, per_rank * sp, t, resp, world, sp, (t - resp) * share, cfg.rollout.n, min_saved)
 
 
