@@ -81,7 +81,7 @@ timeout 150 "$PY" -m verl_ds.launcher "${ranks[@]}" --master_port $((29500 + RAN
   > "$out/long_rows.log" 2>&1
 echo "exit $? after ${SECONDS}s"; grep -E "shared prefixes|memory estimate|token budget" "$out/long_rows.log" | head -n 4
 grep -vE "it/s|^\s*$" "$out/long_rows.log" | tail -n 4
-# precision.batch_invariant: vLLM's batch-invariant kernels in the process (gemm.batch_invariant_kernels), the
+# precision.batch_invariant: vLLM's batch-invariant kernels in the process (vllm_internals.batch_invariant_kernels), the
 # rollout engine and the roles alike; every step scores a few rows again, each alone (trainer_corr/), which these
 # kernels make bitwise equal to the step's own micro-batches
 echo "== batch-invariant kernels (bf16 actor and rollout, rollout $engine)"

@@ -18,7 +18,6 @@ SFT trainer (`cpu_gemm=`) around its fit.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -71,20 +70,3 @@ def fp32_gemm(dtypes: tuple[str, ...]) -> contextlib.AbstractContextManager:
     if not dtypes:
         return contextlib.nullcontext()
     return Fp32Gemm(tuple(TORCH_DTYPES[d] for d in dtypes))
-
-
-def batch_invariant_kernels() -> None:
-    """GPU (`precision.batch_invariant`): vLLM's batch-invariant kernels for this whole process, before
-    any model runs. vLLM registers them over ATen's matmul/linear, softmax, log-softmax, means and bmm
-    (split-K off on Hopper and Blackwell, its Triton kernels elsewhere) and pins cuBLAS and NCCL to one
-    reduction order; its engine does the same in its own process when it starts with
-    VLLM_BATCH_INVARIANT=1. Registered process-wide, the trainer's roles then run the kernels the
-    rollout engine runs, so a row's logprobs depend neither on its micro-batch nor on the side that
-    scored it. Written against vLLM's `model_executor.determinism.batch_invariant`; not yet run on a
-    GPU by this project (launch/gpu_check.sh's "batch-invariant" check is the first run)."""
-    import vllm.envs
-    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
-
-    os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read below, and by vLLM's engine when it starts in this process
-    getattr(vllm.envs, "disable_envs_cache", lambda: None)()  # vllm.envs may have frozen the old value
-    init_batch_invariance()

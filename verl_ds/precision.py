@@ -238,7 +238,9 @@ class ResolvedPrecision:
     auto_reason: str
     lm_head_fp32: bool = False
     fp32_gemm: tuple = ()  # 16-bit dtypes whose GEMMs run on fp32 copies here (verl_ds/gemm.py)
-    batch_invariant: bool = False  # vLLM's batch-invariant kernels in this process (`gemm.batch_invariant_kernels`)
+    batch_invariant: bool = (
+        False  # vLLM's batch-invariant kernels in this process (`vllm_internals.batch_invariant_kernels`)
+    )
 
     def role(self, name: str) -> str:
         return getattr(self, name)

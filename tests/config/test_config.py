@@ -122,7 +122,7 @@ def test_auto_rule_every_branch_from_injected_hardware(hw, want):
 
 def test_batch_invariant_kernels_resolve_on_a_gpu_only_and_say_the_cpu_no_op(caplog):
     """`precision.batch_invariant` turns vLLM's batch-invariant kernels on in a GPU process (the builder and
-    a rollout rank call `gemm.batch_invariant_kernels` when the resolved flag is set); on a CPU it is
+    a rollout rank call `vllm_internals.batch_invariant_kernels` when the resolved flag is set); on a CPU it is
     resolved off and said once, so nothing GPU-only is called there."""
     asked = PrecisionConfig(batch_invariant=True)
     assert resolve_precision(asked, A100).batch_invariant

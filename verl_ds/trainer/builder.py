@@ -22,7 +22,6 @@ from verl_ds.data.tiny import load_tokenizer, prepare_model
 from verl_ds.dist import bridge
 from verl_ds.envs import parse_hermes_tool_calls, tool_schemas
 from verl_ds.errors import ConfigError
-from verl_ds.gemm import batch_invariant_kernels
 from verl_ds.roles import (
     Actor,
     Critic,
@@ -41,6 +40,7 @@ from verl_ds.roles.sequence_parallel import SequenceParallel
 from verl_ds.rollout import make_rollout
 from verl_ds.rollout.agents import AgentEpisodes
 from verl_ds.rollout.engines.remote import RemoteRollout
+from verl_ds.rollout.engines.vllm_internals import batch_invariant_kernels
 from verl_ds.rollout.engines.weights import eos_token_ids
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
 from verl_ds.rollout.partial import PartialLimits, PartialRollouts

@@ -272,7 +272,7 @@ class RLTrainer:
         if self.agents is not None:
             return self.agents.collect(examples, sampling, seed)
         if self.cfg.trainer.rollout_ranks:  # its rollout rank ran them (trainer/rollout_rank.py)
-            return self.rollout.episodes(examples, sampling, seed)
+            return episodes.collect_remote(self.rollout, examples, sampling, seed)
         ids = [e["prompt_ids"] for e in examples]
         return episodes.collect(self.rollout, examples, ids, sampling, seed, self.episode_spec)
 

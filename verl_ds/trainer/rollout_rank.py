@@ -29,9 +29,9 @@ from dataclasses import replace
 from verl_ds.config import RunConfig, resolve_names
 from verl_ds.data.dataset import PromptSampler
 from verl_ds.dist import peer_lost
-from verl_ds.gemm import batch_invariant_kernels
 from verl_ds.rollout import episodes, make_rollout
-from verl_ds.rollout.engines.remote import apply_changes, as_message, episodes_asked, episodes_message
+from verl_ds.rollout.engines.remote import apply_changes, as_message
+from verl_ds.rollout.engines.vllm_internals import batch_invariant_kernels
 from verl_ds.rollout.episodes import EpisodeSpec, Sampling, SeedKey
 from verl_ds.trainer import validation
 from verl_ds.trainer.builder import build_episodes
@@ -134,11 +134,11 @@ def _validate(
 
 
 def _send_episodes(bridge, trainer: int, examples, sampling: Sampling, key: SeedKey, ro, metrics: dict, kind: str):
-    """Episodes to `trainer`, with what they answer (`episodes_asked`) and what they are (`kind`: rows | val);
+    """Episodes to `trainer`, with what they answer (`episodes.asked_for`) and what they are (`kind`: rows | val);
     -> the seconds this rank waited for it to take them."""
     t0 = time.perf_counter()
-    asked = episodes_asked([e["prompt_ids"] for e in examples], sampling, key)
-    bridge.send({"kind": kind, "asked": asked, **episodes_message(ro), "metrics": metrics}, trainer)
+    asked = episodes.asked_for([e["prompt_ids"] for e in examples], sampling, key)
+    bridge.send({"kind": kind, "asked": asked, **ro.to_message(), "metrics": metrics}, trainer)
     return time.perf_counter() - t0
 
 

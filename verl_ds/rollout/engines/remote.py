@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict
 from typing import Iterable
 
 import torch
@@ -31,35 +30,11 @@ from verl_ds.dist import failure_text, peer_lost
 from verl_ds.errors import RunFailure
 
 from ..batch import RolloutBatch
-from ..episodes.episode import Rollout, Sampling, SeedKey
 
 
 def as_message(batch: RolloutBatch) -> dict:
     """A batch as plain data for the bridge."""
     return dict(vars(batch))
-
-
-def episodes_asked(prompt_ids: list[list[int]], sampling: Sampling, seed: SeedKey) -> dict:
-    """What a trainer rank asks its rollout rank's episodes for (and what the answer carries): the prompts,
-    how they are sampled and the seeds' key, as plain data."""
-    return dict(prompts=[list(p) for p in prompt_ids], **asdict(sampling), seed=list(seed))
-
-
-def episodes_message(ro: Rollout) -> dict:
-    """A rollout rank's episodes as plain data (the rows as `as_message`; a checkpoint's JSON can hold the rest)."""
-    return dict(
-        batch=as_message(ro.batch),
-        final_ids=[list(f) for f in ro.final_ids],
-        env_rewards=ro.env_rewards.tolist(),  # float32 -> Python float -> float32: exact
-        episode=ro.episode.tolist(),
-        episode_metrics=dict(ro.metrics),
-    )
-
-
-def from_message(msg: dict) -> Rollout:
-    """`episodes_message` undone, on the trainer rank."""
-    rewards, index = torch.tensor(msg["env_rewards"], dtype=torch.float32), torch.tensor(msg["episode"])
-    return Rollout(RolloutBatch(**msg["batch"]), msg["final_ids"], rewards, index.long(), msg["episode_metrics"])
 
 
 def changed_elements(now: torch.Tensor, before: torch.Tensor | None) -> torch.Tensor | dict:
@@ -92,9 +67,9 @@ def part_bytes(part: torch.Tensor | dict) -> int:
 
 class RemoteRollout:
     """A trainer rank's rollout engine when rollout ranks run apart (the `RolloutEngine` members the loop
-    uses): `episodes` takes the next episodes its rollout rank ran (a step's, or validation's), `generate`
-    the sync probe's rows, `sync_weights` sends the step's weights (trainer rank 0; the others take part in
-    the gathers only)."""
+    uses): `answer` takes the next episodes its rollout rank ran (a step's, or validation's:
+    `episodes.collect_remote`), `generate` the sync probe's rows, `sync_weights` sends the step's weights
+    (trainer rank 0; the others take part in the gathers only)."""
 
     tp = 1  # the rollout rank's engine serves this rank alone, as far as this rank can tell
     start_s = 0.0
@@ -139,16 +114,14 @@ class RemoteRollout:
         )
         return RolloutBatch(**self._take(lambda m: m["asked"] == asked, asked)["batch"])  # the probe's
 
-    def episodes(self, examples: list[dict], sampling: Sampling, seed: SeedKey) -> Rollout:
-        """The episodes of `examples` (a step's, or validation's) that the rollout rank ran for this trainer
-        rank: single-turn rows, or an environment's turns (`episodes.collect` there, seeded at this rank's
-        prompt positions), with their final answers and the environment's rewards."""
+    def answer(self, asked: dict) -> dict:
+        """The message that answers `asked`: the episodes the rollout rank ran for this trainer rank (a step's,
+        or validation's: `episodes.collect_remote` asks and reads it)."""
         t0 = time.perf_counter()
-        asked = episodes_asked([e["prompt_ids"] for e in examples], sampling, seed)
         msg = self._take(lambda m: m["asked"] == asked, asked)
         if msg["kind"] == "rows":  # a step's rows (validation's carry none: the step's stay)
             self.last_metrics = {**msg["metrics"], "timing_s/rows_wait": time.perf_counter() - t0}
-        return from_message(msg)
+        return msg
 
     def _take(self, wanted, asked: dict | None = None, keep: bool = False) -> dict:
         """The first message `wanted` picks, held or off the stream (those before it held, in order);

@@ -10,6 +10,7 @@ torch switch (compile off on CPU) is `verl_ds/process.py`'s.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 
 import torch
@@ -114,3 +115,19 @@ def reload_weights(worker, named: list) -> None:
     tensor-parallel sharding, tied embeddings), quiet about the layers a bucket leaves out."""
     with quiet_partial_reload():
         worker.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+
+
+def batch_invariant_kernels() -> None:
+    """GPU (`precision.batch_invariant`): vLLM's batch-invariant kernels for this whole process, before
+    any model runs. vLLM registers them over ATen's matmul/linear, softmax, log-softmax, means and bmm
+    (split-K off on Hopper and Blackwell, its Triton kernels elsewhere) and pins cuBLAS and NCCL to one
+    reduction order; its engine does the same in its own process when it starts with
+    VLLM_BATCH_INVARIANT=1. Registered process-wide, the trainer's roles then run the kernels the
+    rollout engine runs, so a row's logprobs depend neither on its micro-batch nor on the side that
+    scored it. Written against vLLM's `model_executor.determinism.batch_invariant`; not yet run on a
+    GPU by this project (launch/gpu_check.sh's "batch-invariant" check is the first run)."""
+    from vllm.model_executor.determinism.batch_invariant import init_batch_invariance
+
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read below, and by vLLM's engine when it starts in this process
+    reset_envs_cache()  # vllm.envs may have frozen the old value
+    init_batch_invariance()

@@ -3,7 +3,17 @@ the typed records it builds and hands the trainer (`episode`)."""
 
 from .environment import Environment, env_reset, env_step, observation_role
 from .episode import Episode, EpisodeSpec, Rollout, Sampling, SeedKey, Segment, TurnLimits
-from .loop import advance, assemble, check_failures, collect, request, start_episodes, take
+from .loop import (
+    advance,
+    asked_for,
+    assemble,
+    check_failures,
+    collect,
+    collect_remote,
+    request,
+    start_episodes,
+    take,
+)
 
 __all__ = [
     "Environment",
@@ -18,6 +28,8 @@ __all__ = [
     "Segment",
     "TurnLimits",
     "advance",
+    "asked_for",
+    "collect_remote",
     "assemble",
     "check_failures",
     "collect",

@@ -111,3 +111,21 @@ class Rollout:
     episode: torch.Tensor  # [rows] long: rows of one episode (forks) share it
     metrics: dict[str, float] = field(default_factory=dict)
     episodes: list[Episode] = field(default_factory=list)
+
+    def to_message(self) -> dict:
+        """Plain data for a rollout rank's bridge to its trainer rank (the rows as their tensors, the rest as
+        lists a checkpoint's JSON can hold; the episodes' live state stays behind)."""
+        return dict(
+            batch=dict(vars(self.batch)),
+            final_ids=[list(f) for f in self.final_ids],
+            env_rewards=self.env_rewards.tolist(),  # float32 -> Python float -> float32: exact
+            episode=self.episode.tolist(),
+            episode_metrics=dict(self.metrics),
+        )
+
+    @classmethod
+    def from_message(cls, msg: dict) -> Rollout:
+        """`to_message` undone, on the trainer rank."""
+        rewards = torch.tensor(msg["env_rewards"], dtype=torch.float32)
+        index = torch.tensor(msg["episode"], dtype=torch.long)
+        return cls(RolloutBatch(**msg["batch"]), msg["final_ids"], rewards, index, msg["episode_metrics"])

@@ -21,6 +21,7 @@ prompt is the template's rendering of the conversation so far.
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 
 import torch
 
@@ -85,6 +86,18 @@ def collect(
         first = False
     check_failures(episodes, spec.limits)
     return assemble(episodes, spec.codec, rollout.pad_id, spec.strict)
+
+
+def asked_for(prompt_ids: list[list[int]], sampling: Sampling, seed: SeedKey) -> dict:
+    """What a trainer rank asks its rollout rank's episodes for (`trainer.rollout_ranks`), and what the answer
+    carries: the prompts, how they are sampled and the seeds' key, as plain data."""
+    return dict(prompts=[list(p) for p in prompt_ids], **asdict(sampling), seed=list(seed))
+
+
+def collect_remote(remote, examples: list[dict], sampling: Sampling, seed: SeedKey) -> Rollout:
+    """The episodes of `examples` that this trainer rank's rollout rank ran (`collect` there, at this rank's
+    prompt positions: `trainer/rollout_rank.py`), taken off the stream by `remote` (a `RemoteRollout`)."""
+    return Rollout.from_message(remote.answer(asked_for([e["prompt_ids"] for e in examples], sampling, seed)))
 
 
 def start_episodes(
