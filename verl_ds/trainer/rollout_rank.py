@@ -92,16 +92,17 @@ def _serve(cfg: RunConfig, bridge) -> None:
         if s <= t.steps:
             picked = sampler.next(t.prompts_per_step)
             sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens, r.top_k)
+            key = SeedKey(t.seed, s, 0)
             for trainer in mine:
                 examples = [prompts[i] for i in picked[trainer::trainers]]
-                ro = _episodes(engine, examples, sampling, SeedKey(t.seed, s, 0), spec, trainer, trainers)
+                ro = _episodes(engine, examples, sampling, key, spec, trainer, trainers)
                 metrics = {
                     **engine.last_metrics,
                     **{f"rollout_rank/{k.split('/')[-1]}": v for k, v in synced.items()},
                     "rollout/policy_lag": float(s - version),
                     "timing_s/rollout_idle": idle,
                 }
-                idle = _send_episodes(bridge, trainer, examples, sampling, SeedKey(t.seed, s, 0), ro, metrics, "rows")
+                idle = _send_episodes(bridge, trainer, examples, sampling, key, ro, metrics, "rows")
     engine.shutdown()
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from ..batch import RolloutBatch
+from ..engines.remote import as_message
 from .environment import Environment
 
 
@@ -116,7 +117,7 @@ class Rollout:
         """Plain data for a rollout rank's bridge to its trainer rank (the rows as their tensors, the rest as
         lists a checkpoint's JSON can hold; the episodes' live state stays behind)."""
         return dict(
-            batch=dict(vars(self.batch)),
+            batch=as_message(self.batch),
             final_ids=[list(f) for f in self.final_ids],
             env_rewards=self.env_rewards.tolist(),  # float32 -> Python float -> float32: exact
             episode=self.episode.tolist(),
