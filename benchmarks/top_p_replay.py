@@ -39,14 +39,14 @@ def run_arm(arm: str, config: str, steps: int, out: Path, overrides: list[str]) 
     """One arm in this process: `steps` steps of the job -> each step's metrics."""
     from verl_ds import algos, preflight
     from verl_ds.config import load_config
-    from verl_ds.trainer import consistency
+    from verl_ds.trainer import setup
     from verl_ds.trainer.rl_trainer import RLTrainer
 
     if arm == "vocabulary":  # the trainer's passes score the whole vocabulary at the rollout's temperature
         real = preflight.resolve_sampled
         preflight.resolve_sampled = lambda cfg: algos.TokenDist(real(cfg).temperature)
         # the step's rows would read that gap as a sync that did not land: the probe (top_p 1) checks it
-        consistency.resolve_sync_check = lambda *args: "probe"
+        setup.resolve_sync_check = lambda *args: "probe"
     cfg = load_config(config, [*overrides, f"trainer.run_dir={out / arm}", "logging.wandb.mode=disabled"])
     with RLTrainer(cfg) as trainer:
         return [trainer.step() for _ in range(steps)]

@@ -300,7 +300,7 @@ def main() -> None:
     )
     trl_tool_fns = trl_tools(tools, float((mt.env_kwargs or {}).get("timeout_s", 5.0))) if tools else []
     if d.apply_chat_template:  # verl-ds's prompt ids, before the template change below
-        ours = [e["prompt_ids"] for e in tokenize_prompts(train[:256], tokenizer, 10**9, True, codec)]
+        ours = [e["prompt_ids"] for e in tokenize_prompts(train[:256], codec, 10**9)]
     if tools:
         codec.check_turns()
         obs_ids = codec.observation_ids([{"role": "tool", "content": "35"}])

@@ -15,8 +15,9 @@ from typing import Optional
 
 import torch
 
+from verl_ds import algos
 from verl_ds.dist import on_gpu
-from verl_ds.errors import ConfigError, broken
+from verl_ds.errors import ConfigError, RunFailure, broken
 from verl_ds.schema import opt, section
 
 log = logging.getLogger(__name__)
@@ -266,6 +267,81 @@ def mismatch_warning(actor: str, rollout: str) -> str | None:
         f"{coarse} rounding ({MANTISSA_BITS[coarse]} mantissa bits) before any update (watch rollout_corr/*; "
         f"precision.rollout_dtype: auto follows the actor)"
     )
+
+
+@dataclass(frozen=True)
+class MismatchGate:
+    """The run's promise on the rollout-vs-trainer mismatch, in numbers (`algorithm.mismatch_gate`): the
+    share of response tokens whose ratio on the same weights falls outside PPO's clip band
+    (`rollout_corr/phantom_clip_fraction`, trainer/consistency.py), bounded."""
+
+    mode: str  # off | warn | stop
+    bound: float  # the share of tokens outside the clip band a step may show
+    pair: str  # "bf16 actor vs bf16 rollout": named in the line
+
+    def check(self, metrics: dict[str, float], step: int) -> str | None:
+        """The step's line past the bound (logged, or raised as the run's end under `stop`); None within it."""
+        share = metrics.get("rollout_corr/phantom_clip_fraction")
+        if self.mode == "off" or share is None or share <= self.bound:
+            return None
+        line = (
+            f"mismatch gate: step {step}: {share:.2%} of response tokens outside the clip band on the same weights "
+            f"({self.pair}; bound {self.bound:.2%}, algorithm.mismatch_gate_fraction); |log ratio| p99 "
+            f"{metrics.get('rollout_corr/log_ratio_abs_p99', float('nan')):.3g}, max "
+            f"{metrics.get('rollout_corr/log_ratio_abs_max', float('nan')):.3g}, mean IS weight "
+            f"{metrics.get('rollout_corr/is_weight_mean', float('nan')):.4f}"
+        )
+        if self.mode == "stop":
+            raise RunFailure(line + " (algorithm.mismatch_gate: stop)")
+        log.warning("%s", line)
+        return line
+
+
+def resolve_gate(
+    mode: str, fraction: float, trainer_dtype: str, rollout_dtype: str, stale: bool, apart: bool
+) -> MismatchGate:
+    """`algorithm.mismatch_gate` (`mode`) and its bound (`mismatch_gate_fraction`, or the dtypes' default),
+    said in one line; off where a step's ratios are not the pair's precision: `stale` (partial rollouts
+    train tokens older weights sampled) or `apart` (rollout ranks: rows one step off-policy)."""
+    pair = f"{trainer_dtype} actor vs {rollout_dtype} rollout"
+    bound = fraction or algos.mismatch_gate_bound(trainer_dtype, rollout_dtype)
+    if mode != "off" and stale:
+        log.info("mismatch gate: off (rollout.partial: stale tokens' ratios are not the pair's precision)")
+        mode = "off"
+    elif mode != "off" and apart:
+        log.info(
+            "mismatch gate: off (trainer.rollout_ranks: rows one step off-policy, their ratios are not the pair's)"
+        )
+        mode = "off"
+    elif mode != "off":
+        log.info("mismatch gate: %s past %.2g%% of tokens outside the clip band (%s)", mode, 100 * bound, pair)
+    return MismatchGate(mode, bound, pair)
+
+
+def resolve_sync_check(trainer_dtype: str, rollout_dtype: str, truncates: bool, stale: bool, apart: bool) -> str:
+    """How each sync is verified, said in one line: "rows" (the step's own rows, free), "probe" (a fixed
+    probe the engine samples before the roles wake), or "stream" (`apart`, rollout ranks: the probe their
+    rollout rank samples on the weights it took, taken once the step's scoring has run, as it arrives
+    meanwhile, and checked before the update). The rows cannot tell where they hold `stale` tokens (partial
+    rollouts) or where a truncated sampling set (`truncates`: top-k/top-p) on a mixed pair came from other logits."""
+    if apart:
+        log.info(
+            "sync check: a fixed probe the rollout rank samples on each step's weights (trainer.rollout_ranks: a "
+            "step's rows were sampled by the weights before), checked before the update"
+        )
+        return "stream"
+    why = (
+        "rollout.partial: a step's rows hold tokens older weights sampled"
+        if stale
+        else f"a truncated sampling set on {trainer_dtype} vs {rollout_dtype}: its kept set comes from other logits"
+        if truncates and trainer_dtype != rollout_dtype
+        else ""
+    )
+    if why:
+        log.info("sync check: a fixed probe after each sync (%s)", why)
+        return "probe"
+    log.info("sync check: the actor's first scoring of each step's rows against the engine's (no extra pass)")
+    return "rows"
 
 
 def ds_dtype(ds: dict) -> str:

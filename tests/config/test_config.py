@@ -588,13 +588,14 @@ def test_a_rollout_batch_that_cannot_fit_is_refused_before_any_engine(tmp_path):
 
 
 def test_prompts_over_max_prompt_length_get_one_warning_with_the_count(caplog):
+    from verl_ds.data.chat import ChatCodec
     from verl_ds.data.dataset import tokenize_prompts
     from verl_ds.data.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer()
     examples = [{"prompt": p} for p in ("1+1=", "12+34+56=", "12+34+56=", "7*8*9*10=")]
     with caplog.at_level("WARNING", logger="verl_ds"):
-        rows = tokenize_prompts(examples, tok, 6, apply_chat_template=False)
+        rows = tokenize_prompts(examples, ChatCodec(tok, False), 6)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [
         "data.max_prompt_length: 2 of 3 distinct prompts are longer than 6 tokens and keep only their last 6"
@@ -602,7 +603,7 @@ def test_prompts_over_max_prompt_length_get_one_warning_with_the_count(caplog):
     assert [len(r["prompt_ids"]) for r in rows] == [len(tok("1+1=")["input_ids"]), 6, 6, 6]
     caplog.clear()
     with caplog.at_level("WARNING", logger="verl_ds"):
-        tokenize_prompts(examples, tok, 64, apply_chat_template=False)
+        tokenize_prompts(examples, ChatCodec(tok, False), 64)
     assert not caplog.records
 
 

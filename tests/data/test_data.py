@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from verl_ds.data.chat import ChatCodec
 from verl_ds.data.dataset import PromptSampler, tokenize_prompts
 from verl_ds.data.reward import arithmetic_reward, get_reward_fn, gsm8k_reward, last_number_reward
 from verl_ds.data.tasks import arithmetic_examples, load_examples
@@ -50,10 +51,10 @@ def test_prompt_files_with_chat_free_tokenization(tmp_path, tokenizer):
     D = DataConfig(task="files", train_files=[str(f)], prompt_key="q", answer_key="a")
     train, val = load_examples(D)
     assert val == []
-    rows = tokenize_prompts(train, tokenizer, max_prompt_length=5, apply_chat_template=False)
+    rows = tokenize_prompts(train, ChatCodec(tokenizer, False), max_prompt_length=5)
     assert [r["answer"] for r in rows] == ["1", "2", "3"]
     assert rows[0]["prompt_ids"][0] == tokenizer.bos_token_id and len(rows[0]["prompt_ids"]) == 5
-    short = tokenize_prompts(load_examples(D)[0], tokenizer, max_prompt_length=4, apply_chat_template=False)
+    short = tokenize_prompts(load_examples(D)[0], ChatCodec(tokenizer, False), max_prompt_length=4)
     assert short[0]["prompt_ids"] == rows[0]["prompt_ids"][1:]  # over-long prompts keep their tail
     D.prompt_key = "missing"
     with pytest.raises(ConfigError, match="data.prompt_key"):
@@ -71,7 +72,7 @@ def test_tokenize_prompts_batched_equals_one_call_per_row(tokenizer):
         "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
     )
     for tok, templated in ((tokenizer, False), (chat, True)):
-        out = tokenize_prompts(rows, tok, max_prompt_length=32, apply_chat_template=templated)
+        out = tokenize_prompts(rows, ChatCodec(tok, templated), max_prompt_length=32)
         for r, o in zip(rows, out):
             text = (
                 tok.apply_chat_template(
@@ -83,7 +84,7 @@ def test_tokenize_prompts_batched_equals_one_call_per_row(tokenizer):
             want = tok(text, add_special_tokens=not templated)["input_ids"]
             assert o["prompt_ids"] == want and o["prompt"] == r["prompt"]
         assert out[0]["prompt_ids"][0] == tok.bos_token_id and out[0]["prompt_ids"][1] != tok.bos_token_id
-    assert tokenize_prompts([], tokenizer, 4, False) == []
+    assert tokenize_prompts([], ChatCodec(tokenizer, False), 4) == []
 
 
 def test_held_out_split_is_disjoint_and_seeded():

@@ -4,8 +4,8 @@ old directory or the new one, never a partial one; rotation keeps the last `keep
 import json
 from pathlib import Path
 
+from verl_ds.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from verl_ds.roles.params import swap_in, write_dir_atomically
-from verl_ds.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 
 
 class FakeRole:
@@ -89,8 +89,8 @@ def test_a_damaged_checkpoint_is_named_and_auto_resumes_from_the_newest_intact_o
     explicit path is a ConfigError naming what is wrong."""
     import pytest
 
+    from verl_ds.checkpoint import damage, pick_resume
     from verl_ds.errors import ConfigError
-    from verl_ds.trainer.checkpoint import damage, pick_resume
 
     root = tmp_path / "checkpoints"
     step1, step2 = _tiny_run_with_two_checkpoints(tmp_path)
@@ -146,8 +146,8 @@ def test_a_run_directory_that_cannot_be_written_is_one_line_before_any_work(tmp_
 
     import pytest
 
+    from verl_ds.checkpoint import probe_writable
     from verl_ds.errors import ConfigError
-    from verl_ds.trainer.checkpoint import probe_writable
 
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -172,7 +172,7 @@ def test_a_checkpoint_write_that_fails_mid_run_keeps_the_last_good_one_and_says_
     a file, as a full disk or a path made read-only would fail it). The run ends in one line that
     names the newest good checkpoint, step_1, which is intact and what `resume: auto` picks."""
     from tests.subprocess_env import run_cli
-    from verl_ds.trainer.checkpoint import damage, pick_resume
+    from verl_ds.checkpoint import damage, pick_resume
 
     root = Path(__file__).resolve().parents[2]
     ckpts = tmp_path / "checkpoints"

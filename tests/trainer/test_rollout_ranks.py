@@ -15,11 +15,11 @@ import torch
 
 from tests.e2e.helpers import wait_for_step
 from tests.subprocess_env import child_env
+from verl_ds.checkpoint import check_placement, list_checkpoints
 from verl_ds.config import load_config
 from verl_ds.dist import _free_port
 from verl_ds.errors import ConfigError, ConfigErrors
 from verl_ds.rollout.engines.remote import apply_changes, changed_elements, part_bytes
-from verl_ds.trainer.checkpoint import check_placement, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,19 +11,15 @@ from verl_ds.dist import rank
 log = logging.getLogger(__name__)
 
 
-def tokenize_prompts(
-    examples: list[dict], tokenizer, max_prompt_length: int, apply_chat_template: bool, codec=None
-) -> list[dict]:
-    """Add `prompt_ids` to each example (chat template optional; `codec`, a `ChatCodec`, also adds
-    its system prompt and tools); over-long prompts keep their tail. Each distinct text is
+def tokenize_prompts(examples: list[dict], codec: ChatCodec, max_prompt_length: int) -> list[dict]:
+    """Add `prompt_ids` to each example as `codec` writes it (its tokenizer; its chat template, system
+    prompt and tools where it uses a template); over-long prompts keep their tail. Each distinct text is
     tokenized once, all in one batched call (the built-in task repeats a few prompts many times: one
     call a row was a visible share of every rank's start-up)."""
-
-    codec = codec or ChatCodec(tokenizer, apply_chat_template)
     distinct = list(dict.fromkeys(ex["prompt"] for ex in examples))
     texts = codec.prompt_texts(distinct)
     # a chat template already holds the special tokens; a plain prompt gets the tokenizer's own
-    ids = tokenizer(texts, add_special_tokens=not apply_chat_template)["input_ids"] if texts else []
+    ids = codec.tok(texts, add_special_tokens=not codec.use_template)["input_ids"] if texts else []
     by_prompt = dict(zip(distinct, ids))
     long = sum(len(x) > max_prompt_length for x in ids)
     if long and rank() == 0:  # one line per dataset, not one per prompt or per rank

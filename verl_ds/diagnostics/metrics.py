@@ -65,9 +65,11 @@ class Timer:
 
 
 class MetricsLogger:
-    """Writes one JSON line per step and mirrors it to W&B. Secrets never reach the config."""
+    """Writes one JSON line per step and mirrors it to W&B. Secrets never reach the config. `last_step`: the
+    run's rows of an earlier run in this dir that stay, those up to that step (-1: none; a fresh run starts a
+    new file, and a resumed run drops the rows the interrupted run wrote after its checkpoint)."""
 
-    def __init__(self, run_dir: str | Path, wandb_cfg, config: dict, enabled: bool = True):
+    def __init__(self, run_dir: str | Path, wandb_cfg, config: dict, last_step: int, enabled: bool = True):
         self.enabled = enabled
         self.run = None
         if not enabled:
@@ -75,6 +77,7 @@ class MetricsLogger:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        _keep_until(self.path, last_step)
         self._fh = self.path.open("a")
         if wandb_cfg.mode != "disabled":
             import wandb
@@ -88,22 +91,6 @@ class MetricsLogger:
                 config=config,
                 reinit="finish_previous",
             )
-
-    def rewind(self, last_step: int) -> None:
-        """Keep only the rows up to `last_step` (-1: none): a fresh run in an old run dir starts a
-        new file, and a resumed run drops the rows the interrupted run wrote after its checkpoint."""
-        if not self.enabled:
-            return
-        self._fh.close()
-        rows = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step
-        ]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(f"{line}\n" for line in rows))
-        os.replace(tmp, self.path)
-        self._fh = self.path.open("a")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
@@ -128,3 +115,15 @@ class MetricsLogger:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def _keep_until(path: Path, last_step: int) -> None:
+    """`path`'s rows up to `last_step` (-1: none), rewritten atomically."""
+    if not path.exists():
+        return
+    rows = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= last_step
+    ]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in rows))
+    os.replace(tmp, path)

@@ -21,8 +21,11 @@ GIB = 2**30
 class Progress:
     """This rank's file: `at` each phase, `checkpoint` after each save."""
 
-    def __init__(self, rank: int, run_dir: str, estimate: dict[str, float], budget: float):
-        """`estimate`: the memory model's bytes per stage for one rank; `budget`: the rank's memory."""
+    def __init__(
+        self, rank: int, run_dir: str, estimate: dict[str, float], budget: float, checkpoint: str | None = None
+    ):
+        """`estimate`: the memory model's bytes per stage for one rank; `budget`: the rank's memory;
+        `checkpoint`: the one the run resumes from (the last good one until the run saves its own)."""
         folder = os.environ.get(ENV)
         self.path = Path(folder) / f"rank{rank}.json" if folder else None
         self.state = {
@@ -33,7 +36,7 @@ class Progress:
             "stage": None,
             "estimate_gib": {k: round(v / GIB, 2) for k, v in estimate.items()},
             "budget_gib": round(budget / GIB, 1),
-            "checkpoint": None,
+            "checkpoint": checkpoint,
         }
         self._write()
 

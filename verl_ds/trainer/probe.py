@@ -1,6 +1,6 @@
 """The sync's check: after every weight sync, did every weight reach the rollout engine?
 
-Where the step's own rows can tell (`consistency.resolve_sync_check`: "rows"), the actor's first scoring of them —
+Where the step's own rows can tell (`precision.resolve_sync_check`: "rows"), the actor's first scoring of them —
 the old-policy pass, or an on-policy update's first forward, before any optimizer step — is compared
 with the engine's logprobs of the same tokens: the synced weights against themselves, at no cost.
 Partial rollouts (tokens older weights sampled) and a truncated sampling set on a mixed-precision pair

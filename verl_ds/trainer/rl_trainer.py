@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from verl_ds import algos
+from verl_ds.checkpoint import export_actor
 from verl_ds.config import RunConfig
 from verl_ds.diagnostics.memory import MemoryTimer
 from verl_ds.diagnostics.metrics import MetricsLogger, Timer
@@ -30,7 +31,6 @@ from verl_ds.roles.batch import TrainBatch
 from verl_ds.rollout import RolloutBatch, episodes, sync_distributed
 from verl_ds.rollout.episodes import Sampling, SeedKey
 from verl_ds.trainer import advantages, builder, consistency, validation
-from verl_ds.trainer.checkpoint import export_actor
 from verl_ds.trainer.groups import Collected, collect_varied, join_sequence_group, scoring_inputs
 from verl_ds.trainer.samples import sample_rows
 from verl_ds.trainer.setup import resolve_setup
@@ -57,7 +57,8 @@ class RLTrainer:
         self.rank, self.world, self.precision = s.rank, s.world, s.precision
         self.run_dir = Path(cfg.trainer.run_dir)
         # where this rank is, for the launcher to name if the rank dies by a signal (the OOM killer)
-        self.progress = Progress(self.rank, str(self.run_dir), dict(s.memory_estimate), s.rank_memory)
+        resumed = str(s.resume_from) if s.resume_from is not None else None
+        self.progress = Progress(self.rank, str(self.run_dir), dict(s.memory_estimate), s.rank_memory, resumed)
         parts = builder.build(s)  # every part, once (trainer/builder.py)
         self.model_path, self.roles, self.rollout = parts.model_path, parts.roles, parts.rollout
         d = parts.data
@@ -78,8 +79,9 @@ class RLTrainer:
         self.observers: list[TrainerObserver] = []  # diagnostics and tests watch the loop through these
         if s.resume_from is not None:  # roles, RNG, sampler and step from the checkpoint
             self._resume(s.resume_from)
-        self.logger = MetricsLogger(self.run_dir, cfg.logging.wandb, asdict(cfg), enabled=self.rank == 0)
-        self.logger.rewind(self.global_step if s.resume_from is not None else -1)  # metrics past it are dropped
+        # metrics past the checkpoint's step are dropped (a fresh run: all of them)
+        kept = self.global_step if s.resume_from is not None else -1
+        self.logger = MetricsLogger(self.run_dir, cfg.logging.wandb, asdict(cfg), kept, enabled=self.rank == 0)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[str, float]:
@@ -330,7 +332,6 @@ class RLTrainer:
         built): the trained roles, this rank's RNG, the loop's state (`LoopState`) and the step."""
         self.global_step = self.state.load(path, self._trained_roles())
         sync_distributed(self.rollout, iter_full_params(self.actor.engine))  # the engine started from step 0
-        self.progress.checkpoint(str(path))
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.global_step)
 

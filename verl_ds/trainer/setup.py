@@ -7,24 +7,30 @@ checkpoint to resume from)."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
 from verl_ds.algos import TokenDist
-from verl_ds.config import RunConfig, batches, read_ds_files, resolve_names, validate_paths
+from verl_ds.checkpoint import pick_resume, probe_writable, resumed_step
+from verl_ds.config import RunConfig, batches, default_world, read_ds_files, resolve_names, validate_paths
 from verl_ds.diagnostics.memory.budget import fit_memory
 from verl_ds.dist import init_distributed, on_gpu, rank, world_size
-from verl_ds.errors import raise_all
-from verl_ds.precision import TRAINED_ROLES, ResolvedPrecision, resolve_for_files
+from verl_ds.errors import RunFailure, raise_all
+from verl_ds.precision import (
+    TRAINED_ROLES,
+    MismatchGate,
+    ResolvedPrecision,
+    resolve_for_files,
+    resolve_gate,
+    resolve_sync_check,
+)
 from verl_ds.preflight import preflight
 from verl_ds.process import allocator
 from verl_ds.roles import attention as attn
 from verl_ds.roles import prefix
 from verl_ds.rollout import resolve_eager
-from verl_ds.trainer import consistency
-from verl_ds.trainer.checkpoint import pick_resume, probe_writable
-from verl_ds.trainer.consistency import MismatchGate
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +53,15 @@ class RunSetup:
     share_prefixes: bool  # every role's passes run a prefix its rows share once (`resolve_sharing`)
     share_min_tokens: int  # ... where that saves at least this many tokens a row (`prefix.min_saved_tokens`)
     sampled: TokenDist  # what the rollout samples each token from, and every pass scores it under (`resolve_sampled`)
-    gate: MismatchGate  # the bound on the rollout-vs-trainer mismatch (`consistency.resolve_gate`)
-    sync_check: str  # rows (the step's first scoring, free) | probe | stream (`consistency.resolve_sync_check`)
+    gate: MismatchGate  # the bound on the rollout-vs-trainer mismatch (`precision.resolve_gate`)
+    sync_check: str  # rows (the step's first scoring, free) | probe | stream (`precision.resolve_sync_check`)
     tools: tuple[Callable, ...]  # `data.tools`
     env_factory: Callable | None  # `rollout.multi_turn.env`; None: no environment
     agent: Callable | None  # `rollout.multi_turn.agent`; None: not an agent job
     reward_fn: Callable  # `data.reward_fn` (or the caller's)
     mini_rows: int  # this rank's rows per mini-batch; 0: all of them (`trainer.mini_batch_size: 0`)
     resume_from: Path | None  # the intact checkpoint `trainer.resume` names (None: a fresh start)
+    resume_step: int  # the step it was written after (0: a fresh start)
     rank_memory: float = 0.0  # bytes one rank may use (`rank_budget`)
     memory_estimate: Mapping[str, float] = field(default_factory=dict)  # the memory model's bytes per stage, one rank
 
@@ -68,30 +75,41 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     consistency contract; the run's directory and the checkpoint to resume from; the attention and
     prefix sharing; and this rank's memory (budget, ZeRO stages, the rendered configs, token budgets).
     Nothing is made here: the model, the data and the engines are the builder's (`builder.build`)."""
-    start_process_group(cfg)
-    me, world, gpu = rank(), world_size(), on_gpu()
+    gpu = on_gpu()
+    say_start(cfg, gpu)  # the log levels by rank first: every start-up line after this is said once
     sampling = preflight(cfg, gpu)  # the config against its models, rollout.engine auto -> vllm | hf
     # before the roles' ZeRO budget (vLLM holds GPU memory); rollout.enforce_eager auto: compiled on a GPU
     eager = resolve_eager(cfg.rollout.enforce_eager, gpu)
     cfg = replace(cfg, rollout=replace(cfg.rollout, engine=sampling.engine, enforce_eager=eager))
     # what the config gives alone: its DeepSpeed JSONs (one per active role), its paths, its batch
-    # arithmetic on this world, the names it resolves
+    # arithmetic on the launch's trainer ranks, the names it resolves
     files = read_ds_files(cfg)
     validate_paths(cfg)
+    world = default_world(cfg)
     batch = batches(cfg, world)
     names, errors = resolve_names(cfg)  # validation resolved them too: a cfg not from load_config
     raise_all(errors)
     trained = tuple(r for r in files if r in TRAINED_ROLES)
-    # the one place `auto` meets the hardware (and the roles' JSON files' fp16/bf16 blocks)
+    # the one place `auto` meets the hardware (and the roles' JSON files' fp16/bf16 blocks); the pair's
+    # promise (the mismatch gate's bound) and how each sync is checked follow from its dtypes
     precision = resolve_for_files(cfg.precision, cfg.trainer.device, files)
-    # the consistency contract (the mismatch gate's bound, how each sync is checked); the run's directory
-    # writable and the checkpoint to resume from checked whole (nothing made: a refused run leaves none)
-    gate = consistency.resolve_gate(cfg, precision.actor, precision.rollout)
-    sync_check = consistency.resolve_sync_check(cfg, precision.actor, precision.rollout, sampling.dist)
+    stale = cfg.rollout.partial.enabled and cfg.rollout.partial.max_staleness > 0
+    apart = cfg.trainer.rollout_ranks > 0
+    a = cfg.algorithm
+    gate = resolve_gate(a.mismatch_gate, a.mismatch_gate_fraction, precision.actor, precision.rollout, stale, apart)
+    sync_check = resolve_sync_check(precision.actor, precision.rollout, sampling.dist.truncates, stale, apart)
+    # the process group once nothing in the config is refused (this kind's, where rollout ranks run apart)
+    init_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.rollout_ranks)
+    me = rank()
+    if world_size() != world:  # the launch's env said one world, the group formed another
+        raise RunFailure(f"the process group holds {world_size()} trainer ranks, the launch's env {world}")
+    # the run's directory writable and the checkpoint to resume from checked whole (nothing made: a
+    # refused run leaves none), with the step it was written after
     checkpoints = Path(cfg.trainer.run_dir) / "checkpoints"
     probe_writable(checkpoints, "trainer.run_dir")
     t = cfg.trainer
     resume_from = pick_resume(checkpoints, t.resume, trained, world, t.sequence_parallel_size, t.rollout_ranks)
+    resume_step = resumed_step(resume_from) if resume_from is not None else 0
     # how the policy's passes attend, and whether they share prefixes (from how many tokens: the actor's dtype)
     attention, packing = attn.resolve(cfg.model.attn_implementation, cfg.model.packing, gpu)
     share_prefixes, share_min_tokens = prefix.resolve_sharing(cfg, attention, precision.actor)
@@ -119,17 +137,17 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
         reward_fn=reward_fn or names.reward_fn,
         mini_rows=cfg.trainer.mini_batch_size // batch.dp_world,  # a SP group's ranks hold its rows
         resume_from=resume_from,
+        resume_step=resume_step,
         rank_memory=memory.budget,
         memory_estimate=memory.estimate,
     )
 
 
-def start_process_group(cfg: RunConfig) -> None:
-    """The process group (this kind's, where rollout ranks run apart: `dist.split_launch`), and the log
-    levels by rank: rank 0 logs at `logging.level`, the others only warnings (so every start-up line
-    after this is said once)."""
-    init_distributed(cfg.trainer.collective_timeout_s, cfg.trainer.rollout_ranks)
-    me, gpu = rank(), on_gpu()
+def say_start(cfg: RunConfig, gpu: bool) -> None:
+    """The log levels by rank (the launch's, before the process group forms: trainer rank 0 is the launch's
+    rank 0): rank 0 logs at `logging.level`, the others only warnings, so every start-up line after this is
+    said once; then the device and the allocator, once."""
+    me = int(os.environ.get("RANK", "0"))
     logging.getLogger("verl_ds").setLevel(cfg.logging.level if me == 0 else logging.WARNING)
     if cfg.trainer.device == "cpu" and gpu:
         log.warning(
