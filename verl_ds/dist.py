@@ -28,6 +28,13 @@ def on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def bind_device() -> None:
+    """One GPU per local rank (`LOCAL_RANK`), before anything touches CUDA: a CUDA call before it (the
+    hardware's facts, NCCL) would open a context on cuda:0 in every rank. Idempotent; nothing on a CPU."""
+    if on_gpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -52,9 +59,8 @@ def init_distributed(timeout_s: float | None = None, rollout_ranks: int = 0) -> 
     if rollout_ranks and split_launch(rollout_ranks, timeout_s or 600.0) == "rollout":
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s or 600.0))
         return
-    if on_gpu():  # one GPU per local rank, before NCCL picks cuda:0 for everyone
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    elif os.environ.get("LOCAL_RANK", "0") == "0":
+    bind_device()
+    if not on_gpu() and os.environ.get("LOCAL_RANK", "0") == "0":
         remove_orphaned_deepspeed_shm()
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     # DeepSpeed prints its CPU all-reduce op's build ("... shm_comm_op built successfully") on every

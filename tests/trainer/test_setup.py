@@ -178,3 +178,25 @@ def test_model_tiny_settings_that_differ_from_the_built_model_rebuild_it_or_are_
         build("model.tiny.hidden=64")
     assert str(e.value).startswith("model.tiny: ") and "hidden 48 -> 64" in str(e.value)
     assert first == str(tmp_path / "init_model")
+
+
+def test_the_config_is_refused_before_the_process_group_and_the_gpu_is_bound_before_any_cuda_call(
+    tmp_path, monkeypatch
+):
+    """The setup in dependency order: this rank's GPU bound before the precision reads the hardware (a CUDA
+    call before it opens a context on cuda:0 in every rank); a config its models refuse ends before the
+    process group forms (nothing to wait for, nothing to tear down)."""
+    import verl_ds.trainer.setup as setup
+
+    calls = []
+    monkeypatch.setattr(setup, "bind_device", lambda: calls.append("bind_device"))
+    hardware = setup.resolve_for_files
+    monkeypatch.setattr(setup, "resolve_for_files", lambda *a: calls.append("precision") or hardware(*a))
+    group = setup.init_distributed
+    monkeypatch.setattr(setup, "init_distributed", lambda *a: calls.append("process group") or group(*a))
+    s = resolve_setup(_cfg(tmp_path))
+    assert calls == ["bind_device", "precision", "process group"] and s.world == 1
+    calls.clear()
+    with pytest.raises(ConfigError, match="rollout.max_new_tokens"):  # past the tiny model's positions
+        resolve_setup(_cfg(tmp_path, "model.tiny.max_positions=64", "rollout.max_new_tokens=128"))
+    assert "process group" not in calls

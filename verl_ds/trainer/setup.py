@@ -16,7 +16,7 @@ from verl_ds.algos import TokenDist
 from verl_ds.checkpoint import pick_resume, probe_writable, resumed_step
 from verl_ds.config import RunConfig, batches, default_world, read_ds_files, resolve_names, validate_paths
 from verl_ds.diagnostics.memory.budget import fit_memory
-from verl_ds.dist import init_distributed, on_gpu, rank, world_size
+from verl_ds.dist import bind_device, init_distributed, on_gpu, rank, world_size
 from verl_ds.errors import RunFailure, raise_all
 from verl_ds.precision import (
     TRAINED_ROLES,
@@ -76,6 +76,7 @@ def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup
     prefix sharing; and this rank's memory (budget, ZeRO stages, the rendered configs, token budgets).
     Nothing is made here: the model, the data and the engines are the builder's (`builder.build`)."""
     gpu = on_gpu()
+    bind_device()  # this rank's GPU before any CUDA call (the precision's hardware facts)
     say_start(cfg, gpu)  # the log levels by rank first: every start-up line after this is said once
     sampling = preflight(cfg, gpu)  # the config against its models, rollout.engine auto -> vllm | hf
     # before the roles' ZeRO budget (vLLM holds GPU memory); rollout.enforce_eager auto: compiled on a GPU
