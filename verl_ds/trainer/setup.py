@@ -68,12 +68,14 @@ class RunSetup:
 
 def resolve_setup(cfg: RunConfig, reward_fn: Callable | None = None) -> RunSetup:
     """(Long on purpose: one fact a line, each after the ones it needs; docs/ARCHITECTURE.md, "One run setup".)
-    The run's facts in dependency order, each from the module that owns it: the process group (rank,
-    world, device); the config against its models (`preflight`, what `config render` checks too: the
-    engine, the sampled distribution, the policy's shape); what the config gives alone (every active
-    role's DeepSpeed JSON, read once; its paths; its batch arithmetic; its names); the precision; the
-    consistency contract; the run's directory and the checkpoint to resume from; the attention and
-    prefix sharing; and this rank's memory (budget, ZeRO stages, the rendered configs, token budgets).
+    The run's facts in dependency order, each from the module that owns it: the device and the log
+    levels; the config against its models (`preflight`, what `config render` checks too: the engine,
+    the sampled distribution, the policy's shape); what the config gives alone (every active role's
+    DeepSpeed JSON, read once; its paths; its batch arithmetic on the launch's ranks; its names); the
+    precision and what the pair promises (the mismatch gate, the sync check); the process group, once
+    nothing in the config is refused; the run's directory and the checkpoint to resume from; the
+    attention and prefix sharing; and this rank's memory (budget, ZeRO stages, the rendered configs,
+    token budgets).
     Nothing is made here: the model, the data and the engines are the builder's (`builder.build`)."""
     gpu = on_gpu()
     bind_device()  # this rank's GPU before any CUDA call (the precision's hardware facts)
