@@ -3,7 +3,7 @@
 `RLTrainer.step()` reads top to bottom as the data flow of one step (see docs/ARCHITECTURE.md). It is the only
 place that knows every role; each phase is one call into the layer that owns it: rewards
 (`trainer/rewards.py`), the sync's probe (`probe.py`), validation (`validation.py`), the step's metrics
-(`metrics.py`), sample tables (`samples.py`), checkpoints and the export (`checkpoint.py`).
+(`metrics.py`), sample tables (`samples.py`), checkpoints and the export (`verl_ds/checkpoint.py`).
 """
 
 from __future__ import annotations
