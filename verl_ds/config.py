@@ -30,6 +30,7 @@ from verl_ds.envs import import_object, load_env_factory, load_tools
 from verl_ds.errors import ConfigError, broken, raise_all
 from verl_ds.precision import INT8_ROLES, TRAINED_ROLES, PrecisionConfig
 from verl_ds.rollout.engines.weights import safetensors_damage
+from verl_ds.rollout.episodes import Sampling
 from verl_ds.schema import field_errors, markdown, opt, section
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -521,6 +522,12 @@ class RolloutConfig:
     )
     multi_turn: MultiTurnConfig = section(MultiTurnConfig)
     partial: PartialConfig = section(PartialConfig)
+
+    @property
+    def sampling(self) -> Sampling:
+        """How a step's prompts are sampled (`n` each, these parameters): the loop's, a partial-rollout pool's
+        and a rollout rank's, one place."""
+        return Sampling(self.n, self.temperature, self.top_p, self.max_new_tokens, self.top_k)
 
     def check(self) -> list[ConfigError]:
         """The rules within this section that its fields' bounds cannot state."""

@@ -29,7 +29,7 @@ from verl_ds.rollout.agents import AgentEpisodes
 from verl_ds.rollout.engines.remote import RemoteRollout
 from verl_ds.rollout.engines.vllm_internals import batch_invariant_kernels
 from verl_ds.rollout.engines.weights import eos_token_ids
-from verl_ds.rollout.episodes import EpisodeSpec, Sampling, TurnLimits
+from verl_ds.rollout.episodes import EpisodeSpec, TurnLimits
 from verl_ds.rollout.partial import PartialLimits, PartialRollouts
 from verl_ds.rollout.partial.agents import PartialAgents
 from verl_ds.trainer.metrics import StepMetrics
@@ -93,11 +93,10 @@ def build(setup: RunSetup) -> RunParts:
                 tail_fraction=r.partial.tail_fraction,
             )
             draw = functools.partial(data.sampler.draw, t.prompts_per_step, s.rank, s.world)
-            sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens, r.top_k)
             partial = (
-                PartialAgents(rollout, limits, data.prompts, draw, sampling, t.seed, agents)
+                PartialAgents(rollout, limits, data.prompts, draw, r.sampling, t.seed, agents)
                 if agents is not None
-                else PartialRollouts(rollout, limits, data.prompts, draw, sampling, t.seed, data.episode_spec)
+                else PartialRollouts(rollout, limits, data.prompts, draw, r.sampling, t.seed, data.episode_spec)
             )
     else:  # apart (no agent jobs, no partial rollouts: the config refuses them), the stream from this rank's
         # rollout rank, which trainer rank 0 tells what to serve

@@ -226,7 +226,7 @@ class RLTrainer:
         """Rollout and rewards for this rank's prompts: one round, or, with `algorithm.filter_groups`,
         rounds until enough groups whose samples did not all score alike (`groups.collect_varied`)."""
         cfg, r = self.cfg, self.cfg.rollout
-        sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens, r.top_k)
+        sampling = r.sampling
 
         def one_round(round_: int) -> Collected:
             with timer("gen", stage="rollout", role="rollout"):

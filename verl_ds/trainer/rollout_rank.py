@@ -91,7 +91,7 @@ def _serve(cfg: RunConfig, bridge) -> None:
                 idle += _validate(engine, bridge, cfg, v, val_prompts[trainer::trainers], spec, trainer, trainers)
         if s <= t.steps:
             picked = sampler.next(t.prompts_per_step)
-            sampling = Sampling(r.n, r.temperature, r.top_p, r.max_new_tokens, r.top_k)
+            sampling = r.sampling
             key = SeedKey(t.seed, s, 0)
             for trainer in mine:
                 examples = [prompts[i] for i in picked[trainer::trainers]]
